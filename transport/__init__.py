@@ -1,0 +1,48 @@
+"""transport: one-sided, asyncio-native put/get of named PyTorch tensors between processes.
+
+::
+
+    async with transport.Endpoint("trainer", store="tcp://127.0.0.1:29500", host_store=True) as ep:
+        await ep.put("gen-0", {"layer0.weight": w})
+"""
+
+from .blocking import BlockingEndpoint
+from .channel import Notification, Peer
+from .endpoint import Endpoint
+from .errors import (
+    BufferMismatchError,
+    EndpointClosedError,
+    InvalidTensorError,
+    PeerLostError,
+    PeerNotFoundError,
+    PlaneUnavailableError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    TransportTimeoutError,
+    UnknownBufferError,
+)
+from .ranges import At
+from .registry import BufferSpec
+
+__all__ = [
+    "At",
+    "BlockingEndpoint",
+    "BufferMismatchError",
+    "BufferSpec",
+    "Endpoint",
+    "EndpointClosedError",
+    "InvalidTensorError",
+    "Notification",
+    "Peer",
+    "PeerLostError",
+    "PeerNotFoundError",
+    "PlaneUnavailableError",
+    "ProtocolError",
+    "RemoteError",
+    "TransportError",
+    "TransportTimeoutError",
+    "UnknownBufferError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,137 @@
+"""``BlockingEndpoint``: the same operations for programs without asyncio.
+
+An inference engine's worker is usually plain synchronous Python. This facade
+runs an :class:`~transport.Endpoint` on an event loop in a background thread
+and turns each call into a blocking one. Every call is bounded: it waits at
+most its ``timeout`` (or the endpoint's) plus a small grace for the loop to
+answer, then raises :class:`TransportTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from .channel import Notification, Peer
+from .endpoint import Endpoint
+from .errors import EndpointClosedError, Phase, TransportTimeoutError
+from .ranges import At
+from .registry import BufferSpec
+
+__all__ = ["BlockingEndpoint"]
+
+T = TypeVar("T")
+_GRACE = 5.0
+
+
+class BlockingEndpoint:
+    """A blocking :class:`~transport.Endpoint`; takes the same arguments.
+
+    Use it as a context manager (``with BlockingEndpoint("gen-0", store=...) as ep:``)
+    or call :meth:`close`. Opening blocks until the endpoint is published.
+    Methods block the calling thread; they must not be called from the
+    facade's own loop thread (e.g. from a notification callback).
+    """
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"transport-loop-{name}", daemon=True)
+        self._thread.start()
+        self._ep = Endpoint(name, **kwargs)
+        self.timeout = self._ep.timeout
+        try:
+            self._call(self._ep.open(), None)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        if not self._thread.is_alive():
+            coro.close()
+            raise EndpointClosedError("the blocking endpoint's loop has stopped")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        limit = (self.timeout if timeout is None else timeout) + _GRACE
+        try:
+            return fut.result(limit)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TransportTimeoutError(f"the endpoint's loop did not answer within {limit:.1f} s",
+                                        Phase.TRANSFER) from None
+
+    def __enter__(self) -> BlockingEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def name(self) -> str:
+        return self._ep.name
+
+    @property
+    def store_url(self) -> str | None:
+        return self._ep.store_url
+
+    @property
+    def buffers(self) -> dict[str, BufferSpec]:
+        return self._ep.buffers
+
+    def register(self, name: str, tensor: torch.Tensor) -> BufferSpec:
+        """See :meth:`Endpoint.register`."""
+        return self._call(_as_coro(self._ep.register, name, tensor), None)
+
+    def unregister(self, name: str) -> None:
+        """See :meth:`Endpoint.unregister`."""
+        self._call(_as_coro(self._ep.unregister, name), None)
+
+    def connect(self, peer: str, timeout: float | None = None) -> Peer:
+        """See :meth:`Endpoint.connect`."""
+        return self._call(self._ep.connect(peer, timeout), timeout)
+
+    def put(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, notify: bytes | None = None,
+            timeout: float | None = None) -> None:
+        """See :meth:`Endpoint.put`."""
+        self._call(self._ep.put(peer, tensors, notify=notify, timeout=timeout), timeout)
+
+    def get(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, timeout: float | None = None) -> None:
+        """See :meth:`Endpoint.get`."""
+        self._call(self._ep.get(peer, tensors, timeout=timeout), timeout)
+
+    def notify(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+        """See :meth:`Endpoint.notify`."""
+        self._call(self._ep.notify(peer, payload, timeout=timeout), timeout)
+
+    def next_notification(self, timeout: float | None = None) -> Notification:
+        """See :meth:`Endpoint.next_notification`."""
+        return self._call(self._ep.next_notification(timeout), timeout)
+
+    def dump_flight_recorder(self, path: str | Path | None = None) -> Path:
+        return self._call(_as_coro(self._ep.dump_flight_recorder, path), None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the endpoint and stop the loop thread (bounded by ``timeout``). Idempotent."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(self._ep.close(timeout), timeout)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(_GRACE)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _as_coro(fn: Any, *args: Any) -> Any:
+    return fn(*args)

@@ -1,0 +1,663 @@
+"""One channel per connected peer: op sequencing, acks, deadlines, abort, heartbeats.
+
+A channel owns one TCP connection to one incarnation of a peer and two
+threads: a *reader* that parses frames (and receives bulk bytes straight into
+registered tensors) and a *writer* that sends queued frames in order. Threads
+keep blocking socket I/O, and the GIL-free ``recv_into``/``sendall`` of large
+payloads, off the event loop; they report to the loop with
+``call_soon_threadsafe``.
+
+Theory of operation (channel states)::
+
+    state     event                          next      effect
+    OPEN      op posted                      OPEN      frames queued in order
+    OPEN      Bye received / close()         CLOSED    pending ops fail (PeerLost / EndpointClosed)
+    OPEN      EOF, socket error              BROKEN    pending ops fail with PeerLostError
+    OPEN      no traffic for hb timeout      BROKEN    pending ops fail with PeerLostError
+    OPEN      malformed frame                BROKEN    ProtocolError logged, pending ops fail
+    CLOSED/BROKEN  anything                  same      ignored; the endpoint dials anew
+
+Ops (see :mod:`transport.planes.base` for one op's lifecycle) are numbered
+with a per-channel sequence number; the target handles headers strictly in
+stream order, so both sides agree on the order of every op. An op's future is
+settled by the reader thread when the target answers. A caller that stops
+waiting (timeout, cancellation) leaves the op in the table marked
+*abandoned*: its late reply is still consumed (a late ``get`` payload is
+drained into scratch, not written into the caller's tensor), so the stream
+never desynchronises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from .errors import (
+    ERROR_KINDS,
+    EndpointClosedError,
+    Phase,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    TransportTimeoutError,
+    error_kind,
+)
+from .flight_recorder import OpKind, OpState, Record
+from .ranges import resolve_item
+from .registry import BufferSpec, dtype_from_name, tensor_bytes
+from .wire import (
+    MAX_NOTIFY,
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    Data,
+    Fail,
+    Get,
+    Hello,
+    HostInfo,
+    Item,
+    Message,
+    Notify,
+    Ping,
+    Put,
+    Registry,
+    Sync,
+    WireBuffer,
+    decode,
+    encode_frame,
+    frame_length,
+)
+
+if TYPE_CHECKING:
+    from .planes.base import DataPlane
+
+__all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake", "specs_from_wire"]
+
+log = logging.getLogger(__name__)
+
+_SCRATCH = 1 << 20
+_MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
+
+
+class ChannelState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A message from a peer: sent alone (``ep.notify``) or carried by a put,
+    in which case it is delivered only after the put's bytes have landed."""
+
+    peer: str
+    payload: bytes
+    op_id: int = 0
+
+
+class Op:
+    """One in-flight op of this side: its future, sequence number and record."""
+
+    __slots__ = ("abandoned", "channel", "dests", "future", "keep", "kind", "op_id", "record", "seq")
+
+    def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record) -> None:
+        self.channel = channel
+        self.op_id = op_id
+        self.seq = seq
+        self.kind = kind
+        self.record = record
+        self.future: asyncio.Future[None] = channel.loop.create_future()
+        self.dests: list[memoryview] | None = None  # tcp get: where the reply's bytes go
+        self.keep: Any = None  # tensors referenced until the op is over
+        self.abandoned = False
+
+    def complete_local(self) -> None:
+        """Complete from the event loop (a plane that needed no reply)."""
+        self.channel._pop(self.op_id)
+        self.channel._settle(self, None)
+
+
+class CoreProtocol:
+    """What a channel needs from its endpoint (implemented by ``Endpoint``)."""
+
+    name: str
+    incarnation: int
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, note: Notification) -> bool: ...  # reader thread; blocks while the queue is full
+    def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
+    def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
+
+
+def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
+    """Check a peer's registry and turn it into specs; :class:`ProtocolError` if malformed."""
+    out: dict[str, BufferSpec] = {}
+    for b in buffers:
+        try:
+            dtype = dtype_from_name(b.dtype)
+        except KeyError:
+            raise ProtocolError(f"peer registry: buffer {b.name!r} has unknown dtype {b.dtype!r}") from None
+        if any(d < 0 for d in b.shape):
+            raise ProtocolError(f"peer registry: buffer {b.name!r} has a negative dimension {b.shape}")
+        shape = torch.Size(b.shape)
+        if shape.numel() * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
+            raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}{b.shape}")
+        out[b.name] = BufferSpec(b.name, dtype, shape, b.device, b.nbytes)
+    return out
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+def _read_frame(sock: socket.socket) -> Message:
+    n = frame_length(_recv_exact(sock, 4))
+    return decode(_recv_exact(sock, n))
+
+
+def handshake(sock: socket.socket, hello: Hello, timeout: float, *, dialer: bool) -> Hello:
+    """Exchange ``Hello`` frames (dialer first); blocking, bounded by ``timeout``.
+
+    Raises :class:`ProtocolError` for a wrong version or a malformed frame,
+    ``socket.timeout``/``OSError``/``EOFError`` for I/O trouble.
+    """
+    sock.settimeout(max(timeout, 0.001))
+    try:
+        if dialer:
+            sock.sendall(encode_frame(hello))
+        try:
+            msg = _read_frame(sock)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise ProtocolError(f"malformed hello: {exc}") from exc
+        if not isinstance(msg, Hello):
+            raise ProtocolError(f"expected a hello frame, got {type(msg).__name__}")
+        if msg.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(f"peer speaks protocol {msg.protocol}, this endpoint speaks {PROTOCOL_VERSION}")
+        if not msg.name:
+            raise ProtocolError("peer sent an empty endpoint name")
+        specs_from_wire(msg.buffers)
+        if not dialer:
+            hello.channel_id = msg.channel_id
+            sock.sendall(encode_frame(hello))
+    finally:
+        sock.settimeout(None)
+    return msg
+
+
+class Channel:
+    """A connection to one incarnation of one peer. Created by the endpoint."""
+
+    _op_ids = itertools.count(1)
+
+    def __init__(
+        self,
+        core: Any,
+        sock: socket.socket,
+        remote: Hello,
+        channel_id: str,
+        plane_cls: type[DataPlane],
+        plane_reason: str,
+        *,
+        registry: Any,
+        recorder: Any,
+    ) -> None:
+        self.core = core
+        self.loop: asyncio.AbstractEventLoop = core.loop
+        self.id = channel_id
+        self.peer_name = remote.name
+        self.incarnation = remote.incarnation
+        self.host: HostInfo = remote.host
+        self.peer_planes = tuple(remote.planes)
+        self.remote_epoch = remote.epoch
+        self.remote_wire: dict[str, WireBuffer] = {b.name: b for b in remote.buffers}
+        self.peer_specs: dict[str, BufferSpec] = specs_from_wire(remote.buffers)
+        self.registry = registry
+        self.recorder = recorder
+        self.state = ChannelState.OPEN
+        self.error: BaseException | None = None
+        self.orderly = False  # closed by a Bye, not by a failure
+        self.plane: DataPlane = plane_cls(self)
+        self.plane_reason = plane_reason
+        self._sock = sock
+        self._seq = itertools.count(1)
+        self._pending: dict[int, Op] = {}
+        self._lock = threading.Lock()
+        self._wq: queue.SimpleQueue[tuple[list[Any], Op | None, Any] | None] = queue.SimpleQueue()
+        self.last_rx = self.last_tx = time.monotonic()
+        self._reader = threading.Thread(target=self._read_loop, name=f"transport-rx-{self.peer_name}", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"transport-tx-{self.peer_name}", daemon=True)
+        self.peer = Peer(self)
+
+    def start(self) -> None:
+        self._reader.start()
+        self._writer.start()
+
+    @property
+    def is_open(self) -> bool:
+        return self.state is ChannelState.OPEN
+
+    # ---------------------------------------------------------------- initiator side
+    def new_op(self, kind: OpKind, names: list[str], nbytes: int) -> Op:
+        """Allocate an op (event loop). Raises :class:`PeerLostError` if the channel is down."""
+        if not self.is_open:
+            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
+        op_id = next(Channel._op_ids)
+        seq = next(self._seq)
+        rec = self.recorder.record(
+            op_id=op_id,
+            channel=self.id,
+            seq=seq,
+            role="initiator",
+            initiator=self.core.name,
+            peer=self.peer_name,
+            kind=kind,
+            names=names,
+            nbytes=nbytes,
+            plane=self.plane.name,
+            state=OpState.POSTED,
+        )
+        op = Op(self, op_id, seq, kind, rec)
+        with self._lock:
+            self._pending[op_id] = op
+        return op
+
+    def send(self, msg: Message, payload: Sequence[memoryview] = (), *, op: Op | None = None, keep: Any = None) -> None:
+        """Queue ``msg`` (and raw ``payload`` behind it) for the writer thread. Never blocks."""
+        if not self.is_open:
+            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
+        self._wq.put(([encode_frame(msg), *payload], op, keep))
+
+    async def run(self, op: Op, start: Callable[[], Any], deadline: float) -> None:
+        """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``.
+
+        Raises :class:`TransportTimeoutError` at the deadline,
+        :class:`PeerLostError` if the channel breaks, the target's error if it
+        rejects. Cancellation stops the wait only: bytes already handed to the
+        writer or to a copy thread still go out, and the channel stays usable.
+        """
+        try:
+            async with asyncio.timeout_at(deadline):
+                await start()
+                await op.future
+        except TimeoutError:
+            op.abandoned = True
+            self.recorder.update(op.record, OpState.TIMED_OUT)
+            exc = TransportTimeoutError(
+                f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.peer_name!r} did not complete before "
+                f"its deadline; the target never acknowledged it",
+                Phase.NOTIFY if op.kind is OpKind.NOTIFY else Phase.TRANSFER,
+            )
+            self.core.on_timeout(self, op, exc)
+            raise exc from None
+        except asyncio.CancelledError:
+            op.abandoned = True
+            self.recorder.update(op.record, OpState.CANCELLED)
+            raise
+        except BaseException as exc:
+            op.abandoned = True
+            if op.dests is None:  # a get's reply must still be consumed by the reader
+                self._pop(op.op_id)
+            self.recorder.update(op.record, OpState.FAILED, exc)
+            raise
+
+    async def sync_registry(self, deadline: float) -> None:
+        """Fetch the peer's current registry (one round trip); bounded by ``deadline``."""
+        op = self.new_op(OpKind.SYNC, [], 0)
+
+        async def _send() -> None:
+            self.send(Sync(op.op_id), op=op)
+
+        await self.run(op, _send, deadline)
+
+    def _pop(self, op_id: int) -> Op | None:
+        with self._lock:
+            return self._pending.pop(op_id, None)
+
+    def _settle(self, op: Op, exc: BaseException | None) -> None:
+        """Event loop: finish ``op`` unless its waiter already left."""
+        if exc is None:
+            self.recorder.update(op.record, OpState.DONE)
+        else:
+            self.recorder.update(op.record, OpState.FAILED, exc)
+        op.keep = None
+        if op.future.done():
+            return
+        if exc is None:
+            op.future.set_result(None)
+        else:
+            op.future.set_exception(exc)
+
+    def _settle_from_thread(self, op: Op, exc: BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._settle, op, exc)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            pass
+
+    # ---------------------------------------------------------------- heartbeats
+    def tick(self, now: float, interval: float, timeout: float) -> None:
+        """Event loop, every ``interval``: send a ping if idle, declare the peer lost if silent."""
+        if not self.is_open:
+            return
+        if now - self.last_rx > timeout:
+            self.lose(PeerLostError(f"no traffic from {self.peer_name!r} for {now - self.last_rx:.1f} s (heartbeats missed)"))
+            return
+        if now - self.last_tx >= interval:
+            self.send(Ping())
+
+    # ---------------------------------------------------------------- teardown
+    def lose(self, exc: BaseException) -> None:
+        """Break the channel (any thread): fail pending ops with ``exc``, close the socket."""
+        with self._lock:
+            if self.state is not ChannelState.OPEN:
+                return
+            self.state = ChannelState.CLOSED if isinstance(exc, EndpointClosedError) else ChannelState.BROKEN
+            self.error = exc
+            pending = list(self._pending.values())
+            self._pending.clear()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._wq.put(None)
+        for op in pending:
+            self._settle_from_thread(op, exc)
+        try:
+            self.loop.call_soon_threadsafe(self._closed, exc)
+        except RuntimeError:
+            pass
+
+    def _closed(self, exc: BaseException) -> None:
+        self.plane.close()
+        self.core.channel_closed(self, exc)
+
+    def close(self, reason: str, timeout: float = 1.0) -> None:
+        """Orderly close (event loop): say Bye, then break with :class:`EndpointClosedError`."""
+        if self.is_open:
+            done = threading.Event()
+            self._wq.put(([encode_frame(Bye(reason))], None, done))
+            done.wait(min(timeout, 1.0))
+        self.lose(EndpointClosedError(f"endpoint {self.core.name!r} closed the channel: {reason}"))
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for both threads to finish, then close the socket."""
+        end = time.monotonic() + timeout
+        for t in (self._writer, self._reader):
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    # ---------------------------------------------------------------- writer thread
+    def _write_loop(self) -> None:
+        while True:
+            job = self._wq.get()
+            if job is None:
+                return
+            frames, op, keep = job
+            if self.state is not ChannelState.OPEN:
+                if isinstance(keep, threading.Event):
+                    keep.set()
+                continue
+            try:
+                for f in frames:
+                    self._sock.sendall(f)
+            except OSError as exc:
+                self.lose(PeerLostError(f"sending to {self.peer_name!r} failed: {exc}"))
+                continue
+            self.last_tx = time.monotonic()
+            if isinstance(keep, threading.Event):
+                keep.set()
+            if op is not None:
+                self.recorder.update(op.record, OpState.SENT)
+
+    # ---------------------------------------------------------------- reader thread
+    def _recv_into(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        sock = self._sock
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise EOFError("connection closed by peer")
+            got += k
+            self.last_rx = time.monotonic()
+
+    def _drain(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(max(n, 1), _SCRATCH)))
+        while n > 0:
+            k = min(n, len(scratch))
+            self._recv_into(scratch[:k])
+            n -= k
+
+    def _read_frame(self) -> Message:
+        head = bytearray(4)
+        self._recv_into(memoryview(head))
+        n = frame_length(bytes(head))
+        body = bytearray(n)
+        self._recv_into(memoryview(body))
+        return decode(bytes(body))
+
+    def _read_loop(self) -> None:
+        try:
+            while self.state is ChannelState.OPEN:
+                msg = self._read_frame()
+                self._dispatch(msg)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
+            if self.is_open:
+                log.error("protocol error on channel %s from %r: %s; closing the channel", self.id, self.peer_name, exc)
+            self.lose(exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc)))
+        except (EOFError, OSError) as exc:
+            self.lose(PeerLostError(f"connection to {self.peer_name!r} lost: {exc}"))
+        except BaseException as exc:  # a bug: never leave the peer hanging
+            log.exception("channel %s reader crashed", self.id)
+            self.lose(PeerLostError(f"channel reader crashed: {exc!r}"))
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Put):
+            self._serve_put(msg)
+        elif isinstance(msg, Get):
+            self._serve_get(msg)
+        elif isinstance(msg, Ack):
+            op = self._pop(msg.op_id)
+            if op is not None:
+                self._settle_from_thread(op, None)
+        elif isinstance(msg, Fail):
+            op = self._pop(msg.op_id)
+            if op is not None:
+                cls = ERROR_KINDS.get(msg.kind, RemoteError)
+                self._settle_from_thread(op, cls(f"{self.peer_name!r} rejected the op: {msg.message}"))
+        elif isinstance(msg, Data):
+            self._take_data(msg)
+        elif isinstance(msg, Notify):
+            self._serve_notify(msg)
+        elif isinstance(msg, Registry):
+            self._take_registry(msg)
+        elif isinstance(msg, Sync):
+            epoch, bufs = self.core.wire_registry()
+            self.send(Registry(epoch, bufs))
+            self.send(Ack(msg.op_id))
+        elif isinstance(msg, Ping):
+            pass
+        elif isinstance(msg, Bye):
+            self.orderly = True
+            self.lose(PeerLostError(f"{self.peer_name!r} closed the channel: {msg.reason or 'bye'}"))
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} frame after the handshake")
+
+    def _target_record(self, msg: Put | Get | Notify, kind: OpKind, items: list[Item], plane: str) -> Record:
+        nbytes = 0
+        for it in items:
+            nbytes += self._item_bytes(it)
+        return self.recorder.record(
+            op_id=msg.op_id,
+            channel=self.id,
+            seq=msg.seq,
+            role="target",
+            initiator=self.peer_name,
+            peer=self.peer_name,
+            kind=kind,
+            names=[it.name for it in items],
+            nbytes=nbytes,
+            plane=plane,
+            state=OpState.RECEIVED,
+        )
+
+    @staticmethod
+    def _item_bytes(it: Item) -> int:
+        try:
+            size = dtype_from_name(it.dtype).itemsize
+        except KeyError:
+            raise ProtocolError(f"op names unknown dtype {it.dtype!r}") from None
+        if it.offset < 0 or it.count < 0 or it.count * size > _MAX_ITEM_BYTES:
+            raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
+        return it.count * size
+
+    def _resolve(self, items: list[Item]) -> list[tuple[Any, int, int]]:
+        """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise."""
+        out = []
+        for it in items:
+            buf = self.registry.get(it.name)
+            if buf is not None and it.offset + it.count > buf.spec.numel:
+                raise ProtocolError(
+                    f"op addresses elements [{it.offset}, {it.offset + it.count}) of {it.name!r}, "
+                    f"which holds {buf.spec.numel}"
+                )
+            off, n = resolve_item(buf, it)
+            out.append((buf, off, n))
+        return out
+
+    def _serve_put(self, msg: Put) -> None:
+        rec = self._target_record(msg, OpKind.PUT, msg.items, msg.plane)
+        if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
+            raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
+        inline = msg.plane == "tcp"
+        if msg.plane not in ("tcp", "shm") or (msg.plane == "shm" and msg.plane != self.plane.name):
+            raise ProtocolError(f"put over plane {msg.plane!r}, which this channel does not use")
+        error: TransportError | None = None
+        try:
+            ranges = self._resolve(msg.items)
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            error = exc
+        if inline:
+            if error is not None:
+                self._drain(sum(self._item_bytes(it) for it in msg.items))
+            else:
+                for buf, off, n in ranges:
+                    if n:
+                        self._recv_into(buf.byte_view()[off : off + n])
+        if error is not None:
+            self.recorder.update(rec, OpState.REJECTED, error)
+            self.send(Fail(msg.op_id, error_kind(error), str(error)))
+            return
+        if msg.notify is not None:
+            self.core.deliver(Notification(self.peer_name, msg.notify, msg.op_id))
+        self.recorder.update(rec, OpState.DONE)
+        self.send(Ack(msg.op_id))
+
+    def _serve_get(self, msg: Get) -> None:
+        rec = self._target_record(msg, OpKind.GET, msg.items, "tcp")
+        try:
+            ranges = self._resolve(msg.items)
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            self.recorder.update(rec, OpState.REJECTED, exc)
+            self.send(Fail(msg.op_id, error_kind(exc), str(exc)))
+            return
+        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
+        self.send(Data(msg.op_id), views, keep=[buf for buf, _, _ in ranges])
+        self.recorder.update(rec, OpState.DONE)
+
+    def _take_data(self, msg: Data) -> None:
+        with self._lock:
+            op = self._pending.get(msg.op_id)
+        if op is None or op.dests is None:
+            raise ProtocolError(f"data for unknown get #{msg.op_id}")
+        for view in op.dests:
+            if op.abandoned:
+                self._drain(len(view))
+            else:
+                self._recv_into(view)
+        self._pop(msg.op_id)
+        self._settle_from_thread(op, None)
+
+    def _serve_notify(self, msg: Notify) -> None:
+        rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
+        if len(msg.payload) > MAX_NOTIFY:
+            raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
+        self.core.deliver(Notification(self.peer_name, msg.payload, msg.op_id))
+        self.recorder.update(rec, OpState.DONE)
+        self.send(Ack(msg.op_id))
+
+    def _take_registry(self, msg: Registry) -> None:
+        specs = specs_from_wire(msg.buffers)
+        wire = {b.name: b for b in msg.buffers}
+        old = self.remote_wire
+        self.remote_wire, self.peer_specs, self.remote_epoch = wire, specs, msg.epoch
+        for name, b in old.items():
+            if wire.get(name) != b:
+                self.plane.forget(name)
+
+
+class Peer:
+    """A connected peer, as ``await ep.connect(name)`` returns it.
+
+    ``buffers`` is the peer's registry as last announced (name ->
+    :class:`BufferSpec`); it follows the peer's ``register``/``unregister``.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+
+    @property
+    def name(self) -> str:
+        return self._channel.peer_name
+
+    @property
+    def incarnation(self) -> int:
+        return self._channel.incarnation
+
+    @property
+    def buffers(self) -> dict[str, BufferSpec]:
+        return dict(self._channel.peer_specs)
+
+    @property
+    def plane(self) -> str:
+        """The data plane used for this peer's CPU buffers."""
+        return self._channel.plane.name
+
+    @property
+    def plane_reason(self) -> str:
+        return self._channel.plane_reason
+
+    @property
+    def connected(self) -> bool:
+        return self._channel.is_open
+
+    def __repr__(self) -> str:
+        state = "open" if self.connected else self._channel.state.value
+        return f"<Peer {self.name!r} incarnation={self.incarnation:#x} plane={self.plane} {state} buffers={len(self._channel.peer_specs)}>"

@@ -1,0 +1,649 @@
+"""``Endpoint``: the user's handle on the transport.
+
+An endpoint has a name, publishes itself in a rendezvous store, accepts
+channels from peers and dials them on demand. It owns the local registry of
+named buffers; peers ``put`` into and ``get`` from those buffers by name
+without the application posting any receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal as _signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .channel import Channel, Notification, Peer, handshake
+from .errors import (
+    BufferMismatchError,
+    EndpointClosedError,
+    InvalidTensorError,
+    Phase,
+    PeerLostError,
+    PeerNotFoundError,
+    PlaneUnavailableError,
+    ProtocolError,
+    TransportError,
+    TransportTimeoutError,
+    UnknownBufferError,
+)
+from .flight_recorder import FlightRecorder, OpKind
+from .hostinfo import local_host
+from .planes import choose_cpu_plane, validate_planes
+from .planes.shm import export_buffer
+from .ranges import At, plan_items
+from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
+from .rendezvous import EndpointRecord, Rendezvous
+from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, Notify, Registry, WireBuffer
+
+__all__ = ["Endpoint"]
+
+log = logging.getLogger(__name__)
+
+_Tensors = Mapping[str, "torch.Tensor | At"]
+
+
+class Endpoint:
+    """A named endpoint: register buffers, then ``put``/``get`` peers' buffers by name.
+
+    Use it as an async context manager (``async with Endpoint(...) as ep``) or
+    call :meth:`open` / :meth:`close`.
+
+    Parameters:
+        name: unique name of this endpoint in the store.
+        store: ``"tcp://HOST:PORT"``, a ``torch.distributed.Store``, or None
+            to use ``MASTER_ADDR``/``MASTER_PORT`` (as set by ``torchrun``).
+        host_store: serve the TCPStore from this process (port 0 picks a free
+            port; read it back from :attr:`store_url`).
+        timeout: default deadline, in seconds, of every operation that takes
+            ``timeout=None``.
+        planes: allowed data planes, in any order, e.g. ``("tcp",)``; None
+            allows all. The plane per peer is chosen by
+            :func:`transport.planes.choose_cpu_plane` and logged.
+        listen_host: address to accept channels on; default: the local
+            address that reaches the store's host (127.0.0.1 for a loopback store).
+        heartbeat_interval / heartbeat_timeout: a channel sends a ping when
+            idle for ``heartbeat_interval`` s and is declared lost after
+            ``heartbeat_timeout`` s without any traffic from the peer.
+        flight_recorder_size: records kept in the ring (default 2000).
+        dump_dir: where automatic flight-recorder dumps go (default
+            ``$TRANSPORT_FR_DIR`` or ``<tmp>/transport-fr``).
+        dump_signal: a signal (e.g. ``signal.SIGUSR1``) that dumps the flight
+            recorder; None installs no handler.
+        max_pending_notifications: notifications queued for the application
+            before the channels delivering them are back-pressured.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        store: Any = None,
+        host_store: bool = False,
+        timeout: float = 30.0,
+        planes: Any = None,
+        listen_host: str | None = None,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        flight_recorder_size: int = 2000,
+        dump_dir: str | Path | None = None,
+        dump_signal: int | None = None,
+        max_pending_notifications: int = 10000,
+    ) -> None:
+        if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
+            raise ValueError(f"endpoint name must be a non-empty string of <= 200 chars without '/', got {name!r}")
+        if timeout <= 0 or heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
+            raise ValueError("timeout and heartbeat_interval must be > 0 and heartbeat_timeout > heartbeat_interval")
+        self.name = name
+        self.incarnation = secrets.randbits(63)
+        self.timeout = float(timeout)
+        self.planes = validate_planes(planes)
+        self._listen_host = listen_host
+        self._hb_interval = heartbeat_interval
+        self._hb_timeout = heartbeat_timeout
+        self._dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self._dump_signal = dump_signal
+        self._rdv = Rendezvous(store, host_store=host_store, timeout=timeout)
+        self._registry = LocalRegistry()
+        self.recorder = FlightRecorder(name, self.incarnation, flight_recorder_size)
+        self._channels: dict[str, Channel] = {}
+        self._all: set[Channel] = set()
+        self._dial_locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listener: socket.socket | None = None
+        self._record: EndpointRecord | None = None
+        self._state = "new"
+        self._notes: asyncio.Queue[Notification] | None = None
+        self._notes_room: Any = None
+        self._max_notes = max_pending_notifications
+        self._on_note: Callable[[Notification], Any] | None = None
+        self._registry_dirty = False
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Endpoint:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Connect to the store, start accepting channels, publish this endpoint.
+
+        Raises :class:`TransportTimeoutError` (phase connect) if the store
+        cannot be reached within ``timeout``.
+        """
+        import threading
+
+        if self._state != "new":
+            raise EndpointClosedError(f"endpoint {self.name!r} was already opened")
+        self._state = "opening"
+        self.loop = asyncio.get_running_loop()
+        self._notes = asyncio.Queue()
+        self._notes_room = threading.Semaphore(self._max_notes)
+        try:
+            await self._rdv.open()
+            host = self._listen_host or self._guess_listen_host()
+            lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((host, 0))
+            lsock.listen(128)
+            lsock.setblocking(False)
+            self._listener = lsock
+            self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host())
+            # re-export buffers registered before open
+            for buf in self._registry.snapshot()[1]:
+                self._export(buf)
+            self._spawn(self._accept_loop())
+            self._spawn(self._monitor())
+            await self._rdv.publish(self._record)
+        except BaseException:
+            self._state = "closed"
+            self._teardown_sync()
+            raise
+        if self._dump_signal is not None:
+            self.loop.add_signal_handler(self._dump_signal, self._dump_on_signal)
+        self._state = "open"
+        log.info("endpoint %r open on %s:%d (incarnation %#x, planes %s)", self.name, host, self._record.port,
+                 self.incarnation, ",".join(self.planes))
+
+    def _guess_listen_host(self) -> str:
+        host = self._rdv.host
+        if host is None:
+            return "127.0.0.1"
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, self._rdv.port or 1))
+                return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+    @property
+    def store_url(self) -> str | None:
+        """``tcp://HOST:PORT`` of the store (useful with ``host_store=True`` and port 0)."""
+        if self._rdv.host is None:
+            return None
+        return f"tcp://{self._rdv.host}:{self._rdv.port}"
+
+    @property
+    def is_open(self) -> bool:
+        return self._state == "open"
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Close every channel (pending ops fail with :class:`EndpointClosedError`),
+        withdraw from the store and release exported memory. Idempotent; bounded by ``timeout``.
+        Registered tensors stay valid for the caller."""
+        if self._state in ("closed", "closing", "new"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        if self._dump_signal is not None:
+            self.loop.remove_signal_handler(self._dump_signal)
+        if self._record is not None:
+            try:
+                async with asyncio.timeout(min(timeout, 2.0)):
+                    await self._rdv.withdraw(self._record)
+            except (TimeoutError, Exception) as exc:  # noqa: BLE001 - best effort at shutdown
+                log.debug("withdraw from store failed: %s", exc)
+        chans = list(self._all)
+        if chans:
+            await asyncio.to_thread(self._close_channels, chans, timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout)
+        self._state = "closed"
+        self._teardown_sync()
+
+    def _close_channels(self, chans: list[Channel], timeout: float) -> None:
+        for ch in chans:
+            ch.close("endpoint closed", timeout)
+        for ch in chans:
+            ch.join(timeout / max(len(chans), 1))
+
+    def _teardown_sync(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for buf in self._registry.snapshot()[1]:
+            self._unexport(buf)
+        self._rdv.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise EndpointClosedError(f"endpoint {self.name!r} is {self._state}; use 'async with Endpoint(...)'")
+
+    def _deadline(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else timeout
+        if t <= 0:
+            raise ValueError(f"timeout must be > 0, got {t}")
+        return time.monotonic() + t
+
+    # ------------------------------------------------------------------ registry
+    def register(self, name: str, tensor: torch.Tensor) -> BufferSpec:
+        """Make ``tensor`` reachable by peers as ``name``. Non-blocking.
+
+        The tensor must be contiguous and on the CPU. If the endpoint allows
+        the ``shm`` plane, the tensor's storage is moved into a shared-memory
+        segment *in place*: the tensor object (and a Parameter wrapping it)
+        keeps working, but other tensors that were views of its old storage no
+        longer alias it. Registering the same tensor under the same name again
+        is a no-op; the same name with another tensor raises
+        :class:`BufferMismatchError`. Connected peers learn of the change.
+        """
+        if self._state in ("closing", "closed"):
+            raise EndpointClosedError(f"endpoint {self.name!r} is closed")
+        if not isinstance(name, str) or not name:
+            raise InvalidTensorError(f"buffer names are non-empty strings, got {name!r}")
+        check_tensor(name, tensor)
+        buf = LocalBuffer(BufferSpec.of(name, tensor), tensor)
+        old = self._registry.get(name)
+        if old is not None:
+            if old.tensor is tensor and old.spec == buf.spec:
+                return old.spec
+            raise BufferMismatchError(
+                f"buffer {old.spec.describe()} is already registered; unregister it before registering "
+                + (f"{buf.spec.describe()}" if old.spec != buf.spec else "another tensor under that name")
+            )
+        if self._state == "open":
+            self._export(buf)
+        try:
+            self._registry.add(buf)
+        except BaseException:
+            self._unexport(buf)
+            raise
+        self._registry_changed()
+        return buf.spec
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`."""
+        buf = self._registry.remove(name)
+        self._unexport(buf)
+        self._registry_changed()
+
+    @property
+    def buffers(self) -> dict[str, BufferSpec]:
+        """This endpoint's registered buffers (a copy)."""
+        return self._registry.specs()
+
+    def _export(self, buf: LocalBuffer) -> None:
+        if "shm" in self.planes and "shm" not in buf.exports:
+            buf.exports["shm"] = export_buffer(buf)
+
+    def _unexport(self, buf: LocalBuffer) -> None:
+        exp = buf.exports.pop("shm", None)
+        if exp is not None:
+            exp.close()
+
+    def wire_registry(self) -> tuple[int, list[WireBuffer]]:
+        epoch, bufs = self._registry.snapshot()
+        out = []
+        for b in bufs:
+            exp = b.exports.get("shm")
+            s = b.spec
+            out.append(WireBuffer(s.name, dtype_name(s.dtype), list(s.shape), s.device, s.nbytes,
+                                  exp.handle if exp is not None else None))
+        return epoch, out
+
+    def _registry_changed(self) -> None:
+        if self._state != "open" or self._registry_dirty:
+            return
+        self._registry_dirty = True
+        self.loop.call_soon(self._flush_registry)
+
+    def _flush_registry(self) -> None:
+        self._registry_dirty = False
+        epoch, bufs = self.wire_registry()
+        for ch in list(self._all):
+            if ch.is_open:
+                try:
+                    ch.send(Registry(epoch, bufs))
+                except PeerLostError:
+                    pass
+
+    # ------------------------------------------------------------------ channels
+    def _hello(self, channel_id: str) -> Hello:
+        epoch, bufs = self.wire_registry()
+        return Hello(PROTOCOL_VERSION, self.name, self.incarnation, local_host(), list(self.planes), epoch, bufs,
+                     channel_id)
+
+    def _adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int) -> Channel:
+        plane, reason = choose_cpu_plane(local_host(), remote.host, self.planes, tuple(remote.planes))
+        ch = Channel(self, sock, remote, channel_id, plane, reason, registry=self._registry, recorder=self.recorder)
+        old = self._channels.get(remote.name)
+        if old is not None and old.incarnation != remote.incarnation:
+            old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
+        if old is None or not old.is_open or old.incarnation != remote.incarnation:
+            self._channels[remote.name] = ch
+        self._all.add(ch)
+        ch.start()
+        log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, self.name, remote.name,
+                 remote.incarnation, plane.name, reason)
+        if self._registry.epoch != sent_epoch:  # registry changed during the handshake
+            epoch, bufs = self.wire_registry()
+            ch.send(Registry(epoch, bufs))
+        return ch
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            sock, addr = await self.loop.sock_accept(self._listener)
+            self._spawn(self._accept_one(sock, addr))
+
+    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = self._hello("")
+        try:
+            remote = await asyncio.to_thread(handshake, sock, hello, self.timeout, dialer=False)
+            if self._state != "open":
+                raise EndpointClosedError("endpoint is closing")
+            self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch)
+        except ProtocolError as exc:
+            log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
+            sock.close()
+        except (OSError, EOFError, TransportError) as exc:
+            log.warning("handshake with %s failed: %s", addr, exc)
+            sock.close()
+
+    async def _channel(self, peer: str, deadline: float) -> Channel:
+        self._check_open()
+        if not isinstance(peer, str) or not peer:
+            raise PeerNotFoundError(f"peer names are non-empty strings, got {peer!r}")
+        ch = self._channels.get(peer)
+        if ch is not None and ch.is_open:
+            return ch
+        lock = self._dial_locks.setdefault(peer, asyncio.Lock())
+        async with lock:
+            ch = self._channels.get(peer)
+            if ch is not None and ch.is_open:
+                return ch
+            return await self._dial(peer, deadline)
+
+    async def _dial(self, peer: str, deadline: float) -> Channel:
+        skip: set[int] = set()
+        while True:
+            rec = await self._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
+            channel_id = f"{self.name}#{self.incarnation:x}->{peer}#{rec.incarnation:x}/{secrets.token_hex(3)}"
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.loop.sock_connect(sock, (rec.host, rec.port))
+            except TimeoutError:
+                sock.close()
+                raise TransportTimeoutError(f"connecting to {peer!r} at {rec.host}:{rec.port} timed out",
+                                            Phase.CONNECT) from None
+            except OSError as exc:
+                sock.close()
+                log.info("endpoint %r (incarnation %#x) at %s:%d refused: %s; waiting for a new incarnation",
+                         peer, rec.incarnation, rec.host, rec.port, exc)
+                skip.add(rec.incarnation)
+                continue
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                hello = self._hello(channel_id)
+                remote = await asyncio.to_thread(handshake, sock, hello, remaining, dialer=True)
+            except (TimeoutError, socket.timeout):
+                sock.close()
+                raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
+            except (OSError, EOFError) as exc:
+                sock.close()
+                skip.add(rec.incarnation)
+                log.info("handshake with %r failed (%s); looking for a new incarnation", peer, exc)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            if remote.name != peer or remote.incarnation != rec.incarnation:
+                sock.close()
+                skip.add(rec.incarnation)
+                continue
+            try:
+                return self._adopt(sock, remote, channel_id, hello.epoch)
+            except PlaneUnavailableError:
+                sock.close()
+                raise
+
+    def channel_closed(self, ch: Channel, exc: BaseException) -> None:
+        """Called on the loop when a channel breaks or closes."""
+        self._all.discard(ch)
+        if self._channels.get(ch.peer_name) is ch:
+            del self._channels[ch.peer_name]
+            # another open channel to the same peer (accepted while we dialled) takes over
+            for other in self._all:
+                if other.peer_name == ch.peer_name and other.is_open:
+                    self._channels[ch.peer_name] = other
+                    break
+        self._spawn(asyncio.to_thread(ch.join, 2.0))
+        if ch.orderly:
+            log.info("channel %s closed by %r", ch.id, ch.peer_name)
+        elif isinstance(exc, (PeerLostError, ProtocolError)) and self._state == "open":
+            log.warning("channel %s to %r lost: %s", ch.id, ch.peer_name, exc)
+            self._auto_dump(f"peer lost: {ch.peer_name}: {exc}")
+
+    def on_timeout(self, ch: Channel, op: Any, exc: TransportTimeoutError) -> None:
+        log.warning("%s", exc)
+        self._auto_dump(f"timeout: {exc}")
+
+    def _auto_dump(self, reason: str) -> None:
+        try:
+            path = None
+            if self._dump_dir is not None:
+                self._dump_dir.mkdir(parents=True, exist_ok=True)
+                path = self._dump_dir / f"fr-{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.json"
+            self.recorder.dump(path, reason=reason)
+        except OSError as exc:
+            log.error("could not dump the flight recorder: %s", exc)
+
+    def _dump_on_signal(self) -> None:
+        self._auto_dump("signal")
+
+    def dump_flight_recorder(self, path: str | Path | None = None) -> Path:
+        """Write the flight recorder as JSON (to ``path`` or a new file in the dump dir); return the path."""
+        if path is None and self._dump_dir is not None:
+            self._dump_dir.mkdir(parents=True, exist_ok=True)
+            path = self._dump_dir / f"fr-{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.json"
+        return self.recorder.dump(path, reason="request")
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(self._hb_interval)
+            now = time.monotonic()
+            for ch in list(self._all):
+                try:
+                    ch.tick(now, self._hb_interval, self._hb_timeout)
+                except PeerLostError:
+                    pass
+
+    # ------------------------------------------------------------------ operations
+    async def connect(self, peer: str, timeout: float | None = None) -> Peer:
+        """Open (or reuse) the channel to ``peer``; return its :class:`Peer`.
+
+        Waits until ``peer`` appears in the store. Raises
+        :class:`PeerNotFoundError` if it does not before the deadline,
+        :class:`TransportTimeoutError` (phase connect/handshake) if it does not
+        answer, :class:`PlaneUnavailableError` if no allowed plane reaches it.
+        Cancelling it abandons the dial and leaves the endpoint usable.
+        """
+        ch = await self._channel(peer, self._deadline(timeout))
+        return ch.peer
+
+    async def put(self, peer: str, tensors: _Tensors, *, notify: bytes | None = None,
+                  timeout: float | None = None) -> None:
+        """Write ``tensors`` into ``peer``'s registered buffers of the same names.
+
+        Each value is a tensor of exactly the buffer's dtype and shape, or
+        :class:`transport.At` ``(tensor, offset)`` for a sub-range. Returns once
+        the target holds the bytes (remote completion). ``notify`` (bytes, at
+        most 1 MiB) is delivered to the target's notifications only after all
+        bytes have landed. Connects first if needed.
+
+        Bad input raises before any byte moves (:class:`UnknownBufferError`,
+        :class:`BufferMismatchError`, :class:`InvalidTensorError`). At the
+        deadline (``timeout`` or the endpoint's) it raises
+        :class:`TransportTimeoutError`; a lost peer gives :class:`PeerLostError`.
+        Cancelling stops the wait: bytes already handed to the wire still go
+        (the source tensors stay referenced until then) and the endpoint stays
+        usable; the target's buffer may then hold a mix of old and new bytes.
+        """
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        pairs = await self._plan(ch, tensors, deadline)
+        if notify is not None:
+            _check_payload(notify)
+        op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
+        await ch.run(op, lambda: ch.plane.put(op, pairs, notify), deadline)
+
+    async def get(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> None:
+        """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
+
+        Returns once every byte is in the local tensors. On timeout or
+        cancellation the tensors' contents are unspecified, and late bytes are
+        never written into them.
+        """
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        pairs = await self._plan(ch, tensors, deadline)
+        op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
+        await ch.run(op, lambda: ch.plane.get(op, pairs), deadline)
+
+    async def _plan(self, ch: Channel, tensors: _Tensors, deadline: float) -> list[Any]:
+        """Check the call against the peer's registry; on a miss, refresh the cache once and check again."""
+        try:
+            return plan_items(ch.peer_specs, tensors, peer=ch.peer_name)
+        except (UnknownBufferError, BufferMismatchError):
+            if not isinstance(tensors, Mapping):
+                raise
+            await ch.sync_registry(deadline)
+            return plan_items(ch.peer_specs, tensors, peer=ch.peer_name)
+
+    async def notify(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+        """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications; returns once it is queued there.
+
+        Ordered with this endpoint's puts to ``peer``: a notification sent after
+        a put arrives after that put's bytes.
+        """
+        _check_payload(payload)
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        op = ch.new_op(OpKind.NOTIFY, [], len(payload))
+
+        async def _send() -> None:
+            ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
+
+        await ch.run(op, _send, deadline)
+
+    # ------------------------------------------------------------------ notifications
+    def deliver(self, note: Notification) -> bool:
+        """Channel reader threads hand notifications over here (blocks while the queue is full)."""
+        while not self._notes_room.acquire(timeout=0.2):
+            if self._state != "open":
+                return False
+        try:
+            self.loop.call_soon_threadsafe(self._enqueue_note, note)
+        except RuntimeError:
+            return False
+        return True
+
+    def _enqueue_note(self, note: Notification) -> None:
+        if self._on_note is not None:
+            self._notes_room.release()
+            try:
+                self._on_note(note)
+            except Exception:  # a user callback must not kill the channel
+                log.exception("notification callback failed")
+            return
+        assert self._notes is not None
+        self._notes.put_nowait(note)
+
+    def on_notification(self, callback: Callable[[Notification], Any] | None) -> None:
+        """Call ``callback(note)`` on the event loop for each notification instead of queueing it.
+
+        Notifications already queued stay in the queue. None restores queueing.
+        """
+        self._on_note = callback
+
+    async def next_notification(self, timeout: float | None = None) -> Notification:
+        """Wait for the next :class:`Notification`. Raises :class:`TransportTimeoutError` at the deadline,
+        :class:`EndpointClosedError` if the endpoint is not open."""
+        self._check_open()
+        assert self._notes is not None
+        try:
+            async with asyncio.timeout(self.timeout if timeout is None else timeout):
+                note = await self._notes.get()
+        except TimeoutError:
+            raise TransportTimeoutError("no notification arrived before the deadline", Phase.NOTIFY) from None
+        self._notes_room.release()
+        return note
+
+    async def notifications(self) -> AsyncIterator[Notification]:
+        """Iterate over notifications as they arrive (ends when the endpoint closes)."""
+        self._check_open()
+        assert self._notes is not None
+        while self._state == "open":
+            get = asyncio.ensure_future(self._notes.get())
+            try:
+                while not get.done():
+                    await asyncio.wait([get], timeout=0.5)
+                    if self._state != "open" and not get.done():
+                        get.cancel()
+                        return
+            except asyncio.CancelledError:
+                get.cancel()
+                raise
+            self._notes_room.release()
+            yield get.result()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def peers(self) -> dict[str, Peer]:
+        """Peers with an open channel."""
+        return {n: ch.peer for n, ch in self._channels.items() if ch.is_open}
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self.name!r} {self._state} buffers={len(self.buffers)} peers={len(self.peers)}>"
+
+
+def _check_payload(payload: object) -> None:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise InvalidTensorError(f"notification payloads are bytes, got {type(payload).__name__}")
+    if len(payload) > MAX_NOTIFY:
+        raise InvalidTensorError(f"notification payload of {len(payload)} bytes exceeds {MAX_NOTIFY}")

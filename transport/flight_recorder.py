@@ -1,0 +1,172 @@
+"""Flight recorder: a ring buffer of the most recent ops, dumped as JSON.
+
+Both sides of a channel record every op they take part in: the initiator
+when it posts the op, the target when the op's header arrives. A record is
+keyed by ``(channel, initiator, seq)``, the same on both sides, so that
+``python -m transport fr A.json B.json`` can pair the two views and name the
+op (and the peer) that stalled. Records are updated in place as the op moves
+through its states; the ring keeps the newest ``capacity`` records.
+
+Thread safety: records are created and updated from the event loop and from
+channel reader threads; one lock guards the ring.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["FlightRecorder", "OpKind", "OpState", "Record", "default_dump_dir"]
+
+log = logging.getLogger(__name__)
+
+
+class OpKind(str, enum.Enum):
+    PUT = "put"
+    GET = "get"
+    NOTIFY = "notify"
+    SYNC = "sync"
+
+
+class OpState(str, enum.Enum):
+    """Where an op is. Initiator: posted -> sent -> done | failed | timed_out | cancelled.
+    Target: received -> done | rejected | failed."""
+
+    POSTED = "posted"
+    SENT = "sent"
+    RECEIVED = "received"
+    DONE = "done"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATES = frozenset({OpState.DONE, OpState.REJECTED, OpState.FAILED, OpState.CANCELLED})
+_STICKY = frozenset(s.value for s in FINAL_STATES | {OpState.TIMED_OUT})
+
+
+@dataclass
+class Record:
+    record_id: int
+    op_id: int
+    channel: str
+    seq: int
+    role: str  # "initiator" or "target"
+    initiator: str
+    peer: str
+    kind: str
+    names: list[str]
+    nbytes: int
+    plane: str
+    state: str
+    t_posted: float
+    t_updated: float
+    history: list[tuple[str, float]] = field(default_factory=list)
+    error: str | None = None
+
+
+def default_dump_dir() -> Path:
+    """``$TRANSPORT_FR_DIR`` or ``<tmp>/transport-fr``."""
+    return Path(os.environ.get("TRANSPORT_FR_DIR") or Path(tempfile.gettempdir()) / "transport-fr")
+
+
+class FlightRecorder:
+    """Keeps the last ``capacity`` op records of one endpoint."""
+
+    def __init__(self, endpoint: str, incarnation: int, capacity: int = 2000) -> None:
+        if capacity < 1:
+            raise ValueError(f"flight recorder capacity must be >= 1, got {capacity}")
+        self.endpoint = endpoint
+        self.incarnation = incarnation
+        self.capacity = capacity
+        self._ring: collections.deque[Record] = collections.deque(maxlen=capacity)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def record(
+        self,
+        *,
+        op_id: int,
+        channel: str,
+        seq: int,
+        role: str,
+        initiator: str,
+        peer: str,
+        kind: OpKind,
+        names: list[str],
+        nbytes: int,
+        plane: str,
+        state: OpState,
+    ) -> Record:
+        now = time.time()
+        with self._lock:
+            rec = Record(
+                record_id=next(self._ids),
+                op_id=op_id,
+                channel=channel,
+                seq=seq,
+                role=role,
+                initiator=initiator,
+                peer=peer,
+                kind=kind.value,
+                names=names,
+                nbytes=nbytes,
+                plane=plane,
+                state=state.value,
+                t_posted=now,
+                t_updated=now,
+                history=[(state.value, now)],
+            )
+            self._ring.append(rec)
+        return rec
+
+    def update(self, rec: Record, state: OpState, error: BaseException | str | None = None) -> None:
+        now = time.time()
+        with self._lock:
+            if rec.state in _STICKY:
+                return
+            rec.state = state.value
+            rec.t_updated = now
+            rec.history.append((state.value, now))
+            if error is not None:
+                rec.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [asdict(r) for r in self._ring]
+
+    def dump(self, path: str | os.PathLike[str] | None = None, *, reason: str = "request") -> Path:
+        """Write the ring as JSON to ``path`` (default: a new file in :func:`default_dump_dir`)."""
+        if path is None:
+            d = default_dump_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            path = d / f"fr-{self.endpoint}-{os.getpid()}-{stamp}-{next(self._ids)}.json"
+        path = Path(path)
+        doc = {
+            "format": "transport-flight-recorder/1",
+            "endpoint": self.endpoint,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "reason": reason,
+            "dumped_at": time.time(),
+            "capacity": self.capacity,
+            "records": self.snapshot(),
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+        log.warning("flight recorder of %r dumped to %s (%s)", self.endpoint, path, reason)
+        return path

@@ -1,0 +1,80 @@
+"""The interface every data plane implements.
+
+Lifecycle of one op, initiator side (the target's application code takes no
+part in any of it):
+
+1. The endpoint checks the call against its cached copy of the peer's
+   registry (:func:`transport.ranges.plan_items`) and asks the channel for an
+   :class:`~transport.channel.Op` (op id, per-channel sequence number, future,
+   flight-recorder record).
+2. It calls :meth:`DataPlane.put` or :meth:`DataPlane.get` with the op and the
+   ``(item, tensor)`` pairs. The plane moves the bytes and sends whatever
+   header the target needs, through ``channel.send``, in the channel's order.
+   A plane whose bytes travel in the control stream (``tcp``) sends them right
+   behind the header; a plane that writes the peer's memory directly (``shm``)
+   copies first and then sends the header as the "done" message.
+3. The channel's reader thread completes the op's future when the target's
+   ``Ack``/``Fail``/``Data`` arrives (or the plane completes it itself, for a
+   read that needs no target involvement). ``put`` therefore returns only once
+   the target holds the bytes.
+
+Target side, the channel's reader thread validates each incoming header
+against the local registry (:func:`transport.ranges.resolve_item`); for
+planes with ``inline_payload`` it receives the bytes straight into the
+registered tensor (or drains them into scratch if the header was rejected, so
+the stream never desynchronises).
+
+A subclass must set :attr:`name` and :attr:`inline_payload` and implement
+:meth:`put`, :meth:`get`, :meth:`probe` and :meth:`reaches`; it may override
+:meth:`close` to drop cached mappings and :meth:`forget` to drop one buffer's.
+Cancelling the awaiting task never interrupts a copy already handed to a
+thread; the tensors stay referenced until it finishes.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ..wire import HostInfo, Item
+
+if TYPE_CHECKING:
+    from ..channel import Channel, Op
+
+__all__ = ["DataPlane"]
+
+
+class DataPlane(abc.ABC):
+    """One way of moving bytes to and from one peer, owned by a channel."""
+
+    name: ClassVar[str]
+    inline_payload: ClassVar[bool]
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls) -> tuple[bool, str]:
+        """Whether this machine can use the plane at all, and why (cheap, no peers)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def reaches(cls, local: HostInfo, remote: HostInfo) -> tuple[bool, str]:
+        """Whether the plane can reach a peer on ``remote`` from ``local``, and why."""
+
+    @abc.abstractmethod
+    async def put(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
+        """Move the bytes of ``pairs`` into the peer's buffers and send the header."""
+
+    @abc.abstractmethod
+    async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
+        """Start reading the peer's buffers into the tensors of ``pairs``."""
+
+    def forget(self, name: str) -> None:  # noqa: B027 - optional hook
+        """The peer unregistered or replaced buffer ``name``: drop what is cached for it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The channel is gone: drop every cached resource."""

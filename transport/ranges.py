@@ -1,0 +1,105 @@
+"""Which bytes of which buffer an op touches, checked on both sides.
+
+The initiator checks a call against its cached copy of the peer's registry
+before any byte moves (:func:`plan_items`); the target checks every incoming
+item again against its own registry (:func:`resolve_item`), because the cache
+may be stale and because a peer may be hostile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BufferMismatchError, InvalidTensorError, UnknownBufferError
+from .registry import BufferSpec, LocalBuffer, check_tensor, dtype_name
+from .wire import Item
+
+__all__ = ["At", "plan_items", "resolve_item"]
+
+
+@dataclass(frozen=True)
+class At:
+    """Address a sub-range of a registered buffer: ``tensor.numel()`` elements
+    starting at element ``offset`` of the buffer (flattened, row-major).
+
+    ``ep.put(peer, {"w": At(chunk, offset=4096)})`` writes ``chunk`` into
+    elements ``[4096, 4096 + chunk.numel())`` of ``w``; with ``get`` it reads
+    that range into ``chunk``. Without ``At``, the tensor must match the
+    buffer's dtype and shape exactly: a smaller tensor is an error, never a
+    silent partial transfer.
+    """
+
+    tensor: torch.Tensor
+    offset: int
+
+
+def plan_items(
+    specs: Mapping[str, BufferSpec], tensors: Mapping[str, torch.Tensor | At], *, peer: str
+) -> list[tuple[Item, torch.Tensor]]:
+    """Check a put/get call against the peer's registry; return the wire items.
+
+    Raises :class:`UnknownBufferError`, :class:`BufferMismatchError` or
+    :class:`InvalidTensorError` naming expected vs got. Nothing is sent.
+    """
+    if not isinstance(tensors, Mapping):
+        raise InvalidTensorError(f"expected a mapping of buffer name -> tensor, got {type(tensors).__name__}")
+    if not tensors:
+        raise InvalidTensorError("the op names no buffers")
+    out: list[tuple[Item, torch.Tensor]] = []
+    for name, value in tensors.items():
+        if not isinstance(name, str):
+            raise InvalidTensorError(f"buffer names are strings, got {name!r}")
+        spec = specs.get(name)
+        if spec is None:
+            raise UnknownBufferError(f"peer {peer!r} has no buffer named {name!r}")
+        if isinstance(value, At):
+            t = check_tensor(name, value.tensor)
+            off = value.offset
+            if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+                raise BufferMismatchError(f"{name!r}: offset must be an int >= 0, got {off!r}")
+            shape = None
+        else:
+            t = check_tensor(name, value)
+            off = 0
+            shape = list(t.shape)
+        if t.dtype != spec.dtype:
+            raise BufferMismatchError(f"buffer {name!r} on {peer!r} holds {spec.dtype}, the tensor is {t.dtype}")
+        if shape is not None and t.shape != spec.shape:
+            raise BufferMismatchError(
+                f"buffer {name!r} on {peer!r} has shape {tuple(spec.shape)}, the tensor has {tuple(t.shape)}"
+                " (use transport.At(tensor, offset) to address a sub-range)"
+            )
+        if off + t.numel() > spec.numel:
+            raise BufferMismatchError(
+                f"buffer {name!r} on {peer!r} holds {spec.numel} elements; elements "
+                f"[{off}, {off + t.numel()}) are out of range"
+            )
+        out.append((Item(name, dtype_name(t.dtype), off, t.numel(), shape), t))
+    return out
+
+
+def resolve_item(buf: LocalBuffer | None, item: Item) -> tuple[int, int]:
+    """Target side: ``(byte_offset, nbytes)`` of ``item`` inside ``buf``.
+
+    Raises :class:`UnknownBufferError` / :class:`BufferMismatchError` when the
+    item does not fit the registered buffer.
+    """
+    if buf is None:
+        raise UnknownBufferError(f"no buffer named {item.name!r} is registered")
+    spec = buf.spec
+    if item.dtype != dtype_name(spec.dtype):
+        raise BufferMismatchError(f"buffer {spec.name!r} holds {dtype_name(spec.dtype)}, the op carries {item.dtype}")
+    if item.offset < 0 or item.count < 0 or item.offset + item.count > spec.numel:
+        raise BufferMismatchError(
+            f"buffer {spec.name!r} holds {spec.numel} elements; the op addresses "
+            f"[{item.offset}, {item.offset + item.count})"
+        )
+    if item.shape is not None and list(spec.shape) != list(item.shape):
+        raise BufferMismatchError(
+            f"buffer {spec.name!r} has shape {tuple(spec.shape)}, the op carries {tuple(item.shape)}"
+        )
+    size = spec.dtype.itemsize
+    return item.offset * size, item.count * size

@@ -1,0 +1,179 @@
+"""Named buffers: the local registry and what peers know of it.
+
+A :class:`BufferSpec` describes one registered tensor (name, dtype, shape,
+device, nbytes). The local registry owns the tensors; its *epoch* grows on
+every change and travels in each registry update so that a peer's cached copy
+can be checked.
+
+Thread safety: the registry is read by channel reader threads (to validate
+incoming ops and find destination memory) and changed by the event loop; a
+lock guards the dict, and readers take a reference to the entry, which keeps
+the tensor alive even if it is unregistered meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import BufferMismatchError, InvalidTensorError, UnknownBufferError
+
+__all__ = ["BufferSpec", "LocalBuffer", "LocalRegistry", "dtype_from_name", "dtype_name"]
+
+# Dtypes that may travel, by their wire name. Complex and quantized types are
+# left out on purpose: nothing in this field moves them.
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype``; raises :class:`InvalidTensorError` if unsupported."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise InvalidTensorError(f"dtype {dtype} cannot be transported") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype for a wire name; raises :class:`KeyError` if unknown."""
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """What a peer needs to know about a registered buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+    device: str
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> BufferSpec:
+        return cls(
+            name=name,
+            dtype=tensor.dtype,
+            shape=tensor.shape,
+            device=str(tensor.device),
+            nbytes=tensor.numel() * tensor.element_size(),
+        )
+
+    def describe(self) -> str:
+        return f"{self.name!r} ({self.dtype}, shape {tuple(self.shape)}, {self.nbytes} bytes)"
+
+
+@dataclass
+class LocalBuffer:
+    """One registered tensor and whatever the planes attached to export it."""
+
+    spec: BufferSpec
+    tensor: torch.Tensor
+    # plane name -> exported handle (e.g. the shared-memory segment)
+    exports: dict[str, Any] = field(default_factory=dict)
+
+    def byte_view(self) -> memoryview:
+        """A writable byte view of the whole buffer (CPU only)."""
+        return tensor_bytes(self.tensor)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte ``memoryview`` sharing memory with a contiguous CPU tensor."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def check_tensor(name: str, tensor: object) -> torch.Tensor:
+    """Validate a tensor a caller hands in; raise :class:`InvalidTensorError` if unusable."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTensorError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise InvalidTensorError(
+            f"{name!r}: tensor is not contiguous (stride {tensor.stride()}); pass .contiguous()"
+        )
+    if tensor.device.type != "cpu":
+        raise InvalidTensorError(
+            f"{name!r}: tensor is on {tensor.device}; this build moves CPU tensors only"
+        )
+    dtype_name(tensor.dtype)
+    return tensor
+
+
+class LocalRegistry:
+    """Name -> :class:`LocalBuffer`, with an epoch that grows on every change."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: dict[str, LocalBuffer] = {}
+        self.epoch = 0
+
+    def add(self, buf: LocalBuffer) -> bool:
+        """Add ``buf``. Returns False if an identical spec is already there (no-op).
+
+        Raises :class:`BufferMismatchError` if the name exists with another spec.
+        """
+        with self._lock:
+            old = self._buffers.get(buf.spec.name)
+            if old is not None:
+                if old.spec == buf.spec and old.tensor is buf.tensor:
+                    return False
+                raise BufferMismatchError(
+                    f"buffer {old.spec.describe()} is already registered; "
+                    f"unregister it before registering {buf.spec.describe()}"
+                    if old.spec != buf.spec
+                    else f"buffer {old.spec.name!r} is already registered with another tensor"
+                )
+            self._buffers[buf.spec.name] = buf
+            self.epoch += 1
+            return True
+
+    def remove(self, name: str) -> LocalBuffer:
+        with self._lock:
+            try:
+                buf = self._buffers.pop(name)
+            except KeyError:
+                raise UnknownBufferError(f"no buffer named {name!r} is registered") from None
+            self.epoch += 1
+            return buf
+
+    def get(self, name: str) -> LocalBuffer | None:
+        with self._lock:
+            return self._buffers.get(name)
+
+    def snapshot(self) -> tuple[int, list[LocalBuffer]]:
+        with self._lock:
+            return self.epoch, list(self._buffers.values())
+
+    def specs(self) -> dict[str, BufferSpec]:
+        with self._lock:
+            return {n: b.spec for n, b in self._buffers.items()}
+
+    def clear(self) -> list[LocalBuffer]:
+        with self._lock:
+            bufs = list(self._buffers.values())
+            self._buffers.clear()
+            self.epoch += 1
+            return bufs

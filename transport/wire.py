@@ -1,0 +1,198 @@
+"""Wire format: msgspec messages in a tagged union, length-prefixed frames.
+
+Every frame on a channel is ``<u32 little-endian length><msgpack message>``.
+Bulk bytes of a ``tcp`` put (or of a ``get`` reply) follow their header frame
+directly, unframed: both sides know their lengths from the header's items.
+
+Theory of operation, per connection::
+
+    dialer                              acceptor
+    Hello  ---------------------------->
+           <----------------------------  Hello
+    (both check protocol version, names, incarnations)
+    Put(tcp) + payload ---------------->  validate, recv_into buffer
+           <----------------------------  Ack | Fail
+    Put(shm) (bytes already copied) --->  validate
+           <----------------------------  Ack | Fail
+    Get ------------------------------->  validate
+           <----------------------------  Data + payload | Fail
+    Notify ---------------------------->  queue for the application
+           <----------------------------  Ack
+    Registry (whenever it changes) ---->  replace cached copy
+    Sync ------------------------------>
+           <----------------------------  Registry, Ack
+    Ping (when idle) ------------------>  (any frame proves liveness)
+    Bye ------------------------------->  orderly close
+
+The connection is symmetric: either side may initiate ops on it. New fields go
+last, with defaults, so that older peers can still decode the message.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+__all__ = [
+    "MAX_FRAME",
+    "MAX_NOTIFY",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Bye",
+    "Data",
+    "Fail",
+    "Get",
+    "Hello",
+    "HostInfo",
+    "Item",
+    "Message",
+    "Notify",
+    "Ping",
+    "Put",
+    "Registry",
+    "ShmHandle",
+    "Sync",
+    "WireBuffer",
+    "decode",
+    "encode_frame",
+    "frame_length",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
+MAX_NOTIFY = 1024 * 1024
+HEADER = struct.Struct("<I")
+
+
+class ShmHandle(msgspec.Struct, array_like=True, frozen=True):
+    """How a same-host peer maps a buffer: ``/proc/<pid>/fd/<fd>``, checked by inode."""
+
+    pid: int
+    fd: int
+    inode: int
+    size: int
+
+
+class WireBuffer(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    device: str
+    nbytes: int
+    shm: Union[ShmHandle, None] = None
+
+
+class HostInfo(msgspec.Struct, frozen=True):
+    """Identity of the host (and pid namespace) a process runs on."""
+
+    hostname: str
+    boot_id: str
+    pid_ns: int
+    pid: int
+
+
+class Item(msgspec.Struct, array_like=True, frozen=True):
+    """One buffer range an op touches: ``count`` elements from element ``offset``.
+
+    ``shape`` is set when the caller addressed the whole buffer; the target
+    then checks it exactly.
+    """
+
+    name: str
+    dtype: str
+    offset: int
+    count: int
+    shape: Union[list[int], None] = None
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    protocol: int
+    name: str
+    incarnation: int
+    host: HostInfo
+    planes: list[str]
+    epoch: int
+    buffers: list[WireBuffer]
+    channel_id: str = ""
+
+
+class Registry(msgspec.Struct, tag="registry"):
+    epoch: int
+    buffers: list[WireBuffer]
+
+
+class Put(msgspec.Struct, tag="put"):
+    op_id: int
+    seq: int
+    plane: str
+    items: list[Item]
+    notify: Union[bytes, None] = None
+
+
+class Get(msgspec.Struct, tag="get"):
+    op_id: int
+    seq: int
+    items: list[Item]
+
+
+class Data(msgspec.Struct, tag="data"):
+    op_id: int
+
+
+class Notify(msgspec.Struct, tag="notify"):
+    op_id: int
+    seq: int
+    payload: bytes
+
+
+class Sync(msgspec.Struct, tag="sync"):
+    """Ask the peer for its current registry: it answers ``Registry`` then ``Ack``."""
+
+    op_id: int
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    op_id: int
+
+
+class Fail(msgspec.Struct, tag="fail"):
+    op_id: int
+    kind: str
+    message: str
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    pass
+
+
+class Bye(msgspec.Struct, tag="bye"):
+    reason: str = ""
+
+
+Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Ping, Bye]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_frame(msg: Message) -> bytes:
+    """``msg`` as one length-prefixed frame."""
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(prefix: bytes) -> int:
+    """The body length announced by a 4-byte prefix; ``ValueError`` if oversize."""
+    (n,) = HEADER.unpack(prefix)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame length {n} exceeds the limit of {MAX_FRAME} bytes")
+    return n
+
+
+def decode(body: bytes) -> Message:
+    """Decode one frame body; raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    return _decoder.decode(body)
