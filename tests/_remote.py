@@ -1,0 +1,231 @@
+"""A real Endpoint in a spawned process, driven over a pipe.
+
+Tests use it to put real processes on both sides of a channel: the child runs
+its own event loop and Endpoint; the test sends commands (register a poisoned
+buffer, check its contents against fresh random data, put, get, ...) and
+every reply is awaited with a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+_CTX = mp.get_context("spawn")
+POISON = 0xA5
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def make_tensor(dtype: str | torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Fresh deterministic random data of any supported dtype."""
+    dt = dtype_of(dtype) if isinstance(dtype, str) else dtype
+    g = torch.Generator().manual_seed(seed)
+    if dt.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dt)
+    if dt == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dt == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.int64).to(torch.uint8)
+    return torch.randint(-(2**40), 2**40, shape, generator=g, dtype=torch.int64).to(dt)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def poisoned(dtype: str | torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    dt = dtype_of(dtype) if isinstance(dtype, str) else dtype
+    t = torch.empty(shape, dtype=dt)
+    as_bytes(t).fill_(POISON)
+    return t
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+# ---------------------------------------------------------------------------- child side
+def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
+    import logging
+
+    import transport
+
+    logging.basicConfig(level=logging.WARNING)
+    loop = asyncio.new_event_loop()
+    state: dict[str, Any] = {"bufs": {}}
+
+    async def open_ep() -> transport.Endpoint:
+        ep = transport.Endpoint(name, **kwargs)
+        await ep.open()
+        return ep
+
+    try:
+        ep = loop.run_until_complete(open_ep())
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    conn.send(("ok", {"incarnation": ep.incarnation, "pid": os.getpid()}, ""))
+    stop = threading.Event()
+
+    async def handle(cmd: str, args: tuple[Any, ...]) -> Any:
+        bufs = state["bufs"]
+        if cmd == "register":
+            bname, dtype, shape = args
+            t = poisoned(dtype, tuple(shape))
+            bufs[bname] = t
+            ep.register(bname, t)
+            return None
+        if cmd == "register_data":
+            bname, dtype, shape, seed = args
+            t = make_tensor(dtype, tuple(shape), seed)
+            bufs[bname] = t
+            ep.register(bname, t)
+            return None
+        if cmd == "unregister":
+            ep.unregister(args[0])
+            bufs.pop(args[0], None)
+            return None
+        if cmd == "check":
+            bname, seed = args[0], args[1]
+            t = bufs[bname]
+            return same_bytes(t, make_tensor(t.dtype, tuple(t.shape), seed))
+        if cmd == "check_range":
+            bname, seed, offset, count = args
+            t = bufs[bname].reshape(-1)
+            want = make_tensor(t.dtype, (count,), seed)
+            return same_bytes(t[offset : offset + count].contiguous(), want)
+        if cmd == "is_poisoned":
+            t = bufs[args[0]]
+            return bool((as_bytes(t) == POISON).all())
+        if cmd == "put":
+            peer, spec, timeout = args
+            data = {n: make_tensor(dt, tuple(sh), sd) for n, (dt, sh, sd) in spec.items()}
+            await ep.put(peer, data, timeout=timeout)
+            return None
+        if cmd == "put_many":  # concurrently to several peers: [(peer, spec)]
+            jobs, timeout = args
+            await asyncio.gather(*[
+                ep.put(p, {n: make_tensor(dt, tuple(sh), sd) for n, (dt, sh, sd) in spec.items()}, timeout=timeout)
+                for p, spec in jobs
+            ])
+            return None
+        if cmd == "get_check":
+            peer, spec, timeout = args
+            outs = {n: poisoned(dt, tuple(sh)) for n, (dt, sh, _) in spec.items()}
+            await ep.get(peer, outs, timeout=timeout)
+            return {n: same_bytes(outs[n], make_tensor(dt, tuple(sh), sd)) for n, (dt, sh, sd) in spec.items()}
+        if cmd == "notifications":
+            count, timeout = args
+            out = []
+            for _ in range(count):
+                note = await ep.next_notification(timeout)
+                out.append((note.peer, note.payload))
+            return out
+        if cmd == "notify":
+            peer, payload = args
+            await ep.notify(peer, payload)
+            return None
+        if cmd == "dump":
+            return str(ep.dump_flight_recorder(args[0]))
+        if cmd == "peer_incarnation":
+            p = await ep.connect(args[0])
+            return p.incarnation
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                if not conn.poll(0.2):
+                    continue
+                cmd, args = conn.recv()
+            except (EOFError, OSError):
+                break
+            if cmd == "stop":
+                break
+            fut = asyncio.run_coroutine_threadsafe(handle(cmd, args), loop)
+            try:
+                conn.send(("ok", fut.result(), ""))
+            except BaseException as exc:  # report any failure to the test
+                conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        stop.set()
+        loop.call_soon_threadsafe(loop.stop)
+
+    threading.Thread(target=serve, daemon=True).start()
+    loop.run_forever()
+    loop.run_until_complete(ep.close())
+    loop.close()
+    try:
+        conn.send(("ok", "stopped", ""))
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------- test side
+class RemoteError(Exception):
+    pass
+
+
+class RemoteEndpoint:
+    """Handle on an Endpoint in a spawned child process."""
+
+    def __init__(self, name: str, ready_timeout: float = 60.0, **kwargs: Any) -> None:
+        self.name = name
+        self._conn, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_child_main, args=(child, name, kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        info = self._reply(ready_timeout)
+        self.incarnation = info["incarnation"]
+        self.pid = info["pid"]
+
+    def _reply(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"{self.name}: no reply within {timeout} s")
+        status, value, tb = self._conn.recv()
+        if status != "ok":
+            raise RemoteError(f"{self.name}: {value}\n{tb}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        self._conn.send((cmd, args))
+        return self._reply(timeout)
+
+    def start(self, cmd: str, *args: Any) -> None:
+        """Send a command without waiting; collect with :meth:`result`."""
+        self._conn.send((cmd, args))
+
+    def result(self, timeout: float = 60.0) -> Any:
+        return self._reply(timeout)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("stop", ()))
+                self._conn.poll(timeout)
+            except (OSError, EOFError):
+                pass
+            self.proc.join(timeout)
+        self.kill()
+        self._conn.close()

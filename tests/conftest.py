@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed import TCPStore
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def store_url() -> Iterator[str]:
+    """A TCPStore served by the test process on a port the OS picked."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"tcp://127.0.0.1:{store.port}"
+    del store
+
+
+@pytest.fixture
+def uname():
+    """Unique endpoint names, so tests sharing a store never collide."""
+    tag = uuid.uuid4().hex[:6]
+
+    def make(prefix: str) -> str:
+        return f"{prefix}-{tag}-{next(_names)}"
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _fr_dir(tmp_path, monkeypatch):
+    """Automatic flight-recorder dumps of a test go to its own folder."""
+    monkeypatch.setenv("TRANSPORT_FR_DIR", str(tmp_path / "fr"))
+    yield
+
+
+def pytest_configure(config):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,163 @@
+"""Faults never hang: killed, frozen, cancelled and restarted peers, between real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import signal
+import time
+
+import pytest
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor
+
+PLANES = ["shm", "tcp"]
+
+
+class _Catch(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_sigkill_mid_put_fails_fast_and_spares_other_peers(store_url, uname, plane):
+    big = (192 * 1024 * 1024,)  # 768 MiB of float32: the put is still running when the kill lands
+    victim = RemoteEndpoint(uname("victim"), store=store_url, planes=(plane,))
+    other = RemoteEndpoint(uname("other"), store=store_url, planes=(plane,))
+    try:
+        victim.call("register", "w", "float32", big, timeout=120)
+        other.call("register", "w", "float32", (1000,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=(plane,)) as ep:
+            await ep.connect(victim.name)
+            await ep.connect(other.name)
+            src = make_tensor("float32", big, 1)
+            put = asyncio.ensure_future(ep.put(victim.name, {"w": src}, timeout=120))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            victim.kill()
+            with pytest.raises(transport.PeerLostError):
+                await asyncio.wait_for(put, 30)
+            assert time.monotonic() - t0 < 5.0, "peer loss must be noticed within seconds, not at the op deadline"
+            # the other peer is unaffected
+            await ep.put(other.name, {"w": make_tensor("float32", (1000,), 2)}, timeout=30)
+            assert other.call("check", "w", 2)
+    finally:
+        victim.kill()
+        other.stop()
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_sigstop_times_out_at_the_deadline_and_dumps(store_url, uname, plane, tmp_path):
+    frozen = RemoteEndpoint(uname("frozen"), store=store_url, planes=(plane,))
+    try:
+        frozen.call("register", "w", "float32", (1024,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=(plane,), dump_dir=tmp_path) as ep:
+            await ep.connect(frozen.name)
+            frozen.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(transport.TransportTimeoutError) as info:
+                await ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 3)}, timeout=2.0)
+            elapsed = time.monotonic() - t0
+            assert isinstance(info.value, TimeoutError)
+            assert 1.9 <= elapsed < 4.0, elapsed
+            # the timeout dumped the flight recorder, with the stuck op in it
+            dumps = list(tmp_path.glob("fr-*.json"))
+            assert dumps, "no flight recorder dump on timeout"
+            recs = json.loads(dumps[0].read_text())["records"]
+            stuck = [r for r in recs if r["kind"] == "put" and r["peer"] == frozen.name]
+            assert stuck and stuck[-1]["state"] == "timed_out"
+            # once it thaws, the same channel works again
+            frozen.signal(signal.SIGCONT)
+            await ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 4)}, timeout=30)
+            assert frozen.call("check", "w", 4)
+    finally:
+        frozen.kill()
+
+
+async def test_frozen_peer_is_declared_lost_by_heartbeats(store_url, uname):
+    frozen = RemoteEndpoint(uname("frozen"), store=store_url)
+    try:
+        frozen.call("register", "w", "float32", (16,))
+        async with transport.Endpoint(uname("ini"), store=store_url, heartbeat_interval=0.25,
+                                      heartbeat_timeout=1.5) as ep:
+            await ep.connect(frozen.name)
+            frozen.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(transport.PeerLostError, match="heartbeat"):
+                await ep.put(frozen.name, {"w": make_tensor("float32", (16,), 5)}, timeout=60)
+            assert time.monotonic() - t0 < 5.0
+    finally:
+        frozen.kill()
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_cancelled_put_leaves_endpoint_usable(store_url, uname, plane):
+    catch = _Catch()
+    logging.getLogger("asyncio").addHandler(catch)
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=(plane,))
+    try:
+        big = (64 * 1024 * 1024,)
+        tgt.call("register", "big", "float32", big, timeout=60)
+        tgt.call("register", "small", "int64", (100,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=(plane,)) as ep:
+            await ep.connect(tgt.name)
+            for delay in (0.0, 0.001, 0.02):
+                task = asyncio.ensure_future(ep.put(tgt.name, {"big": make_tensor("float32", big, 6)}))
+                await asyncio.sleep(delay)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await ep.put(tgt.name, {"small": make_tensor("int64", (100,), 7)}, timeout=30)
+            assert tgt.call("check", "small", 7)
+            await ep.put(tgt.name, {"big": make_tensor("float32", big, 8)}, timeout=60)
+            assert tgt.call("check", "big", 8, timeout=60)
+        gc.collect()
+        await asyncio.sleep(0.1)
+        assert not [m for m in catch.messages if "destroyed but it is pending" in m], catch.messages
+    finally:
+        logging.getLogger("asyncio").removeHandler(catch)
+        tgt.stop()
+
+
+async def test_restarted_peer_is_reachable_again(store_url, uname):
+    name = uname("phoenix")
+    first = RemoteEndpoint(name, store=store_url)
+    second = None
+    try:
+        first.call("register", "w", "float32", (100,))
+        async with transport.Endpoint(uname("ini"), store=store_url) as ep:
+            await ep.put(name, {"w": make_tensor("float32", (100,), 9)})
+            assert first.call("check", "w", 9)
+            old = (await ep.connect(name)).incarnation
+            first.kill()
+            second = RemoteEndpoint(name, store=store_url)
+            second.call("register", "w", "float32", (100,))
+            deadline = time.monotonic() + 30
+            while True:  # the first put after the restart may race the loss of the old channel
+                try:
+                    await ep.put(name, {"w": make_tensor("float32", (100,), 10)}, timeout=30)
+                    break
+                except transport.PeerLostError:
+                    assert time.monotonic() < deadline
+            assert second.call("check", "w", 10)
+            peer = await ep.connect(name)
+            assert peer.incarnation == second.incarnation != old
+    finally:
+        first.kill()
+        if second is not None:
+            second.stop()
+
+
+async def test_unknown_peer_is_reported(store_url, uname):
+    async with transport.Endpoint(uname("ini"), store=store_url) as ep:
+        t0 = time.monotonic()
+        with pytest.raises(transport.PeerNotFoundError):
+            await ep.put("nobody-" + uname("x"), {"w": make_tensor("float32", (1,), 0)}, timeout=0.5)
+        assert time.monotonic() - t0 < 3
