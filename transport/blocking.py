@@ -82,6 +82,10 @@ class BlockingEndpoint:
         return self._ep.store_url
 
     @property
+    def address(self) -> tuple[str, int] | None:
+        return self._ep.address
+
+    @property
     def buffers(self) -> dict[str, BufferSpec]:
         return self._ep.buffers
 

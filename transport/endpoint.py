@@ -194,6 +194,11 @@ class Endpoint:
         return f"tcp://{self._rdv.host}:{self._rdv.port}"
 
     @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` this endpoint accepts channels on (None until open)."""
+        return None if self._record is None else (self._record.host, self._record.port)
+
+    @property
     def is_open(self) -> bool:
         return self._state == "open"
 

@@ -1,0 +1,235 @@
+"""The public API: registry, bad input, notifications, lifecycle, store options, blocking facade.
+
+Two real endpoints in one process talk over real sockets and shared memory;
+the multi-process suites live in test_conformance.py and test_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+import transport
+from transport import errors
+
+
+@pytest.fixture(params=["shm", "tcp"])
+async def pair(request, store_url, uname):
+    planes = (request.param,)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=planes, timeout=10) as a:
+        async with transport.Endpoint(uname("b"), store=store_url, planes=planes, timeout=10) as b:
+            yield a, b
+
+
+def test_public_names_are_exported():
+    for name in transport.__all__:
+        assert hasattr(transport, name), name
+    assert issubclass(transport.TransportTimeoutError, TimeoutError)
+    for cls in (transport.UnknownBufferError, transport.BufferMismatchError, transport.PeerNotFoundError,
+                transport.PeerLostError, transport.TransportTimeoutError, transport.EndpointClosedError):
+        assert issubclass(cls, transport.TransportError)
+        assert getattr(errors, cls.__name__) is cls
+
+
+async def test_register_and_buffer_specs(pair):
+    a, b = pair
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    keep = w
+    spec = b.register("w", w)
+    assert w is keep and torch.equal(w, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert spec == transport.BufferSpec("w", torch.float32, torch.Size([3, 4]), "cpu", 48)
+    assert b.buffers == {"w": spec}
+    peer = await a.connect(b.name)
+    assert isinstance(peer.buffers["w"].dtype, torch.dtype)
+    assert isinstance(peer.buffers["w"].shape, torch.Size)
+    assert peer.buffers["w"] == spec
+    # same tensor, same name: a no-op; another spec under that name: an error naming both
+    b.register("w", w)
+    with pytest.raises(transport.BufferMismatchError, match="already registered"):
+        b.register("w", torch.zeros(5))
+    b.unregister("w")
+    with pytest.raises(transport.UnknownBufferError):
+        b.unregister("w")
+    await asyncio.sleep(0.2)
+    assert "w" not in peer.buffers
+
+
+async def test_registered_parameter_keeps_working(pair):
+    a, b = pair
+    lin = torch.nn.Linear(4, 3)
+    b.register("lin.weight", lin.weight)
+    new = torch.randn(3, 4)
+    await a.put(b.name, {"lin.weight": new})
+    assert torch.equal(lin.weight.detach(), new)
+    assert lin.weight.requires_grad
+    lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is not None
+
+
+async def test_registration_after_connect_is_seen_by_the_peer(pair):
+    a, b = pair
+    await a.connect(b.name)
+    t = torch.zeros(8, dtype=torch.int64)
+    b.register("late", t)
+    await a.put(b.name, {"late": torch.arange(8)})  # the stale cache is refreshed, not an error
+    assert torch.equal(t, torch.arange(8))
+
+
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        ({"nope": torch.zeros(4)}, transport.UnknownBufferError, "no buffer named 'nope'"),
+        ({"w": torch.zeros(4, dtype=torch.float64)}, transport.BufferMismatchError, "float32"),
+        ({"w": torch.zeros(5)}, transport.BufferMismatchError, "shape"),
+        ({"w": torch.zeros(2, 2)}, transport.BufferMismatchError, "shape"),
+        ({"w": torch.zeros(8)[::2]}, transport.InvalidTensorError, "contiguous"),
+        ({"w": transport.At(torch.zeros(3), 2)}, transport.BufferMismatchError, "out of range"),
+        ({"w": transport.At(torch.zeros(1), -1)}, transport.BufferMismatchError, "offset"),
+        ({"w": [1.0, 2.0]}, transport.InvalidTensorError, "torch.Tensor"),
+        ({}, transport.InvalidTensorError, "no buffers"),
+    ],
+    ids=["unknown", "dtype", "size", "shape", "noncontig", "range", "negative", "notatensor", "empty"],
+)
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_bad_input_raises_before_any_byte_moves(pair, bad, exc, match, op):
+    a, b = pair
+    w = torch.full((4,), 7.0)
+    b.register("w", w)
+    with pytest.raises(exc, match=match):
+        await getattr(a, op)(b.name, bad)
+    assert torch.equal(w, torch.full((4,), 7.0)), "a rejected op changed the target"
+    # the next valid op on the same endpoint succeeds
+    await a.put(b.name, {"w": torch.arange(4.0)})
+    assert torch.equal(w, torch.arange(4.0))
+
+
+async def test_register_rejects_bad_tensors(pair):
+    _, b = pair
+    with pytest.raises(transport.InvalidTensorError, match="contiguous"):
+        b.register("x", torch.zeros(4, 4).t())
+    with pytest.raises(transport.InvalidTensorError):
+        b.register("x", torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(transport.InvalidTensorError):
+        b.register("", torch.zeros(2))
+    assert b.buffers == {}
+
+
+async def test_notifications_stream_and_callback(pair):
+    a, b = pair
+    b.register("w", torch.zeros(3))
+    await a.put(b.name, {"w": torch.ones(3)}, notify=b"first")
+    await a.notify(b.name, b"second")
+    got = []
+    async for note in b.notifications():
+        got.append(note)
+        if len(got) == 2:
+            break
+    assert [(n.peer, n.payload) for n in got] == [(a.name, b"first"), (a.name, b"second")]
+    seen = []
+    b.on_notification(seen.append)
+    await a.notify(b.name, b"third")
+    assert [n.payload for n in seen] == [b"third"]
+    b.on_notification(None)
+    with pytest.raises(transport.TransportTimeoutError):
+        await b.next_notification(timeout=0.1)
+    with pytest.raises(transport.InvalidTensorError):
+        await a.notify(b.name, "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(transport.InvalidTensorError):
+        await a.notify(b.name, b"x" * (2 << 20))
+
+
+async def test_use_after_close(store_url, uname):
+    ep = transport.Endpoint(uname("c"), store=store_url)
+    with pytest.raises(transport.EndpointClosedError):
+        await ep.put("x", {"w": torch.zeros(1)})
+    async with ep:
+        pass
+    for call in (ep.connect("x"), ep.put("x", {"w": torch.zeros(1)}), ep.get("x", {"w": torch.zeros(1)}),
+                 ep.notify("x", b""), ep.next_notification()):
+        with pytest.raises(transport.EndpointClosedError):
+            await call
+    with pytest.raises(transport.EndpointClosedError):
+        ep.register("w", torch.zeros(1))
+    await ep.close()  # idempotent
+
+
+async def test_pending_ops_fail_when_the_peer_closes(store_url, uname):
+    async with transport.Endpoint(uname("a"), store=store_url) as a:
+        b = transport.Endpoint(uname("b"), store=store_url)
+        await b.open()
+        b.register("w", torch.zeros(4))
+        await a.connect(b.name)
+        await b.close()
+        with pytest.raises((transport.PeerLostError, transport.PeerNotFoundError)):
+            await a.put(b.name, {"w": torch.ones(4)}, timeout=1)
+
+
+async def test_unknown_peer_times_out_as_not_found(store_url, uname):
+    async with transport.Endpoint(uname("a"), store=store_url) as a:
+        with pytest.raises(transport.PeerNotFoundError, match="no endpoint named"):
+            await a.connect("ghost", timeout=0.3)
+        with pytest.raises(transport.PeerNotFoundError):
+            await a.connect("", timeout=0.3)
+
+
+async def test_store_from_master_addr_and_store_object(monkeypatch, uname):
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    async with transport.Endpoint(uname("env")) as a:  # torchrun style
+        async with transport.Endpoint(uname("obj"), store=store) as b:
+            b.register("w", torch.zeros(2))
+            await a.put(b.name, {"w": torch.ones(2)})
+            assert torch.equal(b._registry.get("w").tensor, torch.ones(2))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="planes"):
+        transport.Endpoint("x", planes=("carrier-pigeon",))
+    with pytest.raises(ValueError):
+        transport.Endpoint("")
+    with pytest.raises(ValueError):
+        transport.Endpoint("a/b")
+
+
+async def test_store_url_must_be_tcp(uname):
+    with pytest.raises(transport.TransportError):
+        async with transport.Endpoint(uname("x"), store="http://127.0.0.1:1"):
+            pass
+
+
+def test_blocking_facade(store_url, uname):
+    with transport.BlockingEndpoint(uname("bt"), store=store_url, timeout=10) as tgt:
+        w = torch.zeros(10)
+        tgt.register("w", w)
+        with transport.BlockingEndpoint(uname("bi"), store=store_url, timeout=10) as ini:
+            src = torch.randn(10)
+            ini.put(tgt.name, {"w": src}, notify=b"hi")
+            assert torch.equal(w, src)
+            assert tgt.next_notification(5).payload == b"hi"
+            out = torch.zeros(10)
+            ini.get(tgt.name, {"w": out})
+            assert torch.equal(out, src)
+            with pytest.raises(transport.UnknownBufferError):
+                ini.put(tgt.name, {"nope": src})
+            # works from several threads at once
+            errs: list[BaseException] = []
+
+            def worker(i: int) -> None:
+                try:
+                    ini.put(tgt.name, {"w": transport.At(torch.full((1,), float(i)), i)})
+                except BaseException as e:  # noqa: BLE001
+                    errs.append(e)
+
+            ts = [threading.Thread(target=worker, args=(i,)) for i in range(10)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(30)
+            assert not errs and torch.equal(w, torch.arange(10.0))
+    with pytest.raises(transport.EndpointClosedError):
+        ini.put(tgt.name, {"w": src})
