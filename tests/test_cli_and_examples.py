@@ -1,0 +1,52 @@
+"""The command line and the examples, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_doctor_reports_planes_and_choice():
+    r = _run("-m", "transport", "doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert set(rep["planes"]) == {"shm", "tcp"}
+    assert rep["planes"]["tcp"]["available"] is True
+    for p in rep["planes"].values():
+        assert p["reason"]
+    assert "shm" in rep["choice"] and "tcp" in rep["choice"]
+    assert "found" in rep["nccl"]
+    human = _run("-m", "transport", "doctor")
+    assert human.returncode == 0 and "planes:" in human.stdout and "choice:" in human.stdout
+
+
+def test_doctor_names_the_plane_for_a_live_peer(store_url):
+    import transport
+
+    with transport.BlockingEndpoint("doctor-peer", store=store_url) as ep:
+        ep.register("w", __import__("torch").zeros(4))
+        r = _run("-m", "transport", "doctor", "--store", store_url, "--peer", "doctor-peer", "--planes", "tcp")
+    assert r.returncode == 0, r.stderr
+    assert "peer doctor-peer" in r.stdout and "plane tcp" in r.stdout
+
+
+def test_cli_usage():
+    assert _run("-m", "transport").returncode == 2
+    assert _run("-m", "transport", "bogus").returncode == 2
+    assert _run("-m", "transport", "--help").returncode == 0
+
+
+def test_example_asyncio_put_get():
+    r = _run("examples/asyncio_put_get.py", "--mib", "8", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: every byte verified" in r.stdout
+    r = _run("examples/asyncio_put_get.py", "--mib", "8", "--planes", "tcp", timeout=180)
+    assert r.returncode == 0 and "over tcp" in r.stdout, r.stdout + r.stderr

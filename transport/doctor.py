@@ -1,0 +1,172 @@
+"""``python -m transport doctor``: what this machine can use, and why.
+
+Reports versions, host identity, each data plane's availability (with a real
+cross-process shared-memory check), CUDA and NCCL as far as they are
+visible, and the plane-choice rule. With ``--store URL --peer NAME`` it
+connects to a live peer and prints the plane chosen for it and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["collect", "main"]
+
+
+def _probe_child(pid: int, fd: int, inode: int, q: Any) -> None:
+    try:
+        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        ok = os.fstat(f).st_ino == inode
+        os.close(f)
+        q.put((ok, "another process mapped this process's segment" if ok else "inode mismatch"))
+    except OSError as exc:
+        q.put((False, f"another process cannot open /proc/{pid}/fd/{fd}: {exc}"))
+
+
+def _cross_process_shm() -> tuple[bool, str]:
+    if not hasattr(os, "memfd_create"):
+        return False, "no memfd_create"
+    fd = os.memfd_create("transport-doctor", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4096)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_probe_child, args=(os.getpid(), fd, os.fstat(fd).st_ino, q), daemon=True)
+        p.start()
+        try:
+            return q.get(timeout=60)
+        except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+            return False, f"probe process gave no answer: {exc}"
+        finally:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    finally:
+        os.close(fd)
+
+
+def _nccl() -> dict[str, Any]:
+    """Where libnccl is and its version (the GPU planes are not part of this build)."""
+    candidates: list[str] = []
+    if os.environ.get("TRANSPORT_NCCL_LIB"):
+        candidates.append(os.environ["TRANSPORT_NCCL_LIB"])
+    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidates.append(str(Path(loc) / "lib" / "libnccl.so.2"))
+    candidates.append("libnccl.so.2")
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        v = ctypes.c_int()
+        if lib.ncclGetVersion(ctypes.byref(v)) == 0:
+            code = v.value
+            return {"found": True, "path": path, "version": f"{code // 10000}.{code // 100 % 100}.{code % 100}"}
+        return {"found": True, "path": path, "version": "unknown (ncclGetVersion failed)"}
+    return {"found": False, "searched": candidates}
+
+
+def collect() -> dict[str, Any]:
+    """Everything the doctor reports, as a dict."""
+    import msgspec
+    import torch
+
+    import transport
+    from transport.hostinfo import local_host
+    from transport.planes import CPU_PLANES
+
+    host = local_host()
+    planes = {}
+    for plane in CPU_PLANES:
+        ok, reason = plane.probe()
+        planes[plane.name] = {"available": ok, "reason": reason}
+    if planes["shm"]["available"]:
+        ok, reason = _cross_process_shm()
+        planes["shm"] = {"available": ok, "reason": reason}
+    cuda: dict[str, Any] = {"available": torch.cuda.is_available()}
+    if cuda["available"]:
+        cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    cuda["gpu_planes"] = "not in this build: CUDA tensors are rejected with InvalidTensorError"
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "msgspec": msgspec.__version__,
+            "transport": transport.__version__,
+        },
+        "host": {"hostname": host.hostname, "boot_id": host.boot_id, "pid_namespace": host.pid_ns},
+        "planes": planes,
+        "cuda": cuda,
+        "nccl": _nccl(),
+        "choice": "CPU buffers: shm when both endpoints allow it and share a host (same boot id and pid "
+        "namespace), otherwise tcp; Endpoint(planes=(...)) restricts the choice, and a peer no allowed "
+        "plane reaches raises PlaneUnavailableError",
+    }
+
+
+async def _peer_choice(store: str, peer: str, planes: tuple[str, ...] | None, timeout: float) -> dict[str, Any]:
+    import transport
+
+    async with transport.Endpoint(f"doctor-{os.getpid()}", store=store, planes=planes, timeout=timeout) as ep:
+        p = await ep.connect(peer, timeout=timeout)
+        return {"peer": p.name, "incarnation": hex(p.incarnation), "plane": p.plane, "reason": p.plane_reason,
+                "buffers": len(p.buffers)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m transport doctor", description=__doc__)
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--store", help="tcp://HOST:PORT of a live rendezvous store")
+    ap.add_argument("--peer", help="name of a live endpoint: report the plane chosen for it")
+    ap.add_argument("--planes", help="comma-separated planes to allow when connecting to --peer")
+    ap.add_argument("--timeout", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    report = collect()
+    if args.peer:
+        if not args.store and not os.environ.get("MASTER_ADDR"):
+            ap.error("--peer needs --store (or MASTER_ADDR/MASTER_PORT)")
+        planes = tuple(args.planes.split(",")) if args.planes else None
+        try:
+            report["peer"] = asyncio.run(_peer_choice(args.store, args.peer, planes, args.timeout))
+        except Exception as exc:  # noqa: BLE001 - the doctor reports, it does not crash
+            report["peer"] = {"peer": args.peer, "error": f"{type(exc).__name__}: {exc}"}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    v = report["versions"]
+    print(f"transport {v['transport']}  python {v['python']}  torch {v['torch']}  msgspec {v['msgspec']}")
+    h = report["host"]
+    print(f"host {h['hostname']}  boot id {h['boot_id'] or '?'}  pid namespace {h['pid_namespace']}")
+    print("planes:")
+    for name, p in report["planes"].items():
+        print(f"  {name:<5} {'yes' if p['available'] else 'NO ':<4} {p['reason']}")
+    c = report["cuda"]
+    print(f"cuda: {'available ' + ', '.join(c.get('devices', [])) if c['available'] else 'not available'}; "
+          f"{c['gpu_planes']}")
+    n = report["nccl"]
+    print(f"nccl: {n['version'] + ' at ' + n['path'] if n['found'] else 'not found'}")
+    print(f"choice: {report['choice']}")
+    if "peer" in report:
+        p = report["peer"]
+        if "error" in p:
+            print(f"peer {p['peer']}: {p['error']}")
+        else:
+            print(f"peer {p['peer']} (incarnation {p['incarnation']}, {p['buffers']} buffers): "
+                  f"plane {p['plane']} because {p['reason']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
