@@ -245,6 +245,7 @@ class Channel:
         self._lock = threading.Lock()
         self._wq: queue.SimpleQueue[tuple[list[Any], Op | None, Any] | None] = queue.SimpleQueue()
         self.last_rx = self.last_tx = time.monotonic()
+        self._serving: Record | None = None  # target record the reader is working on
         self._reader = threading.Thread(target=self._read_loop, name=f"transport-rx-{self.peer_name}", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name=f"transport-tx-{self.peer_name}", daemon=True)
         self.peer = Peer(self)
@@ -465,14 +466,22 @@ class Channel:
                 msg = self._read_frame()
                 self._dispatch(msg)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
+            self._fail_serving(exc)
             if self.is_open:
                 log.error("protocol error on channel %s from %r: %s; closing the channel", self.id, self.peer_name, exc)
             self.lose(exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc)))
         except (EOFError, OSError) as exc:
+            self._fail_serving(exc)
             self.lose(PeerLostError(f"connection to {self.peer_name!r} lost: {exc}"))
         except BaseException as exc:  # a bug: never leave the peer hanging
+            self._fail_serving(exc)
             log.exception("channel %s reader crashed", self.id)
             self.lose(PeerLostError(f"channel reader crashed: {exc!r}"))
+
+    def _fail_serving(self, exc: BaseException) -> None:
+        rec, self._serving = self._serving, None
+        if rec is not None:
+            self.recorder.update(rec, OpState.FAILED, exc)
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Put):
@@ -510,7 +519,7 @@ class Channel:
         nbytes = 0
         for it in items:
             nbytes += self._item_bytes(it)
-        return self.recorder.record(
+        self._serving = self.recorder.record(
             op_id=msg.op_id,
             channel=self.id,
             seq=msg.seq,
@@ -523,6 +532,7 @@ class Channel:
             plane=plane,
             state=OpState.RECEIVED,
         )
+        return self._serving
 
     @staticmethod
     def _item_bytes(it: Item) -> int:
@@ -570,13 +580,22 @@ class Channel:
                     if n:
                         self._recv_into(buf.byte_view()[off : off + n])
         if error is not None:
-            self.recorder.update(rec, OpState.REJECTED, error)
-            self.send(Fail(msg.op_id, error_kind(error), str(error)))
+            self._reject(rec, msg.op_id, error)
             return
-        if msg.notify is not None:
-            self.core.deliver(Notification(self.peer_name, msg.notify, msg.op_id))
-        self.recorder.update(rec, OpState.DONE)
+        if msg.notify is not None and not self.core.deliver(Notification(self.peer_name, msg.notify, msg.op_id)):
+            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered"))
+            return
+        self._done(rec)
         self.send(Ack(msg.op_id))
+
+    def _done(self, rec: Record) -> None:
+        self.recorder.update(rec, OpState.DONE)
+        self._serving = None
+
+    def _reject(self, rec: Record, op_id: int, error: TransportError) -> None:
+        self.recorder.update(rec, OpState.REJECTED, error)
+        self._serving = None
+        self.send(Fail(op_id, error_kind(error), str(error)))
 
     def _serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, "tcp")
@@ -585,12 +604,11 @@ class Channel:
         except ProtocolError:
             raise
         except TransportError as exc:
-            self.recorder.update(rec, OpState.REJECTED, exc)
-            self.send(Fail(msg.op_id, error_kind(exc), str(exc)))
+            self._reject(rec, msg.op_id, exc)
             return
         views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
         self.send(Data(msg.op_id), views, keep=[buf for buf, _, _ in ranges])
-        self.recorder.update(rec, OpState.DONE)
+        self._done(rec)  # queued for the writer; the initiator's record says when it arrived
 
     def _take_data(self, msg: Data) -> None:
         with self._lock:
@@ -609,8 +627,10 @@ class Channel:
         rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
         if len(msg.payload) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
-        self.core.deliver(Notification(self.peer_name, msg.payload, msg.op_id))
-        self.recorder.update(rec, OpState.DONE)
+        if not self.core.deliver(Notification(self.peer_name, msg.payload, msg.op_id)):
+            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered"))
+            return
+        self._done(rec)
         self.send(Ack(msg.op_id))
 
     def _take_registry(self, msg: Registry) -> None:

@@ -92,6 +92,7 @@ class FlightRecorder:
         self.capacity = capacity
         self._ring: collections.deque[Record] = collections.deque(maxlen=capacity)
         self._ids = itertools.count(1)
+        self._dumps = itertools.count(1)
         self._lock = threading.Lock()
 
     def record(
@@ -134,7 +135,9 @@ class FlightRecorder:
     def update(self, rec: Record, state: OpState, error: BaseException | str | None = None) -> None:
         now = time.time()
         with self._lock:
-            if rec.state in _STICKY:
+            if rec.state in _STICKY:  # final for the caller; a late event is kept in the history
+                if state.value != rec.state:
+                    rec.history.append((f"late:{state.value}", now))
                 return
             rec.state = state.value
             rec.t_updated = now
@@ -152,7 +155,7 @@ class FlightRecorder:
             d = default_dump_dir()
             d.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            path = d / f"fr-{self.endpoint}-{os.getpid()}-{stamp}-{next(self._ids)}.json"
+            path = d / f"fr-{self.endpoint}-{os.getpid()}-{stamp}-{next(self._dumps)}.json"
         path = Path(path)
         doc = {
             "format": "transport-flight-recorder/1",
