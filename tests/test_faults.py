@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import io
 import json
 import logging
 import signal
@@ -13,6 +15,7 @@ import pytest
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor
+from transport.fr_analyze import main as fr_main
 
 PLANES = ["shm", "tcp"]
 
@@ -62,13 +65,23 @@ async def test_sigstop_times_out_at_the_deadline_and_dumps(store_url, uname, pla
             await ep.connect(frozen.name)
             frozen.signal(signal.SIGSTOP)
             t0 = time.monotonic()
+            put = asyncio.ensure_future(ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 3)}, timeout=2.0))
+            await asyncio.sleep(0.5)
+            # a dump taken on request while the op is stuck shows it in flight, and fr names it
+            live = ep.dump_flight_recorder(tmp_path / "live.json")
+            recs = json.loads(live.read_text())["records"]
+            assert [r["state"] for r in recs if r["kind"] == "put"][-1] in ("posted", "sent")
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert fr_main([str(live)]) == 1
+            assert "STALLED: put" in out.getvalue() and frozen.name in out.getvalue(), out.getvalue()
             with pytest.raises(transport.TransportTimeoutError) as info:
-                await ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 3)}, timeout=2.0)
+                await put
             elapsed = time.monotonic() - t0
             assert isinstance(info.value, TimeoutError)
             assert 1.9 <= elapsed < 4.0, elapsed
             # the timeout dumped the flight recorder, with the stuck op in it
-            dumps = list(tmp_path.glob("fr-*.json"))
+            dumps = sorted(tmp_path.glob("fr-*.json"))
             assert dumps, "no flight recorder dump on timeout"
             recs = json.loads(dumps[0].read_text())["records"]
             stuck = [r for r in recs if r["kind"] == "put" and r["peer"] == frozen.name]
