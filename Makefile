@@ -26,3 +26,4 @@ doctor: setup
 
 lint: setup
 	$(VENV)/bin/ruff check transport rl_sync tests examples bench
+	$(VENV)/bin/mypy transport

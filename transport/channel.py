@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
@@ -47,8 +47,8 @@ import torch
 from .errors import (
     ERROR_KINDS,
     EndpointClosedError,
-    Phase,
     PeerLostError,
+    Phase,
     ProtocolError,
     RemoteError,
     TransportError,
@@ -57,7 +57,7 @@ from .errors import (
 )
 from .flight_recorder import OpKind, OpState, Record
 from .ranges import resolve_item
-from .registry import BufferSpec, dtype_from_name, tensor_bytes
+from .registry import BufferSpec, dtype_from_name
 from .wire import (
     MAX_NOTIFY,
     PROTOCOL_VERSION,
@@ -130,7 +130,7 @@ class Op:
         self.channel._settle(self, None)
 
 
-class CoreProtocol:
+class CoreProtocol(Protocol):
     """What a channel needs from its endpoint (implemented by ``Endpoint``)."""
 
     name: str

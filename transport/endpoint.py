@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import signal as _signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -25,9 +24,9 @@ from .errors import (
     BufferMismatchError,
     EndpointClosedError,
     InvalidTensorError,
-    Phase,
     PeerLostError,
     PeerNotFoundError,
+    Phase,
     PlaneUnavailableError,
     ProtocolError,
     TransportError,
@@ -426,7 +425,7 @@ class Endpoint:
                     raise TimeoutError
                 hello = self._hello(channel_id)
                 remote = await asyncio.to_thread(handshake, sock, hello, remaining, dialer=True)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 sock.close()
                 raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
             except (OSError, EOFError) as exc:

@@ -184,10 +184,10 @@ def load_dump(path: str | Path) -> Dump:
     endpoint = doc.get("endpoint")
     if not isinstance(endpoint, str) or not endpoint:
         raise ValueError(f"{p}: endpoint must be a non-empty string, got {endpoint!r}")
-    capacity = doc.get("capacity")
+    capacity: Any = doc.get("capacity")
     if not _is_int(capacity) or capacity < 1:
         raise ValueError(f"{p}: capacity must be a positive integer, got {capacity!r}")
-    dumped_at = doc.get("dumped_at")
+    dumped_at: Any = doc.get("dumped_at")
     if not _is_num(dumped_at):
         raise ValueError(f"{p}: dumped_at must be a number, got {dumped_at!r}")
     for key, ok in (("incarnation", _is_int), ("pid", _is_int), ("host", lambda v: isinstance(v, str)),

@@ -103,7 +103,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(bytearray(0))
     flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def check_tensor(name: str, tensor: object) -> torch.Tensor:

@@ -6,6 +6,7 @@ Only CPU planes exist in this build: ``shm`` (same host) and ``tcp`` (any host).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from ..errors import PlaneUnavailableError
 from ..wire import HostInfo
@@ -22,13 +23,13 @@ CPU_PLANES: tuple[type[DataPlane], ...] = (ShmPlane, TcpPlane)
 PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
 
 
-def validate_planes(planes: object) -> tuple[str, ...]:
+def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:
     """Normalise the ``planes=`` argument of an endpoint; ``ValueError`` if it names unknown planes."""
     if planes is None:
         return tuple(PLANES)
-    if isinstance(planes, str) or not all(isinstance(p, str) for p in planes):  # type: ignore[union-attr]
+    out: tuple[str, ...] = tuple(planes) if not isinstance(planes, str) else ()
+    if isinstance(planes, str) or not all(isinstance(p, str) for p in out):
         raise ValueError(f"planes must be a sequence of plane names such as ('tcp',), got {planes!r}")
-    out = tuple(planes)  # type: ignore[arg-type]
     unknown = [p for p in out if p not in PLANES]
     if unknown or not out:
         raise ValueError(f"unknown planes {unknown or out!r}; known: {sorted(PLANES)}")
