@@ -2,9 +2,10 @@
 
 A channel owns one TCP connection to one incarnation of a peer and two
 threads: a *reader* that parses frames (and receives bulk bytes straight into
-registered tensors) and a *writer* that sends queued frames in order. Threads
-keep blocking socket I/O, and the GIL-free ``recv_into``/``sendall`` of large
-payloads, off the event loop; they report to the loop with
+registered tensors) and the writer of its :class:`~transport.sender.Sender`,
+which sends frames in order (small ones go straight from the calling thread).
+Threads keep blocking socket I/O, and the GIL-free ``recv_into``/``sendall``
+of large payloads, off the event loop; they report to the loop with
 ``call_soon_threadsafe``.
 
 Theory of operation (channel states)::
@@ -33,7 +34,6 @@ import asyncio
 import enum
 import itertools
 import logging
-import queue
 import socket
 import threading
 import time
@@ -58,6 +58,7 @@ from .errors import (
 from .flight_recorder import OpKind, OpState, Record
 from .ranges import resolve_item
 from .registry import BufferSpec, dtype_from_name
+from .sender import Sender
 from .wire import (
     MAX_NOTIFY,
     PROTOCOL_VERSION,
@@ -111,7 +112,7 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "channel", "dests", "future", "keep", "kind", "op_id", "record", "seq")
+    __slots__ = ("abandoned", "channel", "dests", "future", "keep", "kind", "on_wire", "op_id", "record", "seq")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record) -> None:
         self.channel = channel
@@ -123,6 +124,7 @@ class Op:
         self.dests: list[memoryview] | None = None  # tcp get: where the reply's bytes go
         self.keep: Any = None  # tensors referenced until the op is over
         self.abandoned = False
+        self.on_wire = False  # its header was handed to the sender
 
     def complete_local(self) -> None:
         """Complete from the event loop (a plane that needed no reply)."""
@@ -243,16 +245,15 @@ class Channel:
         self._seq = itertools.count(1)
         self._pending: dict[int, Op] = {}
         self._lock = threading.Lock()
-        self._wq: queue.SimpleQueue[tuple[list[Any], Op | None, Any] | None] = queue.SimpleQueue()
-        self.last_rx = self.last_tx = time.monotonic()
+        self._tx = Sender(sock, self.peer_name, self._send_failed)
+        self.last_rx = time.monotonic()
         self._serving: Record | None = None  # target record the reader is working on
         self._reader = threading.Thread(target=self._read_loop, name=f"transport-rx-{self.peer_name}", daemon=True)
-        self._writer = threading.Thread(target=self._write_loop, name=f"transport-tx-{self.peer_name}", daemon=True)
         self.peer = Peer(self)
 
     def start(self) -> None:
         self._reader.start()
-        self._writer.start()
+        self._tx.start()
 
     @property
     def is_open(self) -> bool:
@@ -283,11 +284,28 @@ class Channel:
             self._pending[op_id] = op
         return op
 
-    def send(self, msg: Message, payload: Sequence[memoryview] = (), *, op: Op | None = None, keep: Any = None) -> None:
-        """Queue ``msg`` (and raw ``payload`` behind it) for the writer thread. Never blocks."""
+    def send(self, msg: Message, payload: Sequence[memoryview] = (), *, op: Op | None = None,
+             direct: bool = True) -> None:
+        """Send ``msg`` (and raw ``payload`` behind it) after everything sent before. Never blocks.
+
+        Small frames go out from the calling thread; the rest through the writer thread.
+        """
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
-        self._wq.put(([encode_frame(msg), *payload], op, keep))
+        on_sent = None
+        if op is not None:
+            op.on_wire = True
+            rec = op.record
+            on_sent = lambda: self.recorder.update(rec, OpState.SENT)  # noqa: E731
+        if not self._tx.submit([encode_frame(msg), *payload], on_sent, direct=direct):
+            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
+
+    def _send_failed(self, exc: OSError) -> None:
+        self.lose(PeerLostError(f"sending to {self.peer_name!r} failed: {exc}"))
+
+    @property
+    def last_tx(self) -> float:
+        return self._tx.last_tx
 
     async def run(self, op: Op, start: Callable[[], Any], deadline: float) -> None:
         """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``.
@@ -302,7 +320,7 @@ class Channel:
                 await start()
                 await op.future
         except TimeoutError:
-            op.abandoned = True
+            self._abandon(op)
             self.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.peer_name!r} did not complete before "
@@ -312,13 +330,11 @@ class Channel:
             self.core.on_timeout(self, op, exc)
             raise exc from None
         except asyncio.CancelledError:
-            op.abandoned = True
+            self._abandon(op)
             self.recorder.update(op.record, OpState.CANCELLED)
             raise
         except BaseException as exc:
-            op.abandoned = True
-            if op.dests is None:  # a get's reply must still be consumed by the reader
-                self._pop(op.op_id)
+            self._abandon(op)
             self.recorder.update(op.record, OpState.FAILED, exc)
             raise
 
@@ -330,6 +346,14 @@ class Channel:
             self.send(Sync(op.op_id), op=op)
 
         await self.run(op, _send, deadline)
+
+    def _abandon(self, op: Op) -> None:
+        """The caller stopped waiting. An op whose header went out stays in the table until its
+        reply arrives (a get's payload must still be consumed); one that never reached the
+        wire is forgotten now."""
+        op.abandoned = True
+        if not op.on_wire:
+            self._pop(op.op_id)
 
     def _pop(self, op_id: int) -> Op | None:
         with self._lock:
@@ -380,7 +404,7 @@ class Channel:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._wq.put(None)
+        self._tx.close()
         for op in pending:
             self._settle_from_thread(op, exc)
         try:
@@ -394,45 +418,20 @@ class Channel:
 
     def close(self, reason: str, timeout: float = 1.0) -> None:
         """Orderly close (event loop): say Bye, then break with :class:`EndpointClosedError`."""
-        if self.is_open:
-            done = threading.Event()
-            self._wq.put(([encode_frame(Bye(reason))], None, done))
-            done.wait(min(timeout, 1.0))
+        if self.is_open and self._tx.submit([encode_frame(Bye(reason))]):
+            self._tx.flush(min(timeout, 1.0))
         self.lose(EndpointClosedError(f"endpoint {self.core.name!r} closed the channel: {reason}"))
 
     def join(self, timeout: float) -> None:
         """Wait (bounded) for both threads to finish, then close the socket."""
         end = time.monotonic() + timeout
-        for t in (self._writer, self._reader):
-            if t.is_alive() and t is not threading.current_thread():
-                t.join(max(0.0, end - time.monotonic()))
+        self._tx.join(timeout)
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(max(0.0, end - time.monotonic()))
         try:
             self._sock.close()
         except OSError:
             pass
-
-    # ---------------------------------------------------------------- writer thread
-    def _write_loop(self) -> None:
-        while True:
-            job = self._wq.get()
-            if job is None:
-                return
-            frames, op, keep = job
-            if self.state is not ChannelState.OPEN:
-                if isinstance(keep, threading.Event):
-                    keep.set()
-                continue
-            try:
-                for f in frames:
-                    self._sock.sendall(f)
-            except OSError as exc:
-                self.lose(PeerLostError(f"sending to {self.peer_name!r} failed: {exc}"))
-                continue
-            self.last_tx = time.monotonic()
-            if isinstance(keep, threading.Event):
-                keep.set()
-            if op is not None:
-                self.recorder.update(op.record, OpState.SENT)
 
     # ---------------------------------------------------------------- reader thread
     def _recv_into(self, view: memoryview) -> None:
@@ -607,7 +606,7 @@ class Channel:
             self._reject(rec, msg.op_id, exc)
             return
         views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
-        self.send(Data(msg.op_id), views, keep=[buf for buf, _, _ in ranges])
+        self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
         self._done(rec)  # queued for the writer; the initiator's record says when it arrived
 
     def _take_data(self, msg: Data) -> None:

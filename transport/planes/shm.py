@@ -89,13 +89,6 @@ def _map(handle: ShmHandle) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.numel() * dst.element_size() >= THREAD_COPY_BYTES:
-        await asyncio.to_thread(dst.copy_, src)
-    else:
-        dst.copy_(src)
-
-
 class ShmPlane(DataPlane):
     name = "shm"
     inline_payload = False
@@ -139,16 +132,38 @@ class ShmPlane(DataPlane):
         start = item.offset * itemsize
         return seg[start : start + item.count * itemsize]
 
+    def _mapped(self, item: Item) -> bool:
+        wb = self.channel.remote_wire.get(item.name)
+        cached = self._maps.get(item.name)
+        return wb is not None and wb.shm is not None and cached is not None and cached[0] == wb.shm.inode
+
+    async def _run_copies(self, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> None:
+        """All copies of one op in one go: on a worker thread when they are large or a
+        segment still has to be mapped (mapping with MAP_POPULATE takes a while)."""
+        jobs = [(item, t) for item, t in pairs if item.count]
+        if not jobs:
+            return
+
+        def work() -> None:
+            for item, t in jobs:
+                remote = self._view(item).view(t.dtype)
+                if into_peer:
+                    remote.copy_(t.reshape(-1))
+                else:
+                    t.reshape(-1).copy_(remote)
+
+        total = sum(t.numel() * t.element_size() for _, t in jobs)
+        if total >= THREAD_COPY_BYTES or not all(self._mapped(it) for it, _ in jobs):
+            await asyncio.to_thread(work)
+        else:
+            work()
+
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
-        for item, t in pairs:
-            if item.count:
-                await _copy(self._view(item).view(t.dtype), t.reshape(-1))
+        await self._run_copies(pairs, into_peer=True)
         self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify), op=op)
 
     async def get(self, op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
-        for item, t in pairs:
-            if item.count:
-                await _copy(t.reshape(-1), self._view(item).view(t.dtype))
+        await self._run_copies(pairs, into_peer=False)
         op.complete_local()
 
     def forget(self, name: str) -> None:

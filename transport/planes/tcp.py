@@ -38,7 +38,8 @@ class TcpPlane(DataPlane):
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
         header = Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify)
         payload = [tensor_bytes(t) for _, t in pairs if t.numel()]
-        self.channel.send(header, payload, op=op, keep=[t for _, t in pairs])
+        op.keep = [t for _, t in pairs]
+        self.channel.send(header, payload, op=op)
 
     async def get(self, op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         op.dests = [tensor_bytes(t) for _, t in pairs]

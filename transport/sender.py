@@ -1,0 +1,153 @@
+"""Ordered sending on one socket: a writer thread plus a fast path.
+
+Frames go out in the order they are submitted. Large submissions are queued
+for the writer thread, which blocks in ``sendall`` (GIL released) so that
+neither the event loop nor a channel's reader ever blocks on a slow peer.
+Small submissions made while nothing is queued or being sent go out at once
+from the calling thread with one non-blocking ``sendmsg``; whatever the
+kernel did not take is put at the *front* of the queue, so order holds. The
+fast path saves a thread hand-off per op, which is most of the cost of a
+small op.
+
+``busy`` marks that someone owns the socket for sending (the writer or a
+fast-path caller); the writer waits while it is set.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["DIRECT_MAX", "Sender"]
+
+DIRECT_MAX = 64 * 1024  # bytes a fast-path submission may carry
+_DIRECT_MAX_PARTS = 64  # and buffers
+
+
+@dataclass
+class _Job:
+    frames: list[bytes | memoryview]
+    on_sent: Callable[[], None] | None
+
+
+def _remainder(frames: Sequence[bytes | memoryview], sent: int) -> list[bytes | memoryview]:
+    out: list[bytes | memoryview] = []
+    for f in frames:
+        n = len(f)
+        if sent >= n:
+            sent -= n
+            continue
+        out.append(memoryview(f)[sent:] if sent else f)
+        sent = 0
+    return out
+
+
+class Sender:
+    """Sends frames on ``sock`` in submission order. ``on_error`` is called once on a socket error."""
+
+    def __init__(self, sock: socket.socket, name: str, on_error: Callable[[OSError], None]) -> None:
+        self._sock = sock
+        self._on_error = on_error
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._busy = False
+        self._closed = False
+        self.last_tx = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"transport-tx-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, frames: list[bytes | memoryview], on_sent: Callable[[], None] | None = None, *,
+               direct: bool = True) -> bool:
+        """Send ``frames`` after everything submitted before. Never blocks on the socket.
+
+        Returns False if the sender is closed (nothing is sent).
+        """
+        with self._cond:
+            if self._closed:
+                return False
+            fast = (
+                direct
+                and not self._busy
+                and not self._jobs
+                and len(frames) <= _DIRECT_MAX_PARTS
+                and sum(len(f) for f in frames) <= DIRECT_MAX
+            )
+            if not fast:
+                self._jobs.append(_Job(frames, on_sent))
+                self._cond.notify()
+                return True
+            self._busy = True
+        try:
+            sent = self._sock.sendmsg(frames, (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            self._on_error(exc)
+            return True
+        rest = _remainder(frames, sent)
+        with self._cond:
+            self._busy = False
+            if rest:
+                self._jobs.appendleft(_Job(rest, on_sent))
+            self._cond.notify_all()
+        if not rest:
+            self.last_tx = time.monotonic()
+            if on_sent is not None:
+                on_sent()
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything submitted so far has been sent (bounded); True if it was."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Drop queued frames and stop the writer (a send in progress ends when the socket is shut down)."""
+        with self._cond:
+            self._closed = True
+            self._jobs.clear()
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while (self._busy or not self._jobs) and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                for f in job.frames:
+                    self._sock.sendall(f)
+            except OSError as exc:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+                self._on_error(exc)
+                return
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            self.last_tx = time.monotonic()
+            if job.on_sent is not None:
+                job.on_sent()
