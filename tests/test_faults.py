@@ -174,3 +174,24 @@ async def test_unknown_peer_is_reported(store_url, uname):
         with pytest.raises(transport.PeerNotFoundError):
             await ep.put("nobody-" + uname("x"), {"w": make_tensor("float32", (1,), 0)}, timeout=0.5)
         assert time.monotonic() - t0 < 3
+
+
+async def test_flight_recorder_dumps_on_signal(store_url, uname, tmp_path):
+    tgt = RemoteEndpoint(uname("sig"), store=store_url, dump_signal=signal.SIGUSR1, dump_dir=str(tmp_path))
+    try:
+        tgt.call("register", "w", "float32", (8,))
+        async with transport.Endpoint(uname("ini"), store=store_url) as ep:
+            await ep.put(tgt.name, {"w": make_tensor("float32", (8,), 11)})
+            tgt.signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 20
+            while not list(tmp_path.glob("fr-*.json")):
+                assert time.monotonic() < deadline, "no dump after SIGUSR1"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # the dump is written atomically; let the rename land
+            doc = json.loads(next(tmp_path.glob("fr-*.json")).read_text())
+            assert doc["reason"] == "signal" and doc["endpoint"] == tgt.name
+            rec = [r for r in doc["records"] if r["kind"] == "put"][-1]
+            assert rec["role"] == "target" and rec["state"] == "done" and rec["initiator"] == ep.name
+            assert tgt.proc.is_alive()
+    finally:
+        tgt.stop()

@@ -62,7 +62,7 @@ def _closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
                 return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

@@ -1,0 +1,965 @@
+#!/usr/bin/env python
+"""Throughput and latency of ``transport`` against the machine's limits and today's alternatives.
+
+Usage::
+
+    python bench/bench_transport.py [--quick] [--max-mib N] [--threads N] [--rounds N] [--json PATH]
+
+This is a benchmark, not a test: it never asserts on a number. It prints a
+table and a "targets" section (PASS/MISS) and writes everything as JSON
+(default ``bench/results/transport.json``, git-ignored).
+
+Every measurement runs between real processes started with the ``spawn``
+method; the orchestrator (this process) only starts phases, collects their
+results over queues and kills whatever is left when a phase ends. Each phase
+has a deadline; a phase that misses it or crashes becomes an error row and
+the run goes on.
+
+Phases (each one runs ``--rounds`` times, default 3, in an order rotated
+every round, and the repetitions of all rounds are pooled, so that a slow
+drift of a shared machine spreads over every case instead of biasing one):
+
+* ``copy_``: ``dst.copy_(src)`` in one process, per size: the memcpy limit
+  that the ``shm`` plane (which copies straight into the peer's mapping)
+  is compared with.
+* raw socket: two processes, blocking ``sendall`` of the buffer over
+  loopback, receiver ``recv_into`` a preallocated, pre-touched buffer, then a
+  1-byte ack back (so the timing is "until the receiver holds the bytes",
+  the same completion rule as ``transport``'s ``put``). Plus a 4 KiB
+  send+ack round trip, the floor for the latency row.
+* Gloo: two ranks of ``torch.distributed`` over loopback; ``send``/``recv``
+  per size (+ 1-element ack), and the state dict pushed with one
+  ``broadcast`` per tensor (+ ack), which is what RL frameworks do today.
+* transport ``shm`` and ``tcp``: a target process registers one float32
+  buffer per size (then unregisters it, so at most one size is alive at a
+  time) and idles; an initiator process times ``await ep.put`` and
+  ``await ep.get``, then the state dict in one call with a dict of all
+  names, then 4 KiB put/get round trips. Both endpoints are forced onto
+  the plane with ``planes=(plane,)``. After the timed gets, the fetched
+  bytes are compared with what was put (a run with a mismatch says so).
+* ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
+  reported as unavailable, with the ImportError, when it cannot be imported.
+
+Throughput is bytes / seconds in GB/s (1e9 bytes/s); the reported figure is
+the median of the timed repetitions after warm-up (the best one is in the
+JSON and in the "best" column). ``torch.set_num_threads(--threads)`` is set
+the same way in every benchmark process (default: half the usable cores, at
+least 1, since every measurement keeps two processes busy; more OpenMP
+threads than free cores makes parallel ``copy_`` calls stall on a
+descheduled thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import functools
+import importlib
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+FULL_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
+QUICK_SIZES_MIB = (1, 4, 16)
+TARGET_NAME = "bench-target"
+INIT_NAME = "bench-initiator"
+LAT_BYTES = 4096
+STARTUP_TIMEOUT = 60.0  # a child waiting for its peer's address / store url
+CMD_TIMEOUT = 120.0  # a target waiting for its next command
+OP_TIMEOUT = 120.0  # transport endpoint timeout of every op
+
+CTX = mp.get_context("spawn")
+
+
+# ---------------------------------------------------------------------------- configuration
+def make_config(args: argparse.Namespace) -> dict[str, Any]:
+    quick = bool(args.quick)
+    sizes_mib: tuple[int, ...] = QUICK_SIZES_MIB if quick else FULL_SIZES_MIB
+    if args.max_mib is not None:
+        sizes_mib = tuple(s for s in sizes_mib if s <= args.max_mib)
+    sizes = [s * MiB for s in sizes_mib]
+    rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
+    if quick:
+        reps = {s: 3 for s in sizes}
+        warm = {s: 1 for s in sizes}
+        sd = {"d": 128, "layers": 24, "vocab": 8192, "ctx": 256}
+        sd_reps, sd_warm = 3, 1
+        lat_iters, lat_warm = 200, 20
+        phase_timeout = 90.0
+    else:
+        # per round: about 1 GiB / rounds timed per (case, size); over all rounds 6 to 60 repetitions
+        reps = {s: max(2, min(20, math.ceil(GiB / rounds / s))) for s in sizes}
+        warm = {s: 2 if s < 64 * MiB else 1 for s in sizes}
+        sd = {"d": 384, "layers": 24, "vocab": 32000, "ctx": 1024}
+        sd_reps, sd_warm = max(2, math.ceil(12 / rounds)), 1
+        lat_iters, lat_warm = math.ceil(1200 / rounds), 100
+        phase_timeout = 300.0
+    shapes = state_dict_shapes(**sd)
+    return {
+        "mode": "quick" if quick else "full",
+        "threads": int(args.threads),
+        "rounds": rounds,
+        "sizes": sizes,
+        "reps": {str(k): v for k, v in reps.items()},
+        "warmup": {str(k): v for k, v in warm.items()},
+        "statedict": {
+            "model": sd,
+            "shapes": shapes,
+            "tensors": len(shapes),
+            "nbytes": sum(4 * math.prod(s) for _, s in shapes),
+            "reps": sd_reps,
+            "warmup": sd_warm,
+        },
+        "latency": {"bytes": LAT_BYTES, "iters": lat_iters, "warmup": lat_warm},
+        "phase_timeout_s": phase_timeout,
+    }
+
+
+def state_dict_shapes(d: int, layers: int, vocab: int, ctx: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a small GPT-like transformer (12 tensors per layer)."""
+    shapes: list[tuple[str, tuple[int, ...]]] = [("tok_emb.weight", (vocab, d)), ("pos_emb.weight", (ctx, d))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes += [
+            (p + "ln1.weight", (d,)),
+            (p + "ln1.bias", (d,)),
+            (p + "attn.qkv.weight", (3 * d, d)),
+            (p + "attn.qkv.bias", (3 * d,)),
+            (p + "attn.out.weight", (d, d)),
+            (p + "attn.out.bias", (d,)),
+            (p + "ln2.weight", (d,)),
+            (p + "ln2.bias", (d,)),
+            (p + "mlp.fc1.weight", (4 * d, d)),
+            (p + "mlp.fc1.bias", (4 * d,)),
+            (p + "mlp.fc2.weight", (d, 4 * d)),
+            (p + "mlp.fc2.bias", (d,)),
+        ]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    return shapes
+
+
+def _reps(cfg: dict[str, Any], size: int) -> tuple[int, int]:
+    return cfg["warmup"][str(size)], cfg["reps"][str(size)]
+
+
+def _pattern(numel: int, offset: float = 0.0) -> torch.Tensor:
+    t = torch.arange(numel, dtype=torch.float32)
+    if offset:
+        t.add_(offset)
+    return t
+
+
+def _statedict_tensors(shapes: list[tuple[str, tuple[int, ...]]], fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, (name, shape) in enumerate(shapes):
+        if fill:
+            out[name] = _pattern(math.prod(shape), float(i)).reshape(shape)
+        else:
+            out[name] = torch.zeros(shape, dtype=torch.float32)
+    return out
+
+
+def _time_sync(fn: Any, warmup: int, reps: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _time_async(fn: Any, warmup: int, reps: int) -> list[float]:
+    for _ in range(warmup):
+        await fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("peer closed the connection")
+        got += k
+
+
+def _tensor_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- child process plumbing
+def _child_main(role: str, fn_name: str, threads: int, result_q: Any, args: tuple[Any, ...]) -> None:
+    """Entry point of every benchmark process: set threads, run, report result or traceback."""
+    try:
+        torch.set_num_threads(threads)
+        out = globals()[fn_name](*args)
+        result_q.put(("result", role, out))
+    except BaseException:  # report everything, including KeyboardInterrupt, then exit non-zero
+        result_q.put(("error", role, f"{role} (pid {os.getpid()}): {traceback.format_exc()}"))
+        sys.exit(1)
+
+
+class PhaseError(RuntimeError):
+    pass
+
+
+STRAGGLERS: list[str] = []  # processes killed by the orchestrator, for the report
+
+
+def _reap(procs: list[Any], grace: float) -> None:
+    """Join every process within ``grace`` s, then terminate/kill the stragglers (bounded)."""
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            STRAGGLERS.append(f"{p.name} (pid {p.pid})")
+            p.terminate()
+            p.join(3.0)
+            if p.is_alive():
+                p.kill()
+                p.join(3.0)
+
+
+def run_phase(name: str, roles: list[tuple[str, str, tuple[Any, ...]]], cfg: dict[str, Any],
+              queues: int = 0) -> dict[str, Any]:
+    """Start one process per role (``role, function name, args``), each getting ``queues``
+    extra shared queues appended to its args; wait (bounded) for every role's result."""
+    timeout = cfg["phase_timeout_s"]
+    result_q = CTX.Queue()
+    extra = tuple(CTX.Queue() for _ in range(queues))
+    procs = []
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    ok = False
+    try:
+        for role, fn_name, args in roles:
+            p = CTX.Process(target=_child_main, name=f"bench-{name}-{role}",
+                            args=(role, fn_name, cfg["threads"], result_q, (*args, *extra)), daemon=True)
+            p.start()
+            procs.append(p)
+        want = {r for r, _, _ in roles}
+        all_exited_at: float | None = None
+        while want - results.keys():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PhaseError(f"phase {name!r} timed out after {timeout:.0f} s waiting for "
+                                 f"{sorted(want - results.keys())}")
+            try:
+                kind, role, payload = result_q.get(timeout=min(0.5, remaining))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    # give its traceback a moment to arrive before blaming the exit code
+                    try:
+                        kind, role, payload = result_q.get(timeout=2.0)
+                    except queue.Empty:
+                        raise PhaseError(f"{dead[0].name} died with exit code {dead[0].exitcode}") from None
+                elif all(p.exitcode is not None for p in procs):
+                    all_exited_at = all_exited_at or time.monotonic()
+                    if time.monotonic() - all_exited_at > 3.0:
+                        raise PhaseError(f"phase {name!r}: every process exited without reporting "
+                                         f"{sorted(want - results.keys())}") from None
+                    continue
+                else:
+                    continue
+            if kind == "error":
+                raise PhaseError(payload)
+            results[role] = payload
+        ok = True
+        return results
+    finally:
+        # after a success the processes are closing their endpoints: let them; after a failure, don't wait
+        _reap(procs, grace=15.0 if ok else 2.0)
+        for q in (result_q, *extra):
+            q.close()
+            q.cancel_join_thread()
+
+
+# ---------------------------------------------------------------------------- peer (a): copy_
+def peer_copy(cfg: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"sizes": {}, "torch_threads": torch.get_num_threads()}
+    for size in cfg["sizes"]:
+        n = size // 4
+        src = _pattern(n)
+        dst = torch.zeros(n, dtype=torch.float32)
+        w, r = _reps(cfg, size)
+        out["sizes"][str(size)] = _time_sync(functools.partial(dst.copy_, src), w, r)
+        del src, dst
+    # the state dict copied tensor by tensor: the memcpy limit of the shm state-dict put
+    sd = cfg["statedict"]
+    srcs = _statedict_tensors(sd["shapes"], fill=True)
+    dsts = _statedict_tensors(sd["shapes"], fill=False)
+
+    def loop() -> None:
+        for k, t in srcs.items():
+            dsts[k].copy_(t)
+
+    out["statedict"] = _time_sync(loop, sd["warmup"], sd["reps"])
+    return out
+
+
+# ---------------------------------------------------------------------------- peer (b): raw socket
+def peer_raw_receiver(cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    srv.settimeout(STARTUP_TIMEOUT)
+    conn, _ = srv.accept()
+    srv.close()
+    conn.settimeout(None)  # blocking, like transport's channel sockets; the phase deadline bounds it
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = b"\x01"
+    for size in cfg["sizes"]:
+        buf = torch.zeros(size, dtype=torch.uint8)
+        view = _tensor_view(buf)
+        w, r = _reps(cfg, size)
+        for _ in range(w + r):
+            _recv_exact_into(conn, view)
+            conn.sendall(ack)
+        ok = bool(torch.equal(buf.view(torch.float32), _pattern(size // 4)))
+        if not ok:
+            raise RuntimeError(f"raw socket: received bytes differ from the pattern at size {size}")
+        del buf, view
+    lat = cfg["latency"]
+    small = memoryview(bytearray(lat["bytes"]))
+    for _ in range(lat["warmup"] + lat["iters"]):
+        _recv_exact_into(conn, small)
+        conn.sendall(ack)
+    conn.close()
+    return {"verified": True}
+
+
+def peer_raw_sender(cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
+    port = port_q.get(timeout=STARTUP_TIMEOUT)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=STARTUP_TIMEOUT)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = memoryview(bytearray(1))
+    out: dict[str, Any] = {"sizes": {}, "torch_threads": torch.get_num_threads()}
+    for size in cfg["sizes"]:
+        src = _pattern(size // 4)
+        view = _tensor_view(src)
+
+        def once(view: memoryview = view) -> None:
+            sock.sendall(view)
+            _recv_exact_into(sock, ack)
+
+        w, r = _reps(cfg, size)
+        out["sizes"][str(size)] = _time_sync(once, w, r)
+        del src, view
+    lat = cfg["latency"]
+    payload = memoryview(bytes(lat["bytes"]))
+
+    def rtt() -> None:
+        sock.sendall(payload)
+        _recv_exact_into(sock, ack)
+
+    out["latency"] = _time_sync(rtt, lat["warmup"], lat["iters"])
+    sock.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- peers (c), (d): Gloo
+def peer_gloo(rank: int, cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like the other peers
+    tmo = timedelta(seconds=cfg["phase_timeout_s"])
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=tmo, wait_for_workers=False)
+        port_q.put(store.port)
+    else:
+        port = port_q.get(timeout=STARTUP_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=tmo)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=tmo)
+    peer = 1 - rank
+    ack = torch.zeros(1)
+    out: dict[str, Any] = {"sizes": {}, "torch_threads": torch.get_num_threads()}
+    try:
+        for size in cfg["sizes"]:
+            n = size // 4
+            t = _pattern(n) if rank == 0 else torch.zeros(n, dtype=torch.float32)
+            w, r = _reps(cfg, size)
+            times = []
+            for i in range(w + r):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(t, peer)
+                    dist.recv(ack, peer)
+                else:
+                    dist.recv(t, peer)
+                    dist.send(ack, peer)
+                if i >= w:
+                    times.append(time.perf_counter() - t0)
+            if rank == 1 and not torch.equal(t, _pattern(n)):
+                raise RuntimeError(f"gloo: received bytes differ from the pattern at size {size}")
+            out["sizes"][str(size)] = times
+            del t
+        sd = cfg["statedict"]
+        tensors = list(_statedict_tensors(sd["shapes"], fill=(rank == 0)).values())
+        times = []
+        for i in range(sd["warmup"] + sd["reps"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for t in tensors:
+                dist.broadcast(t, src=0)
+            if rank == 0:
+                dist.recv(ack, peer)
+            else:
+                dist.send(ack, peer)
+            if i >= sd["warmup"]:
+                times.append(time.perf_counter() - t0)
+        if rank == 1:
+            want = _statedict_tensors(sd["shapes"], fill=True)
+            if not all(torch.equal(a, b) for a, b in zip(tensors, want.values(), strict=True)):
+                raise RuntimeError("gloo: the broadcast state dict differs from the source")
+        out["statedict"] = times
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------- transport
+def transport_target(plane: str, ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    return asyncio.run(_target_main(plane, ctrl_q, resp_q))
+
+
+async def _target_main(plane: str, ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    from transport import Endpoint
+
+    served = 0
+    async with Endpoint(TARGET_NAME, store="tcp://127.0.0.1:0", host_store=True, planes=(plane,),
+                        timeout=OP_TIMEOUT) as ep:
+        resp_q.put(("url", ep.store_url))
+        bufs: dict[str, torch.Tensor] = {}
+        while True:
+            cmd = await asyncio.to_thread(ctrl_q.get, True, CMD_TIMEOUT)
+            served += 1
+            op = cmd[0]
+            if op == "register":
+                for name, shape in cmd[1]:
+                    # tcp: pre-touched like the raw-socket receiver's buffer; shm: register() copies
+                    # the tensor into a memfd segment anyway (which touches every page)
+                    t = torch.empty(shape) if plane == "shm" else torch.zeros(shape)
+                    ep.register(name, t)
+                    bufs[name] = t
+            elif op == "unregister":
+                for name in cmd[1]:
+                    ep.unregister(name)
+                    del bufs[name]
+            elif op != "quit":
+                raise RuntimeError(f"unknown command {cmd!r}")
+            resp_q.put(("ok", len(bufs)))
+            if op == "quit":
+                break
+    return {"commands": served}
+
+
+def transport_initiator(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    return asyncio.run(_initiator_main(plane, cfg, ctrl_q, resp_q))
+
+
+async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    from transport import Endpoint
+
+    kind, url = resp_q.get(timeout=STARTUP_TIMEOUT)
+    assert kind == "url", kind
+
+    async def command(*cmd: Any) -> None:
+        ctrl_q.put(cmd)
+        reply = await asyncio.to_thread(resp_q.get, True, CMD_TIMEOUT)
+        if reply[0] != "ok":
+            raise RuntimeError(f"target answered {reply!r} to {cmd[0]}")
+
+    out: dict[str, Any] = {"sizes": {}, "torch_threads": torch.get_num_threads()}
+    try:
+        async with Endpoint(INIT_NAME, store=url, planes=(plane,), timeout=OP_TIMEOUT) as ep:
+            peer = await ep.connect(TARGET_NAME)
+            if peer.plane != plane:
+                raise RuntimeError(f"asked for plane {plane!r}, got {peer.plane!r}: {peer.plane_reason}")
+            out["plane"], out["plane_reason"] = peer.plane, peer.plane_reason
+
+            # -- throughput per size (one buffer alive at a time)
+            for size in cfg["sizes"]:
+                name = f"buf_{size}"
+                await command("register", [(name, (size // 4,))])
+                src = _pattern(size // 4)
+                dst = torch.zeros(size // 4, dtype=torch.float32)
+                w, r = _reps(cfg, size)
+                put = await _time_async(functools.partial(ep.put, TARGET_NAME, {name: src}), w, r)
+                get = await _time_async(functools.partial(ep.get, TARGET_NAME, {name: dst}), w, r)
+                out["sizes"][str(size)] = {"put": put, "get": get, "verified": bool(torch.equal(src, dst))}
+                del src, dst
+                await command("unregister", [name])
+
+            # -- the state dict in one call
+            sd = cfg["statedict"]
+            await command("register", sd["shapes"])
+            srcs = _statedict_tensors(sd["shapes"], fill=True)
+            dsts = _statedict_tensors(sd["shapes"], fill=False)
+            put = await _time_async(functools.partial(ep.put, TARGET_NAME, srcs), sd["warmup"], sd["reps"])
+            get = await _time_async(functools.partial(ep.get, TARGET_NAME, dsts), sd["warmup"], sd["reps"])
+            ok = all(torch.equal(srcs[k], dsts[k]) for k in srcs)
+            out["statedict"] = {"put": put, "get": get, "verified": ok}
+            del srcs, dsts
+            await command("unregister", [n for n, _ in sd["shapes"]])
+
+            # -- 4 KiB round trips
+            lat = cfg["latency"]
+            await command("register", [("lat", (lat["bytes"] // 4,))])
+            src = _pattern(lat["bytes"] // 4, 7.0)
+            dst = torch.zeros(lat["bytes"] // 4, dtype=torch.float32)
+            put = await _time_async(functools.partial(ep.put, TARGET_NAME, {"lat": src}), lat["warmup"], lat["iters"])
+            get = await _time_async(functools.partial(ep.get, TARGET_NAME, {"lat": dst}), lat["warmup"], lat["iters"])
+            out["latency"] = {"put": put, "get": get, "verified": bool(torch.equal(src, dst))}
+            await command("unregister", ["lat"])
+    finally:
+        # the endpoint is closed (it withdraws from the target's store) before the target may exit
+        ctrl_q.put(("quit",))
+    return out
+
+
+# ---------------------------------------------------------------------------- (e) torch.distributed._transport
+def probe_torch_transport() -> dict[str, Any]:
+    """Whether PyTorch's own transport (2.15+) with NIXL can be imported here. Never benchmarks a guess."""
+    info: dict[str, Any] = {"torch": torch.__version__}
+    for module in ("torch.distributed._transport", "nixl"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            info.update(available=False, reason=f"import {module}: {type(exc).__name__}: {exc}")
+            return info
+    info.update(available=True, reason="importable, but this script has no driver for its API yet: not measured")
+    return info
+
+
+# ---------------------------------------------------------------------------- analysis
+def _med(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def _gbps(nbytes: int, t: float) -> float:
+    return nbytes / t / 1e9 if t > 0 else float("nan")
+
+
+def _pct(times: list[float], q: float) -> float:
+    s = sorted(times)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def _size_label(n: int) -> str:
+    if n >= GiB and n % GiB == 0:
+        return f"{n // GiB} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.0f} MiB" if n % MiB == 0 else f"{n / MiB:.1f} MiB"
+    return f"{n // 1024} KiB"
+
+
+def _tput_row(case: str, group: str, nbytes: int, times: list[float], **extra: Any) -> dict[str, Any]:
+    return {
+        "case": case,
+        "group": group,
+        "size_bytes": nbytes,
+        "reps": len(times),
+        "times_s": times,
+        "median_s": _med(times),
+        "best_s": min(times),
+        "gbps": _gbps(nbytes, _med(times)),
+        "gbps_best": _gbps(nbytes, min(times)),
+        **extra,
+    }
+
+
+def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    sd = cfg["statedict"]
+    copy_ = res.get("copy")
+    raw = res.get("raw")
+    gloo = res.get("gloo")
+
+    def ref(peer: dict[str, Any] | None, size: int) -> float | None:
+        if peer is None or str(size) not in peer["sizes"]:
+            return None
+        return _gbps(size, _med(peer["sizes"][str(size)]))
+
+    for size in cfg["sizes"]:
+        k = str(size)
+        if copy_:
+            rows.append(_tput_row("copy_ (memcpy)", "limit", size, copy_["sizes"][k]))
+        if raw:
+            rows.append(_tput_row("raw socket", "limit", size, raw["sizes"][k]))
+        if gloo:
+            rows.append(_tput_row("gloo send/recv", "peer", size, gloo["sizes"][k]))
+            r = ref(raw, size)
+            if r:
+                rows[-1].update(ratio=rows[-1]["gbps"] / r, ratio_vs="raw socket")
+        for plane, limit, limit_name in (("shm", copy_, "copy_"), ("tcp", raw, "raw socket")):
+            tr = res.get(f"transport_{plane}")
+            if not tr:
+                continue
+            entry = tr["sizes"][k]
+            for op in ("put", "get"):
+                row = _tput_row(f"transport {plane} {op}", "transport", size, entry[op], verified=entry["verified"])
+                r = ref(limit, size)
+                if r:
+                    row.update(ratio=row["gbps"] / r, ratio_vs=limit_name)
+                g = ref(gloo, size)
+                if g:
+                    row["ratio_vs_gloo"] = row["gbps"] / g
+                rows.append(row)
+
+    # state dict
+    nb, nt = sd["nbytes"], sd["tensors"]
+    sd_label = f"{nt} tensors"
+    gloo_t = _med(gloo["statedict"]) if gloo else None
+    copy_t = _med(copy_["statedict"]) if copy_ else None
+    if copy_:
+        rows.append(_tput_row(f"statedict copy_ loop ({sd_label})", "limit", nb, copy_["statedict"]))
+    if gloo:
+        rows.append(_tput_row(f"statedict gloo broadcast/tensor ({sd_label})", "peer", nb, gloo["statedict"]))
+    for plane in ("shm", "tcp"):
+        tr = res.get(f"transport_{plane}")
+        if not tr:
+            continue
+        for op in ("put", "get"):
+            times = tr["statedict"][op]
+            row = _tput_row(f"statedict transport {plane} {op} ({sd_label})", "transport", nb, times,
+                            verified=tr["statedict"]["verified"])
+            if gloo_t:
+                row.update(ratio=gloo_t / _med(times), ratio_vs="gloo broadcast/tensor (speedup)")
+            if plane == "shm" and copy_t:
+                row["ratio_vs_copy_loop"] = copy_t / _med(times)
+            rows.append(row)
+
+    # latency
+    raw_p50 = _pct(raw["latency"], 0.5) if raw else None
+    if raw:
+        rows.append(_lat_row("4 KiB raw socket send+ack", "limit", raw["latency"]))
+    for plane in ("shm", "tcp"):
+        tr = res.get(f"transport_{plane}")
+        if not tr:
+            continue
+        for op in ("put", "get"):
+            row = _lat_row(f"4 KiB transport {plane} {op}", "transport", tr["latency"][op],
+                           verified=tr["latency"]["verified"])
+            if raw_p50:
+                row.update(ratio=row["p50_us"] / (raw_p50 * 1e6), ratio_vs="raw socket p50 (lower is better)")
+            rows.append(row)
+    return rows
+
+
+def _lat_row(case: str, group: str, times: list[float], **extra: Any) -> dict[str, Any]:
+    return {
+        "case": case,
+        "group": group,
+        "size_bytes": LAT_BYTES,
+        "reps": len(times),
+        "p50_us": _pct(times, 0.5) * 1e6,
+        "p99_us": _pct(times, 0.99) * 1e6,
+        "mean_us": statistics.fmean(times) * 1e6,
+        "max_us": max(times) * 1e6,
+        "latency": True,
+        **extra,
+    }
+
+
+def evaluate_targets(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["case"], r["size_bytes"]): r for r in rows}
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: float, higher: bool, detail: str) -> None:
+        if value is None or math.isnan(value):
+            out.append({"target": name, "status": "N/A", "value": None, "goal": goal, "detail": detail})
+            return
+        ok = value >= goal if higher else value <= goal
+        out.append({"target": name, "status": "PASS" if ok else "MISS", "value": value, "goal": goal,
+                    "detail": detail})
+
+    big = [s for s in cfg["sizes"] if s >= 64 * MiB]
+    if not big:
+        add("shm put >= 0.8x copy_ at >= 64 MiB", None, 0.8, True, "no size >= 64 MiB was measured")
+    for s in big:
+        r = by.get(("transport shm put", s))
+        add(f"shm put >= 0.8x copy_ @ {_size_label(s)}", r.get("ratio") if r else None, 0.8, True,
+            f"{r['gbps']:.2f} GB/s" if r else "not measured")
+    for s in cfg["sizes"]:
+        r = by.get(("transport tcp put", s))
+        add(f"tcp put >= 0.9x raw socket @ {_size_label(s)}", r.get("ratio") if r else None, 0.9, True,
+            f"{r['gbps']:.2f} GB/s" if r else "not measured")
+    for plane in ("shm", "tcp"):
+        r = by.get((f"4 KiB transport {plane} put", LAT_BYTES))
+        add(f"4 KiB put round trip p50 <= 250 us ({plane})", r["p50_us"] if r else None, 250.0, False,
+            f"p99 {r['p99_us']:.0f} us" if r else "not measured")
+    return out
+
+
+def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str, Any]],
+                  targets: list[dict[str, Any]], errors: list[dict[str, Any]], nixl: dict[str, Any]) -> str:
+    lines = []
+    sd = cfg["statedict"]
+    lines.append(f"transport benchmark ({cfg['mode']}), torch {env['torch']}, python {env['python']}, "
+                 f"{env['cpu_count']} CPUs ({env['usable_cpus']} usable), {env['date']}")
+    idle = env.get("cpu_idle_before_start")
+    if idle is not None:
+        busy = " -- other processes were using the CPUs: expect noisy numbers" if idle < 0.9 else ""
+        la0, la1 = env.get("loadavg_start") or [float("nan")], env.get("loadavg_end") or [float("nan")]
+        lines.append(f"CPU idle in the second before the run: {idle:.0%}; 1-min load average at start "
+                     f"{la0[0]:.2f}, at end {la1[0]:.2f}{busy}")
+    lines.append(f"torch.set_num_threads({cfg['threads']}) in every benchmark process "
+                 "(copy_, raw socket, gloo, transport target and initiator)")
+    lines.append(f"GB/s = 1e9 bytes/s of the median repetition after warm-up, repetitions pooled over "
+                 f"{cfg['rounds']} round(s) of every phase; 'best' = fastest repetition; "
+                 "put/send timings include the target's ack (remote completion)")
+    lines.append(f"state dict: {sd['tensors']} float32 tensors, {_size_label(sd['nbytes'])} "
+                 f"({sd['model']['layers']} layers, d={sd['model']['d']}, vocab={sd['model']['vocab']})")
+    lines.append("")
+    hdr = f"{'case':<48} {'size':>9} {'GB/s':>8} {'best':>8}  {'ratio':>7}  vs"
+    lines.append(hdr)
+    lines.append("-" * len(hdr) + "-" * 24)
+    prev_group = None
+    for r in rows:
+        key = "lat" if r.get("latency") else ("sd" if r["case"].startswith("statedict") else r["size_bytes"])
+        if prev_group is not None and key != prev_group:
+            lines.append("")
+        prev_group = key
+        bad = "" if r.get("verified", True) else "  !! DATA MISMATCH"
+        ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""
+        vs = r.get("ratio_vs", "")
+        if r.get("latency"):
+            lines.append(f"{r['case']:<48} {_size_label(r['size_bytes']):>9} "
+                         f"p50 {r['p50_us']:7.0f} us  p99 {r['p99_us']:7.0f} us  {ratio:>7}  {vs}{bad}")
+        else:
+            extra = ""
+            if "ratio_vs_gloo" in r:
+                extra = f" ({r['ratio_vs_gloo']:.2f}x gloo)"
+            if "ratio_vs_copy_loop" in r:
+                extra = f" ({r['ratio_vs_copy_loop']:.2f}x copy_ loop)"
+            lines.append(f"{r['case']:<48} {_size_label(r['size_bytes']):>9} {r['gbps']:8.2f} "
+                         f"{r['gbps_best']:8.2f}  {ratio:>7}  {vs}{extra}{bad}")
+    lines.append("")
+    tt = "torch.distributed._transport (NIXL)"
+    if nixl["available"]:
+        lines.append(f"{tt:<48} {'-':>9} {'n/a':>8}  {nixl['reason']}")
+    else:
+        lines.append(f"{tt:<48} {'-':>9} {'n/a':>8}  not available: {nixl['reason']}")
+    if errors:
+        lines.append("")
+        lines.append("ERRORS (these phases produced no numbers):")
+        for e in errors:
+            first = e["error"].strip().splitlines()
+            lines.append(f"  {e['phase']} (round {e['round']}): {first[-1] if first else ''}")
+    lines.append("")
+    lines.append("targets (reported, never asserted):")
+    for t in targets:
+        if t["value"] is None:
+            val = "-"
+        elif "us" in t["target"]:
+            val = f"{t['value']:.0f} us"
+        else:
+            val = f"{t['value']:.3f}x"
+        lines.append(f"  {t['status']:<5} {t['target']:<46} {val:>9}  ({t['detail']})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def _idle_fraction(seconds: float = 1.0) -> float | None:
+    """Share of CPU time that was idle over ``seconds`` (before the run: how busy other tenants are)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return vals[3] + vals[4], sum(vals[:8])  # idle + iowait, total (without guest time)
+
+    try:
+        idle0, tot0 = sample()
+        time.sleep(seconds)
+        idle1, tot1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (idle1 - idle0) / max(1, tot1 - tot0)
+
+
+def environment(cfg: dict[str, Any]) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": _usable_cpus(),
+        "loadavg_start": _loadavg(),
+        "cpu_idle_before_start": _idle_fraction(),
+        "torch_threads": cfg["threads"],
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "start_method": "spawn",
+        "argv": sys.argv,
+    }
+
+
+def _merge(acc: Any, new: Any) -> Any:
+    """Pool one round's result into the previous rounds': lists concatenate, flags AND, the rest stays."""
+    if acc is None:
+        return new
+    if isinstance(acc, dict) and isinstance(new, dict):
+        out = dict(acc)
+        for k, v in new.items():
+            out[k] = _merge(acc.get(k), v)
+        return out
+    if isinstance(acc, list) and isinstance(new, list):
+        return acc + new
+    if isinstance(acc, bool) and isinstance(new, bool):
+        return acc and new
+    return acc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions (well under 2 minutes)")
+    ap.add_argument("--max-mib", type=int, default=None, help="largest buffer size to measure, in MiB")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads in every benchmark process (default: half the usable cores, >= 1)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="run every phase this many times, rotating their order, and pool the repetitions "
+                         "(default: 3, --quick: 1); spreads slow drifts of a shared machine over all cases")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "transport.json",
+                    help="where to write the results (default: bench/results/transport.json)")
+    args = ap.parse_args(argv)
+    if args.threads is None:
+        # two busy processes per measurement (target + initiator, sender + receiver): half the cores
+        # each. More OpenMP threads than free cores makes every parallel copy_ wait for a descheduled
+        # thread (on a 2-core VM, copy_ with 2 threads took 4-16 ms for 1-16 MiB instead of 0.02-0.7 ms).
+        args.threads = max(1, _usable_cpus() // 2)
+    if args.threads < 1:
+        ap.error("--threads must be >= 1")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    cfg = make_config(args)
+    if not cfg["sizes"]:
+        ap.error(f"--max-mib {args.max_mib} leaves no size to measure (smallest is 1 MiB)")
+    torch.set_num_threads(cfg["threads"])
+    env = environment(cfg)
+    t_start = time.monotonic()
+    print(f"transport benchmark ({cfg['mode']}): sizes {', '.join(_size_label(s) for s in cfg['sizes'])}; "
+          f"{cfg['rounds']} round(s); torch.set_num_threads({cfg['threads']}) in every process", flush=True)
+
+    nixl = probe_torch_transport()
+    res: dict[str, Any] = {}
+    errors: list[dict[str, Any]] = []
+    durations: dict[str, float] = {}
+    phases: list[tuple[str, list[tuple[str, str, tuple[Any, ...]]], int, str]] = [
+        ("copy", [("copy", "peer_copy", (cfg,))], 0, "copy"),
+        ("raw", [("receiver", "peer_raw_receiver", (cfg,)), ("sender", "peer_raw_sender", (cfg,))], 1, "sender"),
+        ("gloo", [("rank0", "peer_gloo", (0, cfg)), ("rank1", "peer_gloo", (1, cfg))], 1, "rank0"),
+    ]
+    for plane in ("shm", "tcp"):
+        phases.append((f"transport_{plane}", [("target", "transport_target", (plane,)),
+                                              ("initiator", "transport_initiator", (plane, cfg))], 2, "initiator"))
+    try:
+        for rnd in range(cfg["rounds"]):
+            k = rnd % len(phases)
+            for name, roles, nq, main_role in phases[k:] + phases[:k]:
+                t0 = time.monotonic()
+                print(f"  [{time.monotonic() - t_start:6.1f} s] round {rnd + 1}/{cfg['rounds']}: {name} ...",
+                      flush=True)
+                try:
+                    out = run_phase(name, roles, cfg, queues=nq)
+                    res[name] = _merge(res.get(name), out[main_role])
+                except PhaseError as exc:
+                    errors.append({"phase": name, "round": rnd + 1, "error": str(exc)})
+                    print(f"  !! {name} failed: {str(exc).strip().splitlines()[-1]}", flush=True)
+                durations[name] = durations.get(name, 0.0) + time.monotonic() - t0
+    finally:
+        for p in CTX.active_children():
+            STRAGGLERS.append(f"{p.name} (pid {p.pid})")
+            p.kill()
+            p.join(3.0)
+
+    env["loadavg_end"] = _loadavg()
+    rows = build_rows(cfg, res)
+    targets = evaluate_targets(cfg, rows)
+    total = time.monotonic() - t_start
+    report = format_report(cfg, env, rows, targets, errors, nixl)
+    print()
+    print(report)
+    print("\nphase durations: " + ", ".join(f"{k} {v:.1f} s" for k, v in durations.items())
+          + f"; total {total:.1f} s")
+    if STRAGGLERS:
+        print(f"killed stragglers: {', '.join(STRAGGLERS)}")
+
+    doc = {
+        "environment": env,
+        "config": {k: v for k, v in cfg.items() if k != "statedict"}
+        | {"statedict": {k: v for k, v in cfg["statedict"].items() if k != "shapes"}},
+        "rows": rows,
+        "targets": targets,
+        "torch_distributed_transport": nixl,
+        "transport_planes": {p: {"plane": res[f"transport_{p}"].get("plane"),
+                                 "reason": res[f"transport_{p}"].get("plane_reason")}
+                             for p in ("shm", "tcp") if f"transport_{p}" in res},
+        "torch_threads_in_processes": {k: v.get("torch_threads") for k, v in res.items()
+                                       if isinstance(v, dict) and "torch_threads" in v},
+        "errors": errors,
+        "phase_durations_s": durations,
+        "total_s": total,
+        "killed_stragglers": STRAGGLERS,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"results written to {args.json}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The benchmark script still runs end to end (numbers are printed, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    cases = {row["case"] for row in doc["rows"]}
+    assert any("transport shm put" in c for c in cases) and any("transport tcp put" in c for c in cases)
+    assert any("raw socket" in c for c in cases) and any("gloo" in c for c in cases)
+    assert "targets" in doc
