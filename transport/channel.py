@@ -46,11 +46,13 @@ import torch
 
 from .errors import (
     ERROR_KINDS,
+    BufferMismatchError,
     EndpointClosedError,
     PeerLostError,
     Phase,
     ProtocolError,
     RemoteError,
+    StaleBufferError,
     TransportError,
     TransportTimeoutError,
     error_kind,
@@ -90,7 +92,14 @@ __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake",
 log = logging.getLogger(__name__)
 
 _SCRATCH = 1 << 20
+_RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
+
+
+_STATE_HINT = {
+    "posted": "not yet sent, queued behind earlier traffic or still copying",
+    "sent": "sent, no answer from the target",
+}
 
 
 class ChannelState(enum.Enum):
@@ -112,7 +121,8 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "channel", "dests", "future", "keep", "kind", "on_wire", "op_id", "record", "seq")
+    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "keep", "kind", "lock", "on_wire", "op_id",
+                 "quiet", "record", "seq")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record) -> None:
         self.channel = channel
@@ -125,6 +135,12 @@ class Op:
         self.keep: Any = None  # tensors referenced until the op is over
         self.abandoned = False
         self.on_wire = False  # its header was handed to the sender
+        # Writing into the caller's tensors (a get's payload, a local copy): ``busy`` is set under
+        # ``lock`` when it starts, unless the op was abandoned first; ``quiet`` is set once it
+        # will write no more.
+        self.lock = threading.Lock()
+        self.busy = False
+        self.quiet = threading.Event()
 
     def complete_local(self) -> None:
         """Complete from the event loop (a plane that needed no reply)."""
@@ -320,11 +336,12 @@ class Channel:
                 await start()
                 await op.future
         except TimeoutError:
+            was = op.record.state
             self._abandon(op)
             self.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.peer_name!r} did not complete before "
-                f"its deadline; the target never acknowledged it",
+                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})",
                 Phase.NOTIFY if op.kind is OpKind.NOTIFY else Phase.TRANSFER,
             )
             self.core.on_timeout(self, op, exc)
@@ -350,8 +367,17 @@ class Channel:
     def _abandon(self, op: Op) -> None:
         """The caller stopped waiting. An op whose header went out stays in the table until its
         reply arrives (a get's payload must still be consumed); one that never reached the
-        wire is forgotten now."""
-        op.abandoned = True
+        wire is forgotten now. No byte is written into the caller's tensors after this returns:
+        a writer that is busy stops at its next chunk (a local copy, or bytes arriving fast);
+        bytes that trickle in are cut off by closing the channel."""
+        with op.lock:
+            op.abandoned = True
+            busy = op.busy
+        if busy and not op.quiet.wait(0.05):
+            self.lose(PeerLostError(
+                f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel to "
+                f"{self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
+            op.quiet.wait(1.0)
         if not op.on_wire:
             self._pop(op.op_id)
 
@@ -543,10 +569,16 @@ class Channel:
             raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
         return it.count * size
 
-    def _resolve(self, items: list[Item]) -> list[tuple[Any, int, int]]:
-        """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise."""
+    def _resolve(self, items: list[Item], segments: list[int] | None = None) -> list[tuple[Any, int, int]]:
+        """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise.
+
+        ``segments`` (shm ops) are the segment inodes the initiator copied into or out of;
+        a buffer that now lives elsewhere raises :class:`StaleBufferError`.
+        """
+        if segments is not None and len(segments) != len(items):
+            raise ProtocolError(f"op names {len(items)} items but {len(segments)} segments")
         out = []
-        for it in items:
+        for i, it in enumerate(items):
             buf = self.registry.get(it.name)
             if buf is not None and it.offset + it.count > buf.spec.numel:
                 raise ProtocolError(
@@ -554,6 +586,16 @@ class Channel:
                     f"which holds {buf.spec.numel}"
                 )
             off, n = resolve_item(buf, it)
+            why = buf.moved()
+            if why is not None:
+                raise BufferMismatchError(why)
+            if segments is not None and n:
+                exp = buf.exports.get("shm")
+                if exp is None or exp.handle.inode != segments[i]:
+                    raise StaleBufferError(
+                        f"buffer {it.name!r} was re-registered: the op used segment {segments[i]}, "
+                        f"it now lives in {exp.handle.inode if exp is not None else 'no segment'}"
+                    )
             out.append((buf, off, n))
         return out
 
@@ -566,7 +608,7 @@ class Channel:
             raise ProtocolError(f"put over plane {msg.plane!r}, which this channel does not use")
         error: TransportError | None = None
         try:
-            ranges = self._resolve(msg.items)
+            ranges = self._resolve(msg.items, msg.segments if msg.plane == "shm" else None)
         except ProtocolError:
             raise
         except TransportError as exc:
@@ -597,13 +639,22 @@ class Channel:
         self.send(Fail(op_id, error_kind(error), str(error)))
 
     def _serve_get(self, msg: Get) -> None:
-        rec = self._target_record(msg, OpKind.GET, msg.items, "tcp")
+        rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
+        shm = msg.plane == "shm"
+        if msg.plane not in ("tcp", "shm") or (shm and self.plane.name != "shm"):
+            raise ProtocolError(f"get over plane {msg.plane!r}, which this channel does not use")
+        if shm and msg.segments is None:
+            raise ProtocolError("shm get without segments")
         try:
-            ranges = self._resolve(msg.items)
+            ranges = self._resolve(msg.items, msg.segments if shm else None)
         except ProtocolError:
             raise
         except TransportError as exc:
             self._reject(rec, msg.op_id, exc)
+            return
+        if shm:  # the initiator already copied; the segments were still the buffers'
+            self._done(rec)
+            self.send(Ack(msg.op_id))
             return
         views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
         self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
@@ -614,11 +665,23 @@ class Channel:
             op = self._pending.get(msg.op_id)
         if op is None or op.dests is None:
             raise ProtocolError(f"data for unknown get #{msg.op_id}")
-        for view in op.dests:
-            if op.abandoned:
-                self._drain(len(view))
-            else:
-                self._recv_into(view)
+        with op.lock:
+            writing = op.busy = not op.abandoned
+        try:
+            for view in op.dests:
+                got, n = 0, len(view)
+                while got < n:
+                    if writing and op.abandoned:  # the caller gave up: drain the rest
+                        writing = False
+                        op.quiet.set()
+                    k = min(n - got, _RX_CHUNK)
+                    if writing:
+                        self._recv_into(view[got : got + k])
+                    else:
+                        self._drain(k)
+                    got += k
+        finally:
+            op.quiet.set()
         self._pop(msg.op_id)
         self._settle_from_thread(op, None)
 
@@ -634,12 +697,11 @@ class Channel:
 
     def _take_registry(self, msg: Registry) -> None:
         specs = specs_from_wire(msg.buffers)
+        if msg.epoch < self.remote_epoch:  # overtaken by a newer one (a Sync reply races flushes)
+            return
         wire = {b.name: b for b in msg.buffers}
-        old = self.remote_wire
         self.remote_wire, self.peer_specs, self.remote_epoch = wire, specs, msg.epoch
-        for name, b in old.items():
-            if wire.get(name) != b:
-                self.plane.forget(name)
+        self.plane.registry_changed()
 
 
 class Peer:

@@ -29,6 +29,7 @@ from .errors import (
     Phase,
     PlaneUnavailableError,
     ProtocolError,
+    StaleBufferError,
     TransportError,
     TransportTimeoutError,
     UnknownBufferError,
@@ -36,7 +37,7 @@ from .errors import (
 from .flight_recorder import FlightRecorder, OpKind
 from .hostinfo import local_host
 from .planes import choose_cpu_plane, validate_planes
-from .planes.shm import export_buffer
+from .planes.shm import Segment, export_buffer
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
@@ -111,6 +112,7 @@ class Endpoint:
         self._dump_signal = dump_signal
         self._rdv = Rendezvous(store, host_store=host_store, timeout=timeout)
         self._registry = LocalRegistry()
+        self._segments: list[Segment] = []  # shm segments exported by this endpoint
         self.recorder = FlightRecorder(name, self.incarnation, flight_recorder_size)
         self._channels: dict[str, Channel] = {}
         self._all: set[Channel] = set()
@@ -284,6 +286,8 @@ class Endpoint:
             )
         if self._state == "open":
             self._export(buf)
+        else:
+            buf.ptr = tensor.data_ptr()
         try:
             self._registry.add(buf)
         except BaseException:
@@ -293,9 +297,14 @@ class Endpoint:
         return buf.spec
 
     def unregister(self, name: str) -> None:
-        """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`."""
+        """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`. Non-blocking.
+
+        If the tensor lived alone in a shared-memory segment, its bytes are copied
+        back into private memory (the tensor object is re-pointed in place), so a
+        peer still holding a stale mapping can never write into it again.
+        """
         buf = self._registry.remove(name)
-        self._unexport(buf)
+        self._unexport(buf, detach=True)
         self._registry_changed()
 
     @property
@@ -305,12 +314,17 @@ class Endpoint:
 
     def _export(self, buf: LocalBuffer) -> None:
         if "shm" in self.planes and "shm" not in buf.exports:
-            buf.exports["shm"] = export_buffer(buf)
+            buf.exports["shm"] = export_buffer(buf, self._segments)
+        buf.ptr = buf.tensor.data_ptr()
 
-    def _unexport(self, buf: LocalBuffer) -> None:
+    def _unexport(self, buf: LocalBuffer, detach: bool = False) -> None:
         exp = buf.exports.pop("shm", None)
-        if exp is not None:
-            exp.close()
+        if exp is not None and exp.close() and detach:
+            t = buf.tensor
+            private = torch.empty_like(t)
+            with torch.no_grad():
+                private.copy_(t)
+                t.set_(private.untyped_storage(), 0, t.shape, t.stride())
 
     def wire_registry(self) -> tuple[int, list[WireBuffer]]:
         epoch, bufs = self._registry.snapshot()
@@ -529,25 +543,42 @@ class Endpoint:
         usable; the target's buffer may then hold a mix of old and new bytes.
         """
         deadline = self._deadline(timeout)
-        ch = await self._channel(peer, deadline)
-        pairs = await self._plan(ch, tensors, deadline)
         if notify is not None:
             _check_payload(notify)
-        op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
-        await ch.run(op, lambda: ch.plane.put(op, pairs, notify), deadline)
+        ch = await self._channel(peer, deadline)
+        for retry in (False, True):
+            pairs = await self._plan(ch, tensors, deadline)
+            op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
+            try:
+                await ch.run(op, lambda: ch.plane.put(op, pairs, notify), deadline)  # noqa: B023
+                return
+            except StaleBufferError:
+                if retry:
+                    raise
+                await ch.sync_registry(deadline)  # the peer re-registered a buffer: look again, once
 
     async def get(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> None:
         """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
 
         Returns once every byte is in the local tensors. On timeout or
-        cancellation the tensors' contents are unspecified, and late bytes are
-        never written into them.
+        cancellation the tensors' contents are unspecified, but nothing is written
+        into them once the call has returned: a transfer still running stops at
+        its next chunk, and one whose bytes are still trickling in from the peer
+        has its channel closed (the other pending ops on it fail with
+        :class:`PeerLostError`).
         """
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
-        pairs = await self._plan(ch, tensors, deadline)
-        op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
-        await ch.run(op, lambda: ch.plane.get(op, pairs), deadline)
+        for retry in (False, True):
+            pairs = await self._plan(ch, tensors, deadline)
+            op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
+            try:
+                await ch.run(op, lambda: ch.plane.get(op, pairs), deadline)  # noqa: B023
+                return
+            except StaleBufferError:
+                if retry:
+                    raise
+                await ch.sync_registry(deadline)
 
     async def _plan(self, ch: Channel, tensors: _Tensors, deadline: float) -> list[Any]:
         """Check the call against the peer's registry; on a miss, refresh the cache once and check again."""

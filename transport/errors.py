@@ -33,6 +33,7 @@ __all__ = [
     "PlaneUnavailableError",
     "ProtocolError",
     "RemoteError",
+    "StaleBufferError",
     "TransportError",
     "TransportTimeoutError",
     "UnknownBufferError",
@@ -62,6 +63,12 @@ class UnknownBufferError(TransportError, KeyError):
 
 class BufferMismatchError(TransportError, ValueError):
     """A tensor does not match the registered buffer (dtype, shape, size, range)."""
+
+
+class StaleBufferError(BufferMismatchError):
+    """The peer replaced the buffer between our look-up and the op (it re-registered it).
+
+    ``put``/``get`` refresh the peer's registry and retry once before raising it."""
 
 
 class InvalidTensorError(TransportError, ValueError):
@@ -104,6 +111,7 @@ class TransportTimeoutError(TransportError, TimeoutError):
 ERROR_KINDS: dict[str, type[TransportError]] = {
     "unknown_buffer": UnknownBufferError,
     "buffer_mismatch": BufferMismatchError,
+    "stale": StaleBufferError,
     "protocol": ProtocolError,
     "remote": RemoteError,
 }

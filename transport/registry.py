@@ -93,6 +93,21 @@ class LocalBuffer:
     # plane name -> exported handle (e.g. the shared-memory segment)
     exports: dict[str, Any] = field(default_factory=dict)
 
+    def moved(self) -> str | None:
+        """Why the tensor no longer matches its registration (None if it still does).
+
+        ``module.to()``/``.half()`` and ``t.data = ...`` re-point a tensor at new
+        memory; peers would then write into memory the owner no longer reads."""
+        t, s = self.tensor, self.spec
+        if t.dtype != s.dtype or t.shape != s.shape or not t.is_contiguous():
+            return (f"buffer {s.name!r} was registered as {s.dtype}{tuple(s.shape)} but the tensor is now "
+                    f"{t.dtype}{tuple(t.shape)}; re-register it")
+        if s.nbytes and t.data_ptr() != self.ptr:
+            return f"buffer {s.name!r} was re-pointed at other memory since it was registered; re-register it"
+        return None
+
+    ptr: int = 0  # data_ptr() after registration (and export)
+
     def byte_view(self) -> memoryview:
         """A writable byte view of the whole buffer (CPU only)."""
         return tensor_bytes(self.tensor)

@@ -14,8 +14,10 @@ Theory of operation, per connection::
            <----------------------------  Ack | Fail
     Put(shm) (bytes already copied) --->  validate
            <----------------------------  Ack | Fail
-    Get ------------------------------->  validate
+    Get(tcp) -------------------------->  validate
            <----------------------------  Data + payload | Fail
+    Get(shm) (bytes already copied) --->  validate segments
+           <----------------------------  Ack | Fail
     Notify ---------------------------->  queue for the application
            <----------------------------  Ack
     Registry (whenever it changes) ---->  replace cached copy
@@ -67,12 +69,14 @@ HEADER = struct.Struct("<I")
 
 
 class ShmHandle(msgspec.Struct, array_like=True, frozen=True):
-    """How a same-host peer maps a buffer: ``/proc/<pid>/fd/<fd>``, checked by inode."""
+    """How a same-host peer maps a buffer: segment ``/proc/<pid>/fd/<fd>`` (checked by
+    inode, ``size`` bytes long); the buffer starts ``offset`` bytes into it."""
 
     pid: int
     fd: int
     inode: int
     size: int
+    offset: int = 0
 
 
 class WireBuffer(msgspec.Struct, array_like=True, frozen=True):
@@ -129,12 +133,19 @@ class Put(msgspec.Struct, tag="put"):
     plane: str
     items: list[Item]
     notify: Union[bytes, None] = None
+    # shm: the segment (inode) each item was copied into; the target checks it is still the buffer's
+    segments: Union[list[int], None] = None
 
 
 class Get(msgspec.Struct, tag="get"):
+    """tcp: the target answers ``Data`` + payload. shm: the initiator already copied out of
+    ``segments``; the target only checks they are still the buffers' and answers ``Ack``."""
+
     op_id: int
     seq: int
     items: list[Item]
+    plane: str = "tcp"
+    segments: Union[list[int], None] = None
 
 
 class Data(msgspec.Struct, tag="data"):

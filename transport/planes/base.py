@@ -26,7 +26,7 @@ the stream never desynchronises).
 
 A subclass must set :attr:`name` and :attr:`inline_payload` and implement
 :meth:`put`, :meth:`get`, :meth:`probe` and :meth:`reaches`; it may override
-:meth:`close` to drop cached mappings and :meth:`forget` to drop one buffer's.
+:meth:`close` to drop cached mappings and :meth:`registry_changed` to drop stale ones.
 Cancelling the awaiting task never interrupts a copy already handed to a
 thread; the tensors stay referenced until it finishes.
 """
@@ -73,8 +73,8 @@ class DataPlane(abc.ABC):
     async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         """Start reading the peer's buffers into the tensors of ``pairs``."""
 
-    def forget(self, name: str) -> None:  # noqa: B027 - optional hook
-        """The peer unregistered or replaced buffer ``name``: drop what is cached for it."""
+    def registry_changed(self) -> None:  # noqa: B027 - optional hook
+        """The peer's registry changed: drop what is cached for buffers that are gone."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """The channel is gone: drop every cached resource."""

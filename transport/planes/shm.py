@@ -3,15 +3,21 @@
 Export (target side, at ``register``): the tensor's bytes move into a
 ``memfd`` segment and the user's tensor object is re-pointed at it in place
 (``Tensor.set_``), so the object the caller holds keeps working and now lives
-in shared memory. The segment is never named in ``/dev/shm``: it disappears
-with the last process that maps it, so a killed process leaks nothing.
+in shared memory. A tensor that already lies inside an exported segment (a
+tied weight registered under a second name, a view of a registered arena) is
+not moved again: it shares that segment at an offset. Segments are never
+named in ``/dev/shm``: one disappears with the last process that maps it, so a
+killed process leaks nothing.
 
-Import (initiator side): the peer advertises ``(pid, fd, inode, size)``; the
-initiator opens ``/proc/<pid>/fd/<fd>``, checks the inode (so a recycled pid
-or fd can never map the wrong memory), maps it once and caches the mapping
-for the life of the channel. A put copies into the mapping, then sends the
-header as the "done" message; the target validates it and acknowledges.
-A get copies out of the mapping and needs no message at all.
+Import (initiator side): the peer advertises ``(pid, fd, inode, size,
+offset)``; the initiator opens ``/proc/<pid>/fd/<fd>``, checks the inode (so a
+recycled pid or fd can never map the wrong memory), maps the segment once and
+caches it by inode for the life of the channel. A put copies into the
+mapping, then sends the header, naming the segments it wrote, as the "done"
+message; a get copies out, then sends a header naming the segments it read.
+The target checks that those segments are still the buffers' (a buffer
+re-registered meanwhile is answered with ``stale``, and the endpoint retries
+once after refreshing its copy of the peer's registry) and acknowledges.
 """
 
 from __future__ import annotations
@@ -23,65 +29,98 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PlaneUnavailableError
+from ..errors import PlaneUnavailableError, StaleBufferError
 from ..hostinfo import same_host
 from ..registry import LocalBuffer
-from ..wire import HostInfo, Item, Put, ShmHandle, WireBuffer
+from ..wire import Get, HostInfo, Item, Put, ShmHandle
 from .base import DataPlane
 
-__all__ = ["ShmExport", "ShmPlane", "export_buffer"]
+__all__ = ["Segment", "ShmExport", "ShmPlane", "export_buffer"]
 
-# Copies at least this large run on a worker thread so the event loop stays free.
+# Copies of at least this many bytes per op run on a worker thread so the event loop stays free.
 THREAD_COPY_BYTES = 1 << 20
+_CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
+
+
+@dataclass
+class Segment:
+    """One memfd segment of the target endpoint, shared by the buffers inside it."""
+
+    fd: int
+    inode: int
+    size: int
+    base: int  # address of its mapping in this process
+    refs: int = 1
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        return self.base <= ptr and ptr + nbytes <= self.base + self.size
 
 
 @dataclass
 class ShmExport:
-    """A registered buffer's segment, owned by the target endpoint."""
+    """A registered buffer's place in a segment."""
 
-    fd: int
+    segment: Segment
     handle: ShmHandle
 
-    def close(self) -> None:
-        """Stop exporting: new peers cannot map it; existing mappings stay valid."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def close(self) -> bool:
+        """Stop exporting; the segment's fd closes with its last buffer (then True is returned).
+        Existing mappings stay valid."""
+        seg = self.segment
+        seg.refs -= 1
+        if seg.refs == 0 and seg.fd >= 0:
+            os.close(seg.fd)
+            seg.fd = -1
+            return True
+        return False
 
 
-def export_buffer(buf: LocalBuffer) -> ShmExport | None:
-    """Move ``buf.tensor`` into a memfd segment in place; None for an empty buffer."""
+def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
+    """Make ``buf`` reachable through shared memory (None for an empty buffer).
+
+    Reuses a live segment in ``segments`` that already holds the tensor's bytes;
+    otherwise moves the tensor into a new segment in place and appends it.
+    """
     t = buf.tensor
     nbytes = buf.spec.nbytes
     if nbytes == 0:
         return None
+    ptr = t.data_ptr()
+    for seg in segments:
+        if seg.fd >= 0 and seg.contains(ptr, nbytes):
+            seg.refs += 1
+            return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, ptr - seg.base))
     fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        seg = torch.frombuffer(mm, dtype=torch.uint8).view(t.dtype).view(t.shape)
+        shared = torch.frombuffer(mm, dtype=torch.uint8).view(t.dtype).view(t.shape)
         with torch.no_grad():
-            seg.copy_(t)
-            t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
-        st = os.fstat(fd)
-        return ShmExport(fd, ShmHandle(os.getpid(), fd, st.st_ino, nbytes))
+            shared.copy_(t)
+            t.set_(shared.untyped_storage(), 0, t.shape, t.stride())
+        seg = Segment(fd, os.fstat(fd).st_ino, nbytes, t.data_ptr())
     except BaseException:
         os.close(fd)
         raise
+    segments[:] = [s for s in segments if s.fd >= 0]
+    segments.append(seg)
+    return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0))
 
 
 def _map(handle: ShmHandle) -> torch.Tensor:
     path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise StaleBufferError(f"shm: the peer closed its segment {path} (it unregistered the buffer)") from exc
     except OSError as exc:
         raise PlaneUnavailableError(f"shm: cannot open the peer's segment {path}: {exc}") from exc
     try:
         st = os.fstat(fd)
         if st.st_ino != handle.inode or st.st_size < handle.size:
-            raise PlaneUnavailableError(
-                f"shm: {path} is not the peer's segment (inode {st.st_ino} != {handle.inode} "
-                f"or size {st.st_size} < {handle.size})"
+            raise StaleBufferError(
+                f"shm: {path} is no longer the peer's segment (inode {st.st_ino} != {handle.inode}"
+                f" or size {st.st_size} < {handle.size}); the peer re-registered or closed it"
             )
         mm = mmap.mmap(fd, handle.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -95,7 +134,7 @@ class ShmPlane(DataPlane):
 
     def __init__(self, channel) -> None:
         super().__init__(channel)
-        self._maps: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (inode, bytes)
+        self._maps: dict[int, torch.Tensor] = {}  # segment inode -> its bytes, mapped
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -119,55 +158,70 @@ class ShmPlane(DataPlane):
     def reaches(cls, local: HostInfo, remote: HostInfo) -> tuple[bool, str]:
         return same_host(local, remote)
 
-    def _view(self, item: Item) -> torch.Tensor:
-        wb: WireBuffer | None = self.channel.remote_wire.get(item.name)
+    def _handle(self, item: Item) -> ShmHandle:
+        wb = self.channel.remote_wire.get(item.name)
         if wb is None or wb.shm is None:
             raise PlaneUnavailableError(f"shm: peer {self.channel.peer_name!r} exports no segment for {item.name!r}")
-        cached = self._maps.get(item.name)
-        if cached is None or cached[0] != wb.shm.inode:
-            cached = (wb.shm.inode, _map(wb.shm))
-            self._maps[item.name] = cached
-        seg = cached[1]
-        itemsize = self.channel.peer_specs[item.name].dtype.itemsize
-        start = item.offset * itemsize
+        return wb.shm
+
+    def _view(self, item: Item, h: ShmHandle, itemsize: int) -> torch.Tensor:
+        seg = self._maps.get(h.inode)
+        if seg is None:
+            seg = self._maps[h.inode] = _map(h)
+        start = h.offset + item.offset * itemsize
         return seg[start : start + item.count * itemsize]
 
-    def _mapped(self, item: Item) -> bool:
-        wb = self.channel.remote_wire.get(item.name)
-        cached = self._maps.get(item.name)
-        return wb is not None and wb.shm is not None and cached is not None and cached[0] == wb.shm.inode
+    async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
+        """Copy every item of one op; return the segment inode of each item (0 if empty).
 
-    async def _run_copies(self, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> None:
-        """All copies of one op in one go: on a worker thread when they are large or a
-        segment still has to be mapped (mapping with MAP_POPULATE takes a while)."""
-        jobs = [(item, t) for item, t in pairs if item.count]
+        Runs on a worker thread when the op is large or a segment still has to be
+        mapped; a cancelled or timed-out op stops at the next chunk boundary.
+        """
+        handles = [self._handle(it) if it.count else None for it, _ in pairs]
+        inodes = [h.inode if h is not None else 0 for h in handles]
+        jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
         if not jobs:
-            return
+            return inodes
 
         def work() -> None:
-            for item, t in jobs:
-                remote = self._view(item).view(t.dtype)
-                if into_peer:
-                    remote.copy_(t.reshape(-1))
-                else:
-                    t.reshape(-1).copy_(remote)
+            with op.lock:
+                if op.abandoned:
+                    return
+                op.busy = True
+            try:
+                for item, t, h in jobs:
+                    remote = self._view(item, h, t.element_size()).view(t.dtype)
+                    local = t.reshape(-1)
+                    step = max(1, _CHUNK // t.element_size())
+                    for i in range(0, local.numel(), step):
+                        if op.abandoned:
+                            return
+                        if into_peer:
+                            remote[i : i + step].copy_(local[i : i + step])
+                        else:
+                            local[i : i + step].copy_(remote[i : i + step])
+            finally:
+                op.quiet.set()
 
-        total = sum(t.numel() * t.element_size() for _, t in jobs)
-        if total >= THREAD_COPY_BYTES or not all(self._mapped(it) for it, _ in jobs):
-            await asyncio.to_thread(work)
+        total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
+        if total >= THREAD_COPY_BYTES or any(h.inode not in self._maps for _, _, h in jobs):
+            await asyncio.get_running_loop().run_in_executor(None, work)
         else:
             work()
+        return inodes
 
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
-        await self._run_copies(pairs, into_peer=True)
-        self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify), op=op)
+        inodes = await self._copy(op, pairs, into_peer=True)
+        self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify, inodes), op=op)
 
     async def get(self, op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
-        await self._run_copies(pairs, into_peer=False)
-        op.complete_local()
+        inodes = await self._copy(op, pairs, into_peer=False)
+        self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, inodes), op=op)
 
-    def forget(self, name: str) -> None:
-        self._maps.pop(name, None)
+    def registry_changed(self) -> None:
+        live = {wb.shm.inode for wb in self.channel.remote_wire.values() if wb.shm is not None}
+        for inode in [i for i in self._maps if i not in live]:
+            del self._maps[inode]
 
     def close(self) -> None:
         self._maps.clear()
