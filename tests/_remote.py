@@ -137,6 +137,8 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return None
         if cmd == "dump":
             return str(ep.dump_flight_recorder(args[0]))
+        if cmd == "store_url":
+            return ep.store_url
         if cmd == "peer_incarnation":
             p = await ep.connect(args[0])
             return p.incarnation

@@ -158,14 +158,16 @@ async def test_use_after_close(store_url, uname):
 
 
 async def test_pending_ops_fail_when_the_peer_closes(store_url, uname):
-    async with transport.Endpoint(uname("a"), store=store_url) as a:
-        b = transport.Endpoint(uname("b"), store=store_url)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",)) as a:
+        b = transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), max_pending_notifications=1)
         await b.open()
-        b.register("w", torch.zeros(4))
-        await a.connect(b.name)
+        await a.notify(b.name, b"fills the queue")
+        pending = asyncio.ensure_future(a.notify(b.name, b"blocked: b reads no notifications", timeout=30))
+        await asyncio.sleep(0.3)
+        assert not pending.done()
         await b.close()
-        with pytest.raises((transport.PeerLostError, transport.PeerNotFoundError)):
-            await a.put(b.name, {"w": torch.ones(4)}, timeout=1)
+        with pytest.raises(transport.PeerLostError):
+            await asyncio.wait_for(pending, 10)
 
 
 async def test_unknown_peer_times_out_as_not_found(store_url, uname):
@@ -200,6 +202,19 @@ async def test_store_url_must_be_tcp(uname):
     with pytest.raises(transport.TransportError):
         async with transport.Endpoint(uname("x"), store="http://127.0.0.1:1"):
             pass
+
+
+def test_blocking_facade_keeps_the_endpoints_errors(store_url, uname):
+    with transport.BlockingEndpoint(uname("bt"), store=store_url, timeout=10) as ep:
+        with pytest.raises(transport.TransportTimeoutError) as info:
+            ep.next_notification(timeout=0.2)
+        assert info.value.phase is transport.errors.Phase.NOTIFY
+        assert "no notification" in str(info.value)
+    before = threading.active_count()
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            transport.BlockingEndpoint("a/b")
+    assert threading.active_count() == before
 
 
 def test_blocking_facade(store_url, uname):

@@ -80,9 +80,11 @@ async def test_sigstop_times_out_at_the_deadline_and_dumps(store_url, uname, pla
             elapsed = time.monotonic() - t0
             assert isinstance(info.value, TimeoutError)
             assert 1.9 <= elapsed < 4.0, elapsed
-            # the timeout dumped the flight recorder, with the stuck op in it
-            dumps = sorted(tmp_path.glob("fr-*.json"))
-            assert dumps, "no flight recorder dump on timeout"
+            # the timeout dumped the flight recorder (on a worker thread), with the stuck op in it
+            deadline = time.monotonic() + 10
+            while not (dumps := sorted(tmp_path.glob("fr-*.json"))):
+                assert time.monotonic() < deadline, "no flight recorder dump on timeout"
+                await asyncio.sleep(0.05)
             recs = json.loads(dumps[0].read_text())["records"]
             stuck = [r for r in recs if r["kind"] == "put" and r["peer"] == frozen.name]
             assert stuck and stuck[-1]["state"] == "timed_out"
@@ -195,3 +197,73 @@ async def test_flight_recorder_dumps_on_signal(store_url, uname, tmp_path):
             assert tgt.proc.is_alive()
     finally:
         tgt.stop()
+
+
+async def test_close_is_bounded_with_a_frozen_peer(store_url, uname):
+    frozen = RemoteEndpoint(uname("frozen"), store=store_url, planes=("tcp",))
+    try:
+        frozen.call("register", "w", "float32", (16 * 1024 * 1024,), timeout=60)
+        ep = transport.Endpoint(uname("ini"), store=store_url, planes=("tcp",))
+        await ep.open()
+        await ep.connect(frozen.name)
+        frozen.signal(signal.SIGSTOP)
+        put = asyncio.ensure_future(ep.put(frozen.name, {"w": make_tensor("float32", (16 * 1024 * 1024,), 1)}))
+        await asyncio.sleep(0.3)  # the writer is now stuck: the frozen peer reads nothing
+        t0 = time.monotonic()
+        await ep.close(timeout=1.0)
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(transport.EndpointClosedError):
+            await asyncio.wait_for(put, 5)
+    finally:
+        frozen.kill()
+
+
+async def test_a_frozen_store_never_hangs_a_lookup(uname):
+    host = RemoteEndpoint(uname("storehost"), store="tcp://127.0.0.1:0", host_store=True)
+    try:
+        url = host.call("store_url")
+        async with transport.Endpoint(uname("ini"), store=url, timeout=5) as ep:
+            host.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises((transport.TransportTimeoutError, transport.PeerNotFoundError)):
+                await ep.connect("ghost-" + uname("g"), timeout=1.0)
+            assert time.monotonic() - t0 < 3.0
+            host.signal(signal.SIGCONT)
+    finally:
+        host.kill()
+
+
+async def test_a_full_notification_queue_is_back_pressure_not_loss(store_url, uname):
+    async with transport.Endpoint(uname("tgt"), store=store_url, max_pending_notifications=1,
+                                  heartbeat_interval=0.2, heartbeat_timeout=1.0) as tgt:
+        async with transport.Endpoint(uname("ini"), store=store_url, heartbeat_interval=0.2,
+                                      heartbeat_timeout=1.0) as ini:
+            sends = asyncio.ensure_future(asyncio.gather(*[ini.notify(tgt.name, b"%d" % i, timeout=30)
+                                                           for i in range(3)]))
+            await asyncio.sleep(2.5)  # nobody reads: the target's channel waits, well past the heartbeat timeout
+            assert not sends.done()
+            got = [(await tgt.next_notification(10)).payload for _ in range(3)]
+            await asyncio.wait_for(sends, 10)
+            assert sorted(got) == [b"0", b"1", b"2"]
+            assert tgt.peers and ini.peers  # nobody was declared lost
+
+
+async def test_idle_connections_do_not_starve_the_endpoint(store_url, uname):
+    import socket as _socket
+
+    async with transport.Endpoint(uname("tgt"), store=store_url) as tgt:
+        tgt.register("w", make_tensor("float32", (8,), 0))
+        idle = [_socket.create_connection(tgt.address, timeout=5) for _ in range(12)]
+        try:
+            async with transport.Endpoint(uname("ini"), store=store_url) as ini:
+                await ini.put(tgt.name, {"w": make_tensor("float32", (8,), 1)}, timeout=5)
+        finally:
+            for s in idle:
+                s.close()
+
+
+async def test_simultaneous_dials_agree_on_one_channel(store_url, uname):
+    async with transport.Endpoint(uname("a"), store=store_url) as a, transport.Endpoint(uname("b"), store=store_url) as b:
+        pa, pb = await asyncio.gather(a.connect(b.name), b.connect(a.name))
+        await asyncio.sleep(0.2)
+        assert a.peers[b.name].channel_id == b.peers[a.name].channel_id

@@ -19,10 +19,11 @@ from transport.hostinfo import local_host
 
 
 @pytest.fixture(scope="module")
-def target(store_url):
+def target(store_url, tmp_path_factory):
     import uuid
 
-    with transport.BlockingEndpoint(f"hostile-tgt-{uuid.uuid4().hex[:6]}", store=store_url, timeout=5) as ep:
+    with transport.BlockingEndpoint(f"hostile-tgt-{uuid.uuid4().hex[:6]}", store=store_url, timeout=5,
+                                    dump_dir=tmp_path_factory.mktemp("fr")) as ep:
         ep.register("w", torch.zeros(64, dtype=torch.float32))
         yield ep
 
@@ -50,6 +51,15 @@ def _send_and_finish(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
     except OSError:  # EPIPE, ECONNRESET, ENOTCONN: the target already hung up
+        pass
+
+
+def _send_and_probe(sock: socket.socket, data: bytes) -> None:
+    """Send ``data`` then a valid Ping, keeping the socket open both ways: only a target that
+    rejects ``data`` closes the connection (no EOF from us to hide behind)."""
+    try:
+        sock.sendall(data + wire.encode_frame(wire.Ping()))
+    except OSError:  # the target already hung up
         pass
 
 
@@ -111,7 +121,7 @@ def test_oversize_length_prefix(target, friend, caplog):
     caplog.set_level(logging.ERROR, logger="transport")
     s = _dial(target)
     try:
-        _send_and_finish(s, b"\xff\xff\xff\x7f" + b"x" * 100)
+        _send_and_probe(s, b"\xff\xff\xff\x7f" + b"x" * 100)
         assert _closed_by_peer(s)
     finally:
         s.close()
@@ -123,7 +133,7 @@ def test_wrong_protocol_version(target, friend, caplog):
     caplog.set_level(logging.ERROR, logger="transport")
     s = _dial(target)
     try:
-        _send_and_finish(s, wire.encode_frame(_hello(protocol=99)))
+        _send_and_probe(s, wire.encode_frame(_hello(protocol=99)))
         assert _closed_by_peer(s)
     finally:
         s.close()
@@ -147,7 +157,7 @@ def test_out_of_range_ops_close_the_channel(target, friend, caplog, item, kind):
     s = _handshaken(target)
     try:
         msg = wire.Put(1, 1, "tcp", [item]) if kind == "put" else wire.Get(1, 1, [item])
-        _send_and_finish(s, wire.encode_frame(msg))
+        _send_and_probe(s, wire.encode_frame(msg))
         assert _closed_by_peer(s)
     finally:
         s.close()

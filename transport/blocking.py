@@ -20,7 +20,7 @@ import torch
 
 from .channel import Notification, Peer
 from .endpoint import Endpoint
-from .errors import EndpointClosedError, Phase, TransportTimeoutError
+from .errors import EndpointClosedError, Phase, TransportError, TransportTimeoutError
 from .ranges import At
 from .registry import BufferSpec
 
@@ -40,10 +40,10 @@ class BlockingEndpoint:
     """
 
     def __init__(self, name: str, **kwargs: Any) -> None:
+        self._ep = Endpoint(name, **kwargs)  # bad arguments raise before any thread starts
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"transport-loop-{name}", daemon=True)
         self._thread.start()
-        self._ep = Endpoint(name, **kwargs)
         self.timeout = self._ep.timeout
         try:
             self._call(self._ep.open(), None)
@@ -62,7 +62,11 @@ class BlockingEndpoint:
         limit = (self.timeout if timeout is None else timeout) + _GRACE
         try:
             return fut.result(limit)
+        except TransportError:  # the endpoint's own error (TransportTimeoutError is a TimeoutError too)
+            raise
         except concurrent.futures.TimeoutError:
+            if fut.done():
+                return fut.result()
             fut.cancel()
             raise TransportTimeoutError(f"the endpoint's loop did not answer within {limit:.1f} s",
                                         Phase.TRANSFER) from None

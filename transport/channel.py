@@ -155,7 +155,7 @@ class CoreProtocol(Protocol):
     incarnation: int
     loop: asyncio.AbstractEventLoop
 
-    def deliver(self, note: Notification) -> bool: ...  # reader thread; blocks while the queue is full
+    def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
 
@@ -177,49 +177,49 @@ def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
     return out
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = await loop.sock_recv_into(sock, view[got:])
         if k == 0:
-            raise EOFError("connection closed")
+            raise EOFError("connection closed during the handshake")
         got += k
     return bytes(buf)
 
 
-def _read_frame(sock: socket.socket) -> Message:
-    n = frame_length(_recv_exact(sock, 4))
-    return decode(_recv_exact(sock, n))
+def check_hello(msg: Message) -> Hello:
+    """A peer's first frame, checked; :class:`ProtocolError` if it is not a usable ``Hello``."""
+    if not isinstance(msg, Hello):
+        raise ProtocolError(f"expected a hello frame, got {type(msg).__name__}")
+    if msg.protocol != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks protocol {msg.protocol}, this endpoint speaks {PROTOCOL_VERSION}")
+    if not msg.name:
+        raise ProtocolError("peer sent an empty endpoint name")
+    specs_from_wire(msg.buffers)
+    return msg
 
 
-def handshake(sock: socket.socket, hello: Hello, timeout: float, *, dialer: bool) -> Hello:
-    """Exchange ``Hello`` frames (dialer first); blocking, bounded by ``timeout``.
+async def handshake(sock: socket.socket, hello: Hello, deadline: float, *, dialer: bool) -> Hello:
+    """Exchange ``Hello`` frames (dialer first) on the event loop, bounded by ``deadline``.
 
-    Raises :class:`ProtocolError` for a wrong version or a malformed frame,
-    ``socket.timeout``/``OSError``/``EOFError`` for I/O trouble.
+    ``sock`` must be non-blocking. Raises :class:`ProtocolError` for a wrong
+    version or a malformed frame, ``TimeoutError`` at the deadline,
+    ``OSError``/``EOFError`` for I/O trouble.
     """
-    sock.settimeout(max(timeout, 0.001))
-    try:
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout_at(deadline):
         if dialer:
-            sock.sendall(encode_frame(hello))
+            await loop.sock_sendall(sock, encode_frame(hello))
         try:
-            msg = _read_frame(sock)
+            n = frame_length(await _recv_exact(loop, sock, 4))
+            msg = check_hello(decode(await _recv_exact(loop, sock, n)))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise ProtocolError(f"malformed hello: {exc}") from exc
-        if not isinstance(msg, Hello):
-            raise ProtocolError(f"expected a hello frame, got {type(msg).__name__}")
-        if msg.protocol != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks protocol {msg.protocol}, this endpoint speaks {PROTOCOL_VERSION}")
-        if not msg.name:
-            raise ProtocolError("peer sent an empty endpoint name")
-        specs_from_wire(msg.buffers)
         if not dialer:
             hello.channel_id = msg.channel_id
-            sock.sendall(encode_frame(hello))
-    finally:
-        sock.settimeout(None)
+            await loop.sock_sendall(sock, encode_frame(hello))
     return msg
 
 
@@ -442,10 +442,17 @@ class Channel:
         self.plane.close()
         self.core.channel_closed(self, exc)
 
+    def say_bye(self, reason: str) -> None:
+        """First step of an orderly close: queue a Bye behind everything already queued."""
+        if self.is_open:
+            self._tx.submit([encode_frame(Bye(reason))])
+
     def close(self, reason: str, timeout: float = 1.0) -> None:
-        """Orderly close (event loop): say Bye, then break with :class:`EndpointClosedError`."""
-        if self.is_open and self._tx.submit([encode_frame(Bye(reason))]):
-            self._tx.flush(min(timeout, 1.0))
+        """Orderly close (any thread but the reader): let the Bye go out (bounded by
+        ``timeout``), then break with :class:`EndpointClosedError`."""
+        self.say_bye(reason)
+        if self.is_open:
+            self._tx.flush(timeout)
         self.lose(EndpointClosedError(f"endpoint {self.core.name!r} closed the channel: {reason}"))
 
     def join(self, timeout: float) -> None:
@@ -623,7 +630,7 @@ class Channel:
         if error is not None:
             self._reject(rec, msg.op_id, error)
             return
-        if msg.notify is not None and not self.core.deliver(Notification(self.peer_name, msg.notify, msg.op_id)):
+        if msg.notify is not None and not self.core.deliver(Notification(self.peer_name, msg.notify, msg.op_id), self):
             self._reject(rec, msg.op_id, EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered"))
             return
         self._done(rec)
@@ -689,7 +696,7 @@ class Channel:
         rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
         if len(msg.payload) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
-        if not self.core.deliver(Notification(self.peer_name, msg.payload, msg.op_id)):
+        if not self.core.deliver(Notification(self.peer_name, msg.payload, msg.op_id), self):
             self._reject(rec, msg.op_id, EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered"))
             return
         self._done(rec)
@@ -734,6 +741,11 @@ class Peer:
     @property
     def plane_reason(self) -> str:
         return self._channel.plane_reason
+
+    @property
+    def channel_id(self) -> str:
+        """The channel's id, as the flight recorder and ``python -m transport fr`` name it."""
+        return self._channel.id
 
     @property
     def connected(self) -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -48,6 +49,8 @@ __all__ = ["Endpoint"]
 log = logging.getLogger(__name__)
 
 _Tensors = Mapping[str, "torch.Tensor | At"]
+_MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
+_DUMP_INTERVAL = 5.0  # at most one automatic flight-recorder dump per this many seconds
 
 
 class Endpoint:
@@ -126,6 +129,8 @@ class Endpoint:
         self._max_notes = max_pending_notifications
         self._on_note: Callable[[Notification], Any] | None = None
         self._registry_dirty = False
+        self._handshaking = 0
+        self._last_auto_dump = -_DUMP_INTERVAL
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ lifecycle
@@ -142,8 +147,6 @@ class Endpoint:
         Raises :class:`TransportTimeoutError` (phase connect) if the store
         cannot be reached within ``timeout``.
         """
-        import threading
-
         if self._state != "new":
             raise EndpointClosedError(f"endpoint {self.name!r} was already opened")
         self._state = "opening"
@@ -165,7 +168,7 @@ class Endpoint:
                 self._export(buf)
             self._spawn(self._accept_loop())
             self._spawn(self._monitor())
-            await self._rdv.publish(self._record)
+            await self._rdv.publish(self._record, time.monotonic() + self.timeout)
         except BaseException:
             self._state = "closed"
             self._teardown_sync()
@@ -214,26 +217,26 @@ class Endpoint:
         if self._dump_signal is not None:
             self.loop.remove_signal_handler(self._dump_signal)
         if self._record is not None:
-            try:
-                async with asyncio.timeout(min(timeout, 2.0)):
-                    await self._rdv.withdraw(self._record)
-            except (TimeoutError, Exception) as exc:  # noqa: BLE001 - best effort at shutdown
-                log.debug("withdraw from store failed: %s", exc)
+            await self._rdv.withdraw(self._record, time.monotonic() + min(timeout, 2.0))
+        end = time.monotonic() + timeout
         chans = list(self._all)
         if chans:
-            await asyncio.to_thread(self._close_channels, chans, timeout)
+            await asyncio.to_thread(self._close_channels, chans, max(0.1, end - time.monotonic()))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=timeout)
+            await asyncio.wait(self._tasks, timeout=max(0.1, end - time.monotonic()))
         self._state = "closed"
         self._teardown_sync()
 
     def _close_channels(self, chans: list[Channel], timeout: float) -> None:
+        end = time.monotonic() + timeout
         for ch in chans:
-            ch.close("endpoint closed", timeout)
+            ch.say_bye("endpoint closed")
+        for ch in chans:  # the Byes go out in parallel; this waits for all of them, bounded
+            ch.close("endpoint closed", max(0.0, min(1.0, end - time.monotonic())))
         for ch in chans:
-            ch.join(timeout / max(len(chans), 1))
+            ch.join(max(0.0, end - time.monotonic()))
 
     def _teardown_sync(self) -> None:
         if self._listener is not None:
@@ -366,6 +369,10 @@ class Endpoint:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
         if old is None or not old.is_open or old.incarnation != remote.incarnation:
             self._channels[remote.name] = ch
+        elif ch.id < old.id:
+            # Both sides dialled at once: both keep serving, but both route new ops over the
+            # channel with the smaller id, so that ops between the pair stay in one order.
+            self._channels[remote.name] = ch
         self._all.add(ch)
         ch.start()
         log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, self.name, remote.name,
@@ -382,20 +389,27 @@ class Endpoint:
             self._spawn(self._accept_one(sock, addr))
 
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
-        sock.setblocking(True)
+        if self._handshaking >= _MAX_HANDSHAKES:
+            log.warning("refusing a connection from %s: %d handshakes already in progress", addr, self._handshaking)
+            sock.close()
+            return
+        self._handshaking += 1
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = self._hello("")
         try:
-            remote = await asyncio.to_thread(handshake, sock, hello, self.timeout, dialer=False)
+            remote = await handshake(sock, hello, time.monotonic() + self.timeout, dialer=False)
             if self._state != "open":
                 raise EndpointClosedError("endpoint is closing")
+            sock.setblocking(True)
             self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch)
         except ProtocolError as exc:
             log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
             sock.close()
-        except (OSError, EOFError, TransportError) as exc:
-            log.warning("handshake with %s failed: %s", addr, exc)
+        except (OSError, EOFError, TimeoutError, TransportError) as exc:
+            log.warning("handshake with %s failed: %s", addr, exc or type(exc).__name__)
             sock.close()
+        finally:
+            self._handshaking -= 1
 
     async def _channel(self, peer: str, deadline: float) -> Channel:
         self._check_open()
@@ -431,14 +445,11 @@ class Endpoint:
                          peer, rec.incarnation, rec.host, rec.port, exc)
                 skip.add(rec.incarnation)
                 continue
-            sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
                 hello = self._hello(channel_id)
-                remote = await asyncio.to_thread(handshake, sock, hello, remaining, dialer=True)
+                remote = await handshake(sock, hello, deadline, dialer=True)
+                sock.setblocking(True)
             except TimeoutError:
                 sock.close()
                 raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
@@ -455,10 +466,11 @@ class Endpoint:
                 skip.add(rec.incarnation)
                 continue
             try:
-                return self._adopt(sock, remote, channel_id, hello.epoch)
+                ch = self._adopt(sock, remote, channel_id, hello.epoch)
             except PlaneUnavailableError:
                 sock.close()
                 raise
+            return self._channels.get(peer) or ch
 
     def channel_closed(self, ch: Channel, exc: BaseException) -> None:
         """Called on the loop when a channel breaks or closes."""
@@ -470,7 +482,7 @@ class Endpoint:
                 if other.peer_name == ch.peer_name and other.is_open:
                     self._channels[ch.peer_name] = other
                     break
-        self._spawn(asyncio.to_thread(ch.join, 2.0))
+        threading.Thread(target=ch.join, args=(2.0,), name="transport-join", daemon=True).start()
         if ch.orderly:
             log.info("channel %s closed by %r", ch.id, ch.peer_name)
         elif isinstance(exc, (PeerLostError, ProtocolError)) and self._state == "open":
@@ -481,18 +493,31 @@ class Endpoint:
         log.warning("%s", exc)
         self._auto_dump(f"timeout: {exc}")
 
-    def _auto_dump(self, reason: str) -> None:
-        try:
-            path = None
-            if self._dump_dir is not None:
-                self._dump_dir.mkdir(parents=True, exist_ok=True)
-                path = self._dump_dir / f"fr-{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.json"
-            self.recorder.dump(path, reason=reason)
-        except OSError as exc:
-            log.error("could not dump the flight recorder: %s", exc)
+    def _auto_dump(self, reason: str, *, force: bool = False) -> None:
+        """Dump the flight recorder on a worker thread; at most once per ``_DUMP_INTERVAL`` s
+        unless forced (a burst of timeouts writes one file, not hundreds)."""
+        now = time.monotonic()
+        if not force and now - self._last_auto_dump < _DUMP_INTERVAL:
+            log.debug("flight recorder dump skipped (one was written %.1f s ago): %s", now - self._last_auto_dump,
+                      reason)
+            return
+        self._last_auto_dump = now
+        path = None
+        if self._dump_dir is not None:
+            path = self._dump_dir / f"fr-{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.json"
+
+        def write() -> None:
+            try:
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                self.recorder.dump(path, reason=reason)
+            except OSError as exc:
+                log.error("could not dump the flight recorder: %s", exc)
+
+        threading.Thread(target=write, name="transport-fr-dump", daemon=True).start()
 
     def _dump_on_signal(self) -> None:
-        self._auto_dump("signal")
+        self._auto_dump("signal", force=True)
 
     def dump_flight_recorder(self, path: str | Path | None = None) -> Path:
         """Write the flight recorder as JSON (to ``path`` or a new file in the dump dir); return the path."""
@@ -607,11 +632,14 @@ class Endpoint:
         await ch.run(op, _send, deadline)
 
     # ------------------------------------------------------------------ notifications
-    def deliver(self, note: Notification) -> bool:
-        """Channel reader threads hand notifications over here (blocks while the queue is full)."""
+    def deliver(self, note: Notification, ch: Channel) -> bool:
+        """Channel reader threads hand notifications over here; blocks while the queue is full
+        (back-pressure: the channel reads nothing meanwhile). False if the endpoint or the
+        channel closed while waiting (the op is then not acknowledged)."""
         while not self._notes_room.acquire(timeout=0.2):
-            if self._state != "open":
+            if self._state != "open" or not ch.is_open:
                 return False
+            ch.last_rx = time.monotonic()  # we are the ones not reading: the peer is not silent
         try:
             self.loop.call_soon_threadsafe(self._enqueue_note, note)
         except RuntimeError:

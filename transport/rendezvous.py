@@ -5,9 +5,11 @@ the address it accepts channels on, its incarnation (a random nonce drawn at
 every open, so a restarted process is told apart from the dead one) and its
 host identity. A peer looks the record up by name, waiting until it appears.
 
-Store calls block, so they run on one worker thread per endpoint (the store
-client is not assumed to be thread-safe); waits poll with ``check`` so that
-every wait honours the caller's deadline.
+Store calls block, so they run on one daemon worker thread per endpoint (the
+store client is not assumed to be thread-safe). Every call is bounded by the
+caller's deadline: a store that stops answering gives
+:class:`TransportTimeoutError` (phase connect), and a call stuck inside the
+store client never holds up the process's exit. Waits poll with ``check``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import queue
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -63,7 +67,11 @@ class Rendezvous:
     """
 
     def __init__(self, store: Any, *, host_store: bool, timeout: float) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transport-store")
+        self._calls: queue.SimpleQueue[tuple[Any, tuple[Any, ...], concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._worker = threading.Thread(target=self._work, name="transport-store", daemon=True)
+        self._worker.start()
         self._store: Any = None
         self._spec = store
         self._host_store = host_store
@@ -71,11 +79,23 @@ class Rendezvous:
         self.host: str | None = None
         self.port: int | None = None
 
+    def _work(self) -> None:
+        while True:
+            job = self._calls.get()
+            if job is None:
+                return
+            fn, args, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # handed to the waiting coroutine
+                fut.set_exception(exc)
+
     async def open(self) -> None:
         """Connect to (or serve) the store; raises :class:`TransportTimeoutError` (phase connect)."""
-        loop = asyncio.get_running_loop()
         try:
-            self._store = await loop.run_in_executor(self._executor, self._make_store)
+            self._store = await self._call(self._make_store, deadline=time.monotonic() + self._timeout + 5)
         except TransportError:
             raise
         except Exception as exc:  # torch raises RuntimeError/DistNetworkError
@@ -115,23 +135,32 @@ class Rendezvous:
         self.host, self.port = host, store.port
         return store
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+    async def _call(self, fn: Any, *args: Any, deadline: float) -> Any:
+        """Run ``fn(*args)`` on the store thread; :class:`TransportTimeoutError` at ``deadline``."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((fn, args, fut))
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.wrap_future(fut)
+        except TimeoutError:
+            fut.cancel()
+            raise TransportTimeoutError(
+                f"the rendezvous store {self._describe()} did not answer before the deadline", Phase.CONNECT
+            ) from None
 
-    async def publish(self, record: EndpointRecord) -> None:
-        await self._call(self._store.set, _PREFIX + record.name, _rec_encoder.encode(record))
+    async def publish(self, record: EndpointRecord, deadline: float) -> None:
+        await self._call(self._store.set, _PREFIX + record.name, _rec_encoder.encode(record), deadline=deadline)
 
-    async def withdraw(self, record: EndpointRecord) -> None:
+    async def withdraw(self, record: EndpointRecord, deadline: float) -> None:
         """Remove ``record`` if the store still holds it (not a newer incarnation's)."""
         try:
-            cur = await self.lookup_now(record.name)
+            cur = await self.lookup_now(record.name, deadline)
             if cur is not None and cur.incarnation == record.incarnation:
-                await self._call(self._store.delete_key, _PREFIX + record.name)
+                await self._call(self._store.delete_key, _PREFIX + record.name, deadline=deadline)
         except Exception as exc:  # the store may be gone already at shutdown
             log.debug("could not withdraw %s from the store: %s", record.name, exc)
 
-    async def lookup_now(self, name: str) -> EndpointRecord | None:
+    async def lookup_now(self, name: str, deadline: float) -> EndpointRecord | None:
         key = _PREFIX + name
 
         def _get() -> bytes | None:
@@ -139,8 +168,16 @@ class Rendezvous:
                 return None
             return self._store.get(key)
 
-        raw = await self._call(_get)
-        return None if raw is None else _rec_decoder.decode(raw)
+        try:
+            raw = await self._call(_get, deadline=deadline)
+        except TransportError:
+            raise
+        except Exception as exc:  # DistStoreError & co: the store is unusable
+            raise TransportTimeoutError(f"the rendezvous store failed: {exc}", Phase.CONNECT) from exc
+        try:
+            return None if raw is None else _rec_decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: {exc}") from exc
 
     async def lookup(
         self, name: str, deadline: float, *, skip_incarnations: frozenset[int] = frozenset()
@@ -151,7 +188,9 @@ class Rendezvous:
         """
         delay = 0.01
         while True:
-            rec = await self.lookup_now(name)
+            # a call already under way when the deadline passes may finish (a second's grace), so
+            # that a missing peer is reported as PeerNotFoundError, a silent store as a timeout
+            rec = await self.lookup_now(name, max(deadline, time.monotonic()) + 1.0)
             if rec is not None and rec.incarnation not in skip_incarnations:
                 return rec
             remaining = deadline - time.monotonic()
@@ -167,4 +206,4 @@ class Rendezvous:
 
     def close(self) -> None:
         self._store = None
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._calls.put(None)
