@@ -30,6 +30,17 @@ def uname():
     return make
 
 
+@pytest.fixture(params=["shm", "tcp"])
+async def pair(request, store_url, uname):
+    """Two endpoints in this process, both forced onto one plane (real sockets, real shared memory)."""
+    import transport
+
+    planes = (request.param,)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=planes, timeout=10) as a:
+        async with transport.Endpoint(uname("b"), store=store_url, planes=planes, timeout=10) as b:
+            yield a, b
+
+
 @pytest.fixture(autouse=True)
 def _fr_dir(tmp_path, monkeypatch):
     """Automatic flight-recorder dumps of a test go to its own folder."""

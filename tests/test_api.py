@@ -17,14 +17,6 @@ import transport
 from transport import errors
 
 
-@pytest.fixture(params=["shm", "tcp"])
-async def pair(request, store_url, uname):
-    planes = (request.param,)
-    async with transport.Endpoint(uname("a"), store=store_url, planes=planes, timeout=10) as a:
-        async with transport.Endpoint(uname("b"), store=store_url, planes=planes, timeout=10) as b:
-            yield a, b
-
-
 def test_public_names_are_exported():
     for name in transport.__all__:
         assert hasattr(transport, name), name

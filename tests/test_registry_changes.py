@@ -11,14 +11,6 @@ import torch
 import transport
 
 
-@pytest.fixture(params=["shm", "tcp"])
-async def pair(request, store_url, uname):
-    planes = (request.param,)
-    async with transport.Endpoint(uname("a"), store=store_url, planes=planes, timeout=10) as a:
-        async with transport.Endpoint(uname("b"), store=store_url, planes=planes, timeout=10) as b:
-            yield a, b
-
-
 async def test_put_after_reregistration_lands_in_the_new_buffer(pair):
     a, b = pair
     old = torch.zeros(1024)
