@@ -58,6 +58,7 @@ from .errors import (
     error_kind,
 )
 from .flight_recorder import OpKind, OpState, Record
+from .planes import PLANES
 from .ranges import resolve_item
 from .registry import BufferSpec, dtype_from_name
 from .sender import Sender
@@ -606,16 +607,23 @@ class Channel:
             out.append((buf, off, n))
         return out
 
+    def _check_plane(self, plane: str) -> bool:
+        """An op's plane must be this channel's, or one whose bytes travel in the stream
+        (any channel can carry those). Returns whether the payload follows the header."""
+        cls = PLANES.get(plane)
+        if cls is None or (not cls.inline_payload and plane != self.plane.name):
+            raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
+        return cls.inline_payload
+
     def _serve_put(self, msg: Put) -> None:
         rec = self._target_record(msg, OpKind.PUT, msg.items, msg.plane)
         if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
-        inline = msg.plane == "tcp"
-        if msg.plane not in ("tcp", "shm") or (msg.plane == "shm" and msg.plane != self.plane.name):
-            raise ProtocolError(f"put over plane {msg.plane!r}, which this channel does not use")
+        inline = self._check_plane(msg.plane)
+        shm = not inline
         error: TransportError | None = None
         try:
-            ranges = self._resolve(msg.items, msg.segments if msg.plane == "shm" else None)
+            ranges = self._resolve(msg.items, msg.segments if shm else None)
         except ProtocolError:
             raise
         except TransportError as exc:
@@ -647,9 +655,7 @@ class Channel:
 
     def _serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
-        shm = msg.plane == "shm"
-        if msg.plane not in ("tcp", "shm") or (shm and self.plane.name != "shm"):
-            raise ProtocolError(f"get over plane {msg.plane!r}, which this channel does not use")
+        shm = not self._check_plane(msg.plane)
         if shm and msg.segments is None:
             raise ProtocolError("shm get without segments")
         try:

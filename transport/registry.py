@@ -145,25 +145,14 @@ class LocalRegistry:
         self._buffers: dict[str, LocalBuffer] = {}
         self.epoch = 0
 
-    def add(self, buf: LocalBuffer) -> bool:
-        """Add ``buf``. Returns False if an identical spec is already there (no-op).
-
-        Raises :class:`BufferMismatchError` if the name exists with another spec.
-        """
+    def add(self, buf: LocalBuffer) -> None:
+        """Add ``buf``; :class:`BufferMismatchError` if its name is taken (callers check first,
+        with a friendlier message; this keeps a racing second registration out)."""
         with self._lock:
-            old = self._buffers.get(buf.spec.name)
-            if old is not None:
-                if old.spec == buf.spec and old.tensor is buf.tensor:
-                    return False
-                raise BufferMismatchError(
-                    f"buffer {old.spec.describe()} is already registered; "
-                    f"unregister it before registering {buf.spec.describe()}"
-                    if old.spec != buf.spec
-                    else f"buffer {old.spec.name!r} is already registered with another tensor"
-                )
+            if buf.spec.name in self._buffers:
+                raise BufferMismatchError(f"buffer {buf.spec.name!r} is already registered")
             self._buffers[buf.spec.name] = buf
             self.epoch += 1
-            return True
 
     def remove(self, name: str) -> LocalBuffer:
         with self._lock:
