@@ -253,10 +253,14 @@ async def test_idle_connections_do_not_starve_the_endpoint(store_url, uname):
 
     async with transport.Endpoint(uname("tgt"), store=store_url) as tgt:
         tgt.register("w", make_tensor("float32", (8,), 0))
-        idle = [_socket.create_connection(tgt.address, timeout=5) for _ in range(12)]
+        idle = [_socket.create_connection(tgt.address, timeout=5) for _ in range(80)]  # more than the cap
         try:
             async with transport.Endpoint(uname("ini"), store=store_url) as ini:
-                await ini.put(tgt.name, {"w": make_tensor("float32", (8,), 1)}, timeout=5)
+                put = asyncio.ensure_future(ini.put(tgt.name, {"w": make_tensor("float32", (8,), 1)}, timeout=20))
+                await asyncio.sleep(0.5)
+                for s in idle[:40]:  # idle connections going away make room; the put gets through
+                    s.close()
+                await put
         finally:
             for s in idle:
                 s.close()

@@ -108,3 +108,34 @@ async def test_an_abandoned_get_writes_nothing_after_it_returns(store_url, uname
             b.register("s", torch.arange(4.0))
             await a.get(b.name, {"s": small})
             assert torch.equal(small, torch.arange(4.0))
+
+
+async def test_re_registering_a_re_pointed_tensor_gets_a_fresh_segment(pair):
+    a, b = pair
+    params = [torch.zeros(1 << 20) for _ in range(4)]
+    for i, p in enumerate(params):
+        b.register(f"p{i}", p)
+    for i, p in enumerate(params):
+        p.data = p.data.to(torch.float64)  # re-pointed, the old memory is no longer the tensor's
+        b.unregister(f"p{i}")
+        b.register(f"p{i}", p)
+    src = torch.full((1 << 20,), 3.0, dtype=torch.float64)
+    for i, p in enumerate(params):
+        await a.put(b.name, {f"p{i}": src})
+        assert torch.equal(p, src), f"p{i}: the acknowledged put did not land"
+
+
+async def test_a_name_re_registered_elsewhere_in_the_same_arena(pair):
+    a, b = pair
+    arena = torch.arange(300.0)
+    b.register("arena", arena)
+    b.register("w", arena[0:100])
+    out = torch.empty(100)
+    await a.get(b.name, {"w": out})  # a caches w at offset 0
+    assert torch.equal(out, torch.arange(100.0))
+    b.unregister("w")
+    b.register("w", arena[100:200])
+    await a.get(b.name, {"w": out})
+    assert torch.equal(out, torch.arange(100.0, 200.0)), "the get read the old place"
+    await a.put(b.name, {"w": torch.full((100,), -1.0)})
+    assert torch.equal(arena[100:200], torch.full((100,), -1.0)), "the put missed the new place"

@@ -143,12 +143,6 @@ class Op:
         self.busy = False
         self.quiet = threading.Event()
 
-    def complete_local(self) -> None:
-        """Complete from the event loop (a plane that needed no reply)."""
-        self.channel._pop(self.op_id)
-        self.channel._settle(self, None)
-
-
 class CoreProtocol(Protocol):
     """What a channel needs from its endpoint (implemented by ``Endpoint``)."""
 
@@ -374,11 +368,14 @@ class Channel:
         with op.lock:
             op.abandoned = True
             busy = op.busy
+        if not op.future.done():  # nobody will retrieve what the op ends with
+            op.future.cancel()
         if busy and not op.quiet.wait(0.05):
-            self.lose(PeerLostError(
-                f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel to "
-                f"{self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
-            op.quiet.wait(1.0)
+            if self.plane.inline_payload:  # bytes trickling in from the socket: cut them off
+                self.lose(PeerLostError(
+                    f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
+                    f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
+            op.quiet.wait(1.0)  # a local copy stops at its next chunk
         if not op.on_wire:
             self._pop(op.op_id)
 
@@ -599,10 +596,10 @@ class Channel:
                 raise BufferMismatchError(why)
             if segments is not None and n:
                 exp = buf.exports.get("shm")
-                if exp is None or exp.handle.inode != segments[i]:
+                if exp is None or exp.handle.export_id != segments[i]:
                     raise StaleBufferError(
-                        f"buffer {it.name!r} was re-registered: the op used segment {segments[i]}, "
-                        f"it now lives in {exp.handle.inode if exp is not None else 'no segment'}"
+                        f"buffer {it.name!r} was re-registered: the op used export {segments[i]}, the buffer is now "
+                        f"{'export ' + str(exp.handle.export_id) if exp is not None else 'not exported'}"
                     )
             out.append((buf, off, n))
         return out

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _Tensors = Mapping[str, "torch.Tensor | At"]
 _MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
+_ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
 _DUMP_INTERVAL = 5.0  # at most one automatic flight-recorder dump per this many seconds
 
 
@@ -211,6 +212,8 @@ class Endpoint:
         withdraw from the store and release exported memory. Idempotent; bounded by ``timeout``.
         Registered tensors stay valid for the caller."""
         if self._state in ("closed", "closing", "new"):
+            if self._state == "new":
+                self._rdv.close()
             self._state = "closed"
             return
         self._state = "closing"
@@ -303,8 +306,11 @@ class Endpoint:
         """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`. Non-blocking.
 
         If the tensor lived alone in a shared-memory segment, its bytes are copied
-        back into private memory (the tensor object is re-pointed in place), so a
-        peer still holding a stale mapping can never write into it again.
+        back into private memory (blocking for the copy; the tensor object is
+        re-pointed in place), so a peer still holding a stale mapping can never
+        write into it again. Other tensor objects that shared its storage keep
+        the shared segment and no longer alias it. A tensor that shares a segment
+        with other registered buffers (a view of an arena) stays where it is.
         """
         buf = self._registry.remove(name)
         self._unexport(buf, detach=True)
@@ -397,7 +403,7 @@ class Endpoint:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = self._hello("")
         try:
-            remote = await handshake(sock, hello, time.monotonic() + self.timeout, dialer=False)
+            remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False)
             if self._state != "open":
                 raise EndpointClosedError("endpoint is closing")
             sock.setblocking(True)
@@ -454,9 +460,13 @@ class Endpoint:
                 sock.close()
                 raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
             except (OSError, EOFError) as exc:
+                # hung up before its hello: busy (too many handshakes) or dying. Try the same
+                # incarnation again shortly; a dead one refuses the next connect and is skipped.
                 sock.close()
-                skip.add(rec.incarnation)
-                log.info("handshake with %r failed (%s); looking for a new incarnation", peer, exc)
+                log.info("handshake with %r failed (%s); retrying", peer, exc)
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
+                    raise TransportTimeoutError(f"handshake with {peer!r} kept failing: {exc}", Phase.HANDSHAKE) from exc
                 continue
             except BaseException:
                 sock.close()

@@ -71,7 +71,6 @@ class Rendezvous:
             queue.SimpleQueue()
         )
         self._worker = threading.Thread(target=self._work, name="transport-store", daemon=True)
-        self._worker.start()
         self._store: Any = None
         self._spec = store
         self._host_store = host_store
@@ -94,6 +93,7 @@ class Rendezvous:
 
     async def open(self) -> None:
         """Connect to (or serve) the store; raises :class:`TransportTimeoutError` (phase connect)."""
+        self._worker.start()
         try:
             self._store = await self._call(self._make_store, deadline=time.monotonic() + self._timeout + 5)
         except TransportError:
@@ -206,4 +206,5 @@ class Rendezvous:
 
     def close(self) -> None:
         self._store = None
-        self._calls.put(None)
+        if self._worker.is_alive():
+            self._calls.put(None)

@@ -70,13 +70,16 @@ HEADER = struct.Struct("<I")
 
 class ShmHandle(msgspec.Struct, array_like=True, frozen=True):
     """How a same-host peer maps a buffer: segment ``/proc/<pid>/fd/<fd>`` (checked by
-    inode, ``size`` bytes long); the buffer starts ``offset`` bytes into it."""
+    inode, ``size`` bytes long); the buffer starts ``offset`` bytes into it. ``export_id``
+    is unique per registration, so a re-registered buffer is told apart even when it
+    lands in the same segment."""
 
     pid: int
     fd: int
     inode: int
     size: int
-    offset: int = 0
+    offset: int
+    export_id: int
 
 
 class WireBuffer(msgspec.Struct, array_like=True, frozen=True):
@@ -133,7 +136,8 @@ class Put(msgspec.Struct, tag="put"):
     plane: str
     items: list[Item]
     notify: Union[bytes, None] = None
-    # shm: the segment (inode) each item was copied into; the target checks it is still the buffer's
+    # shm: the export id of each item's buffer as the initiator copied into it; the target
+    # checks that each is still the buffer's (0 for an empty item)
     segments: Union[list[int], None] = None
 
 

@@ -14,9 +14,9 @@ part in any of it):
    behind the header; a plane that writes the peer's memory directly (``shm``)
    copies first and then sends the header as the "done" message.
 3. The channel's reader thread completes the op's future when the target's
-   ``Ack``/``Fail``/``Data`` arrives (or the plane completes it itself, for a
-   read that needs no target involvement). ``put`` therefore returns only once
-   the target holds the bytes.
+   ``Ack``/``Fail``/``Data`` arrives. ``put`` therefore returns only once the
+   target holds the bytes (and an ``shm`` get only once the target confirmed
+   that the memory read is still the buffer's).
 
 Target side, the channel's reader thread validates each incoming header
 against the local registry (:func:`transport.ranges.resolve_item`); for

@@ -10,19 +10,25 @@ named in ``/dev/shm``: one disappears with the last process that maps it, so a
 killed process leaks nothing.
 
 Import (initiator side): the peer advertises ``(pid, fd, inode, size,
-offset)``; the initiator opens ``/proc/<pid>/fd/<fd>``, checks the inode (so a
-recycled pid or fd can never map the wrong memory), maps the segment once and
-caches it by inode for the life of the channel. A put copies into the
-mapping, then sends the header, naming the segments it wrote, as the "done"
-message; a get copies out, then sends a header naming the segments it read.
-The target checks that those segments are still the buffers' (a buffer
-re-registered meanwhile is answered with ``stale``, and the endpoint retries
-once after refreshing its copy of the peer's registry) and acknowledges.
+offset, export_id)``; the initiator opens ``/proc/<pid>/fd/<fd>``, checks the
+inode (so a recycled pid or fd can never map the wrong memory), maps the
+segment once and caches it by inode until the peer's registry stops naming
+it. A put copies into the mapping, then sends the header, naming the export
+ids it wrote, as the "done" message; a get copies out, then sends a header
+naming the export ids it read. The target checks that those are still the
+buffers' (a buffer re-registered meanwhile is answered with ``stale``, and
+the endpoint retries once after refreshing its copy of the peer's registry)
+and acknowledges. A put that raced a re-registration has then written into
+the old place: harmless when that memory was the unregistered tensor's alone
+(``unregister`` moves such a tensor out of the segment), but if the old place
+still belongs to another registered buffer (a view of an arena), that
+buffer's bytes there were overwritten.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import mmap
 import os
 from dataclasses import dataclass
@@ -42,18 +48,25 @@ THREAD_COPY_BYTES = 1 << 20
 _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
 
 
+_export_ids = itertools.count(1)
+
+
 @dataclass
 class Segment:
-    """One memfd segment of the target endpoint, shared by the buffers inside it."""
+    """One memfd segment of the target endpoint, shared by the buffers inside it.
+
+    It holds its storage while any buffer exports it, so its addresses can never
+    be reused by another allocation that a later registration might mistake for it.
+    """
 
     fd: int
     inode: int
     size: int
-    base: int  # address of its mapping in this process
+    storage: torch.UntypedStorage | None
     refs: int = 1
 
-    def contains(self, ptr: int, nbytes: int) -> bool:
-        return self.base <= ptr and ptr + nbytes <= self.base + self.size
+    def holds(self, t: torch.Tensor) -> bool:
+        return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
 
 
 @dataclass
@@ -71,6 +84,7 @@ class ShmExport:
         if seg.refs == 0 and seg.fd >= 0:
             os.close(seg.fd)
             seg.fd = -1
+            seg.storage = None
             return True
         return False
 
@@ -78,18 +92,19 @@ class ShmExport:
 def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
     """Make ``buf`` reachable through shared memory (None for an empty buffer).
 
-    Reuses a live segment in ``segments`` that already holds the tensor's bytes;
-    otherwise moves the tensor into a new segment in place and appends it.
+    Reuses a live segment in ``segments`` whose storage the tensor already views
+    (a tied weight, a view of a registered arena); otherwise moves the tensor into
+    a new segment in place and appends it.
     """
     t = buf.tensor
     nbytes = buf.spec.nbytes
     if nbytes == 0:
         return None
-    ptr = t.data_ptr()
     for seg in segments:
-        if seg.fd >= 0 and seg.contains(ptr, nbytes):
+        if seg.fd >= 0 and seg.holds(t):
             seg.refs += 1
-            return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, ptr - seg.base))
+            offset = t.data_ptr() - seg.storage.data_ptr()  # type: ignore[union-attr]
+            return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
     fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
@@ -98,13 +113,13 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None
         with torch.no_grad():
             shared.copy_(t)
             t.set_(shared.untyped_storage(), 0, t.shape, t.stride())
-        seg = Segment(fd, os.fstat(fd).st_ino, nbytes, t.data_ptr())
+        seg = Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage())
     except BaseException:
         os.close(fd)
         raise
     segments[:] = [s for s in segments if s.fd >= 0]
     segments.append(seg)
-    return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0))
+    return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
 
 
 def _map(handle: ShmHandle) -> torch.Tensor:
@@ -122,7 +137,9 @@ def _map(handle: ShmHandle) -> torch.Tensor:
                 f"shm: {path} is no longer the peer's segment (inode {st.st_ino} != {handle.inode}"
                 f" or size {st.st_size} < {handle.size}); the peer re-registered or closed it"
             )
-        mm = mmap.mmap(fd, handle.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        # no MAP_POPULATE: CPython holds the GIL through mmap(); pages fault in during the
+        # first copy instead, which runs on a worker thread without the GIL
+        mm = mmap.mmap(fd, handle.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8)
@@ -172,25 +189,26 @@ class ShmPlane(DataPlane):
         return seg[start : start + item.count * itemsize]
 
     async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
-        """Copy every item of one op; return the segment inode of each item (0 if empty).
+        """Copy every item of one op; return the export id of each item's buffer (0 if empty).
 
         Runs on a worker thread when the op is large or a segment still has to be
         mapped; a cancelled or timed-out op stops at the next chunk boundary.
         """
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
-        inodes = [h.inode if h is not None else 0 for h in handles]
+        ids = [h.export_id if h is not None else 0 for h in handles]
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
         if not jobs:
-            return inodes
+            return ids
 
         def work() -> None:
-            with op.lock:
-                if op.abandoned:
-                    return
-                op.busy = True
+            views = [self._view(item, h, t.element_size()).view(t.dtype) for item, t, h in jobs]  # maps first
+            if not into_peer:  # about to write into the caller's tensors: tell _abandon
+                with op.lock:
+                    if op.abandoned:
+                        return
+                    op.busy = True
             try:
-                for item, t, h in jobs:
-                    remote = self._view(item, h, t.element_size()).view(t.dtype)
+                for (_, t, _), remote in zip(jobs, views, strict=True):
                     local = t.reshape(-1)
                     step = max(1, _CHUNK // t.element_size())
                     for i in range(0, local.numel(), step):
@@ -208,20 +226,20 @@ class ShmPlane(DataPlane):
             await asyncio.get_running_loop().run_in_executor(None, work)
         else:
             work()
-        return inodes
+        return ids
 
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
-        inodes = await self._copy(op, pairs, into_peer=True)
-        self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify, inodes), op=op)
+        ids = await self._copy(op, pairs, into_peer=True)
+        self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify, ids), op=op)
 
     async def get(self, op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
-        inodes = await self._copy(op, pairs, into_peer=False)
-        self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, inodes), op=op)
+        ids = await self._copy(op, pairs, into_peer=False)
+        self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, ids), op=op)
 
     def registry_changed(self) -> None:
         live = {wb.shm.inode for wb in self.channel.remote_wire.values() if wb.shm is not None}
-        for inode in [i for i in self._maps if i not in live]:
-            del self._maps[inode]
+        for inode in [i for i in list(self._maps) if i not in live]:
+            self._maps.pop(inode, None)
 
     def close(self) -> None:
         self._maps.clear()
