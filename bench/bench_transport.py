@@ -841,7 +841,7 @@ def environment(cfg: dict[str, Any]) -> dict[str, Any]:
         "loadavg_start": _loadavg(),
         "cpu_idle_before_start": _idle_fraction(),
         "torch_threads": cfg["threads"],
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "git_commit": commit,
         "start_method": "spawn",
         "argv": sys.argv,
