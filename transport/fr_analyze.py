@@ -37,7 +37,7 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -333,13 +333,13 @@ def _size(n: int) -> str:
 def _clock(t: float | None) -> str:
     if t is None:
         return "?"
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _stamp(t: float | None) -> str:
     if t is None:
         return "?"
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
 
 
 def _when(rec: Record, state: str) -> float | None:
