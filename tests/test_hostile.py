@@ -95,21 +95,11 @@ def _handshaken(target) -> socket.socket:
     return s
 
 
+@pytest.mark.parametrize("after_handshake", [False, True], ids=["instead-of-hello", "after-handshake"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(junk=st.binary(min_size=1, max_size=2048))
-def test_random_bytes_instead_of_hello(target, friend, junk):
-    s = _dial(target)
-    try:
-        _send_and_finish(s, junk)
-        assert _closed_by_peer(s)
-    finally:
-        s.close()
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(junk=st.binary(min_size=1, max_size=512))
-def test_random_bytes_after_handshake(target, friend, junk):
-    s = _handshaken(target)
+def test_random_bytes(target, friend, after_handshake, junk):
+    s = _handshaken(target) if after_handshake else _dial(target)
     try:
         _send_and_finish(s, junk)
         assert _closed_by_peer(s)

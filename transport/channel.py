@@ -143,6 +143,7 @@ class Op:
         self.busy = False
         self.quiet = threading.Event()
 
+
 class CoreProtocol(Protocol):
     """What a channel needs from its endpoint (implemented by ``Endpoint``)."""
 
@@ -153,6 +154,7 @@ class CoreProtocol(Protocol):
     def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
+    def on_timeout(self, ch: Channel, op: Op, exc: TransportTimeoutError) -> None: ...  # event loop
 
 
 def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
@@ -225,7 +227,7 @@ class Channel:
 
     def __init__(
         self,
-        core: Any,
+        core: CoreProtocol,
         sock: socket.socket,
         remote: Hello,
         channel_id: str,
@@ -241,7 +243,6 @@ class Channel:
         self.peer_name = remote.name
         self.incarnation = remote.incarnation
         self.host: HostInfo = remote.host
-        self.peer_planes = tuple(remote.planes)
         self.remote_epoch = remote.epoch
         self.remote_wire: dict[str, WireBuffer] = {b.name: b for b in remote.buffers}
         self.peer_specs: dict[str, BufferSpec] = specs_from_wire(remote.buffers)

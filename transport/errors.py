@@ -47,7 +47,6 @@ class Phase(str, enum.Enum):
     HANDSHAKE = "handshake"
     TRANSFER = "transfer"
     NOTIFY = "notify"
-    CLOSE = "close"
 
 
 class TransportError(Exception):

@@ -5,6 +5,7 @@ Only CPU planes exist in this build: ``shm`` (same host) and ``tcp`` (any host).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 
@@ -36,6 +37,12 @@ def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:
     return out
 
 
+@functools.cache
+def _probe(plane: type[DataPlane]) -> tuple[bool, str]:
+    """A plane's probe, once per process (the machine does not change under us)."""
+    return plane.probe()
+
+
 def choose_cpu_plane(
     local: HostInfo, remote: HostInfo, mine: tuple[str, ...], theirs: tuple[str, ...]
 ) -> tuple[type[DataPlane], str]:
@@ -53,7 +60,7 @@ def choose_cpu_plane(
         if plane.name not in theirs:
             why.append(f"{plane.name}: not allowed by the peer (planes={theirs})")
             continue
-        ok, reason = plane.probe()
+        ok, reason = _probe(plane)
         if not ok:
             why.append(f"{plane.name}: {reason}")
             continue
