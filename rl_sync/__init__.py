@@ -1,8 +1,35 @@
 """rl_sync: versioned weight pushes from trainers to generators, built on :mod:`transport`.
 
-Nothing is exported yet: the publisher/subscriber API is being built on top of
-the transport's public API (see the project's issue tracker). This package
-uses only ``transport``'s public names; ``transport`` never imports it.
+::
+
+    # generator
+    sub = WeightSubscriber(ep, model)
+    await sub.wait_for_version(3, timeout=60)
+    async with sub.hold():
+        out = model(batch)
+
+    # trainer
+    pub = WeightPublisher(ep, subscribers=["gen-0", "gen-1"], dtype=torch.bfloat16)
+    report = await pub.push(model, version=step)
+
+This package uses only ``transport``'s public names; ``transport`` never imports it.
 """
 
-__all__: list[str] = []
+from .blocking import BlockingWeightSubscriber
+from .errors import PlanMismatchError, PushAbortedError, RlSyncError, StaleVersionError, SubscriberRejectedError
+from .publisher import WeightPublisher
+from .report import PushReport, SubscriberResult
+from .subscriber import WeightSubscriber
+
+__all__ = [
+    "BlockingWeightSubscriber",
+    "PlanMismatchError",
+    "PushAbortedError",
+    "PushReport",
+    "RlSyncError",
+    "StaleVersionError",
+    "SubscriberRejectedError",
+    "SubscriberResult",
+    "WeightPublisher",
+    "WeightSubscriber",
+]

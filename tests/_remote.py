@@ -142,6 +142,10 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
         if cmd == "peer_incarnation":
             p = await ep.connect(args[0])
             return p.incarnation
+        if cmd.startswith("sub_"):
+            from tests._rl_remote import handle_sub
+
+            return await handle_sub(ep, state, cmd, args)
         raise ValueError(f"unknown command {cmd!r}")
 
     def serve() -> None:

@@ -134,6 +134,24 @@ async def test_notifications_stream_and_callback(pair):
         await a.notify(b.name, b"x" * (2 << 20))
 
 
+async def test_notification_routes_by_prefix(pair):
+    """A library takes its own messages by prefix (longest wins); the application reads the rest."""
+    a, b = pair
+    lib, sub = [], []
+    b.on_notification(lib.append, prefix=b"lib:")
+    b.on_notification(sub.append, prefix=b"lib:sub:")
+    for payload in (b"lib:x", b"app", b"lib:sub:y", b"li"):
+        await a.notify(b.name, payload)
+    assert [n.payload for n in lib] == [b"lib:x"] and [n.payload for n in sub] == [b"lib:sub:y"]
+    assert (await b.next_notification(timeout=5)).payload == b"app"
+    assert (await b.next_notification(timeout=5)).payload == b"li"
+    b.on_notification(None, prefix=b"lib:")
+    await a.notify(b.name, b"lib:z")
+    assert (await b.next_notification(timeout=5)).payload == b"lib:z" and len(lib) == 1
+    with pytest.raises(TypeError):
+        b.on_notification(lib.append, prefix="lib:")  # type: ignore[arg-type]
+
+
 async def test_use_after_close(store_url, uname):
     ep = transport.Endpoint(uname("c"), store=store_url)
     with pytest.raises(transport.EndpointClosedError):

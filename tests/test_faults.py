@@ -170,6 +170,26 @@ async def test_restarted_peer_is_reachable_again(store_url, uname):
             second.stop()
 
 
+async def test_an_op_waiting_on_another_ops_dial_keeps_its_own_deadline(store_url, uname):
+    """A long connect in progress (a dead peer waited on for 20 s) never stretches a short op's deadline."""
+    dead = RemoteEndpoint(uname("dead"), store=store_url)
+    try:
+        dead.call("register", "w", "float32", (1,))
+        dead.kill()  # its record stays in the store; its port refuses
+        async with transport.Endpoint(uname("ini"), store=store_url) as ep:
+            slow = asyncio.ensure_future(ep.connect(dead.name, timeout=20))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises((transport.TransportTimeoutError, transport.PeerNotFoundError)):
+                await ep.put(dead.name, {"w": make_tensor("float32", (1,), 0)}, timeout=0.5)
+            assert time.monotonic() - t0 < 2
+            slow.cancel()
+            with contextlib.suppress(asyncio.CancelledError, transport.TransportError):
+                await slow
+    finally:
+        dead.kill()
+
+
 async def test_unknown_peer_is_reported(store_url, uname):
     async with transport.Endpoint(uname("ini"), store=store_url) as ep:
         t0 = time.monotonic()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,6 +70,19 @@ class BlockingEndpoint:
             fut.cancel()
             raise TransportTimeoutError(f"the endpoint's loop did not answer within {limit:.1f} s",
                                         Phase.TRANSFER) from None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The asyncio :class:`~transport.Endpoint` underneath (use it only on :meth:`call_in_loop`)."""
+        return self._ep
+
+    def call_in_loop(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn()`` on the endpoint's loop thread and return its result (or raise its exception).
+
+        For libraries built on the async endpoint (``rl_sync``'s blocking
+        subscriber). Blocks at most ``timeout`` (default the endpoint's) plus a grace.
+        """
+        return self._call(_as_coro(fn), timeout)
 
     def __enter__(self) -> BlockingEndpoint:
         return self

@@ -129,6 +129,7 @@ class Endpoint:
         self._notes_room: Any = None
         self._max_notes = max_pending_notifications
         self._on_note: Callable[[Notification], Any] | None = None
+        self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
         self._registry_dirty = False
         self._handshaking = 0
         self._last_auto_dump = -_DUMP_INTERVAL
@@ -425,11 +426,19 @@ class Endpoint:
         if ch is not None and ch.is_open:
             return ch
         lock = self._dial_locks.setdefault(peer, asyncio.Lock())
-        async with lock:
+        try:  # another op may be dialling this peer with a later deadline: wait for it only until ours
+            async with asyncio.timeout_at(deadline):
+                await lock.acquire()
+        except TimeoutError:
+            raise TransportTimeoutError(f"connecting to {peer!r}: the connect already in progress did not finish "
+                                        "before this op's deadline", Phase.CONNECT) from None
+        try:
             ch = self._channels.get(peer)
             if ch is not None and ch.is_open:
                 return ch
             return await self._dial(peer, deadline)
+        finally:
+            lock.release()
 
     async def _dial(self, peer: str, deadline: float) -> Channel:
         skip: set[int] = set()
@@ -657,22 +666,46 @@ class Endpoint:
         return True
 
     def _enqueue_note(self, note: Notification) -> None:
-        if self._on_note is not None:
+        callback = self._route(note.payload)
+        if callback is not None:
             self._notes_room.release()
             try:
-                self._on_note(note)
+                callback(note)
             except Exception:  # a user callback must not kill the channel
                 log.exception("notification callback failed")
             return
         assert self._notes is not None
         self._notes.put_nowait(note)
 
-    def on_notification(self, callback: Callable[[Notification], Any] | None) -> None:
+    def _route(self, payload: bytes) -> Callable[[Notification], Any] | None:
+        if self._routes:
+            best = b""
+            for prefix in self._routes:
+                if len(prefix) > len(best) and payload.startswith(prefix):
+                    best = prefix
+            if best:
+                return self._routes[best]
+        return self._on_note
+
+    def on_notification(self, callback: Callable[[Notification], Any] | None, *, prefix: bytes = b"") -> None:
         """Call ``callback(note)`` on the event loop for each notification instead of queueing it.
 
-        Notifications already queued stay in the queue. None restores queueing.
+        With ``prefix``, only notifications whose payload starts with it go to
+        ``callback`` (the longest matching prefix wins); the others keep going
+        to the catch-all callback or the queue. This lets libraries built on an
+        endpoint (``rl_sync``) take their own messages while the application
+        reads the rest. ``callback=None`` removes the handler for ``prefix``.
+        Notifications already queued stay in the queue. The callback runs on
+        the event loop and must not block; an exception it raises is logged.
         """
-        self._on_note = callback
+        if not isinstance(prefix, bytes):
+            raise TypeError(f"prefix must be bytes, got {type(prefix).__name__}")
+        if not prefix:
+            self._on_note = callback
+        elif callback is None:
+            self._routes.pop(prefix, None)
+        else:
+            self._routes[prefix] = callback
 
     async def next_notification(self, timeout: float | None = None) -> Notification:
         """Wait for the next :class:`Notification`. Raises :class:`TransportTimeoutError` at the deadline,

@@ -47,6 +47,7 @@ class Phase(str, enum.Enum):
     HANDSHAKE = "handshake"
     TRANSFER = "transfer"
     NOTIFY = "notify"
+    COMMIT = "commit"
 
 
 class TransportError(Exception):

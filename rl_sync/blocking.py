@@ -1,0 +1,58 @@
+"""``BlockingWeightSubscriber``: a subscriber for programs without asyncio (inference engine workers)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import transport
+
+from .subscriber import WeightSubscriber
+
+__all__ = ["BlockingWeightSubscriber"]
+
+
+class BlockingWeightSubscriber:
+    """A :class:`WeightSubscriber` on a :class:`transport.BlockingEndpoint`.
+
+    Pushes are served on the endpoint's background loop thread; the methods
+    here block the calling thread (any thread but that loop's)::
+
+        with transport.BlockingEndpoint("gen-0", store=url) as ep:
+            sub = BlockingWeightSubscriber(ep, model)
+            sub.wait_for_version(1, timeout=60)
+            with sub.hold():
+                out = model(batch)
+
+    Takes the same keyword arguments as :class:`WeightSubscriber`.
+    """
+
+    def __init__(self, endpoint: transport.BlockingEndpoint, model_or_state_dict: Any, **kwargs: Any) -> None:
+        self._bep = endpoint
+        self._sub: WeightSubscriber = endpoint.call_in_loop(
+            lambda: WeightSubscriber(endpoint.endpoint, model_or_state_dict, **kwargs))
+
+    @property
+    def version(self) -> int:
+        """The committed version (0 before the first commit)."""
+        return self._sub.version
+
+    @property
+    def subscriber(self) -> WeightSubscriber:
+        return self._sub
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Block until a version >= ``version`` is committed; :class:`transport.TransportTimeoutError` at the deadline."""
+        return self._sub.wait_for_version_blocking(version, timeout)
+
+    @contextlib.contextmanager
+    def hold(self, timeout: float | None = None) -> Iterator[int]:
+        """Keep the weights from changing inside the block; yields the version held."""
+        with self._sub.hold_blocking(timeout) as v:
+            yield v
+
+    def close(self) -> None:
+        """Stop serving pushes (idempotent)."""
+        if self._bep.endpoint.is_open:
+            self._bep.call_in_loop(self._sub.close)

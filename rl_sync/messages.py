@@ -1,0 +1,80 @@
+"""Control messages between a publisher and its subscribers, carried as transport notifications.
+
+Messages to a subscriber start with :data:`TO_SUBSCRIBER`, replies to a
+publisher with :data:`TO_PUBLISHER`, so an endpoint routes them to rl_sync
+(``ep.on_notification(..., prefix=...)``) while the application keeps
+reading its own notifications (one process may even be both). One push, seen from the publisher::
+
+    Begin ──────────────▶  subscriber checks version and plan hash
+          ◀──────────────  Reply(stage="begin")
+    Pull(bucket k) ─────▶  subscriber gets bucket k from its source into its staging arena
+          ◀──────────────  Reply(stage="pull", bucket=k)        (repeated for every bucket)
+    Commit ─────────────▶  subscriber applies staging -> live weights under the writer lock
+          ◀──────────────  Reply(stage="commit")
+    Abort ──────────────▶  (instead of Commit, on failure or cancellation) nothing is applied
+
+A reply with ``error`` set fails that subscriber's push only.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["PREFIX", "TO_PUBLISHER", "TO_SUBSCRIBER", "Abort", "Begin", "Commit", "Message", "Pull", "Reply", "decode", "encode"]
+
+PREFIX = b"rl_sync/1:"
+TO_SUBSCRIBER = PREFIX + b"s:"
+TO_PUBLISHER = PREFIX + b"p:"
+
+
+class Begin(msgspec.Struct, tag="begin", array_like=True):
+    push_id: int
+    version: int
+    plan_hash: str
+    bucket_bytes: int
+
+
+class Pull(msgspec.Struct, tag="pull", array_like=True):
+    """Get bucket ``bucket`` from ``source``'s buffer ``buffer`` at byte ``offset`` into the staging arena."""
+
+    push_id: int
+    bucket: int
+    source: str
+    buffer: str
+    offset: int
+
+
+class Commit(msgspec.Struct, tag="commit", array_like=True):
+    push_id: int
+    version: int
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    push_id: int
+    reason: str
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    push_id: int
+    stage: str  # "begin" | "pull" | "commit"
+    bucket: int = -1
+    error: str | None = None
+    error_kind: str | None = None  # "stale" | "plan" | "other"
+    version: int = 0  # the subscriber's committed version after this step
+
+
+Message = Begin | Pull | Commit | Abort | Reply
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return (TO_PUBLISHER if isinstance(msg, Reply) else TO_SUBSCRIBER) + _enc.encode(msg)
+
+
+def decode(payload: bytes) -> Message:
+    """Raises ``msgspec.DecodeError`` (or ``ValueError`` without a prefix) on a malformed message."""
+    if not (payload.startswith(TO_SUBSCRIBER) or payload.startswith(TO_PUBLISHER)):
+        raise ValueError("not an rl_sync message")
+    return _dec.decode(memoryview(payload)[len(TO_SUBSCRIBER):])

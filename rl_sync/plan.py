@@ -1,0 +1,256 @@
+"""What moves where: the subscriber's arena layout, the bucket layout, the plan hash.
+
+Theory of operation:
+
+* A subscriber lays its weights out in a few flat ``uint8`` *arenas* (each at
+  most ``arena_bytes``, entries 64-byte aligned, in its state dict's order) and
+  describes them in a :class:`Manifest`, which it registers on its endpoint as
+  a small buffer (:data:`MANIFEST_BUFFER`) so a publisher can ``get`` it
+  one-sidedly.
+* A publisher reads the manifest once per subscriber incarnation and cuts
+  each arena into *buckets*: contiguous byte ranges of at most
+  ``bucket_bytes``, cut at entry boundaries where an entry fits (an entry
+  larger than a bucket is split across several). A bucket is packed on the
+  publisher into one flat send slot and lands in one contiguous range of the
+  subscriber's arena.
+* :func:`plan_hash` covers the ordered entries (names, dtypes, shapes,
+  offsets), the arenas and the bucket layout. The publisher sends it with
+  every push; the subscriber recomputes it from its own manifest and refuses
+  a push whose hash differs, so a layout mismatch is an error before any
+  byte moves, never garbage at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from .errors import PlanMismatchError
+
+__all__ = [
+    "ARENA_PREFIX",
+    "MANIFEST_BUFFER",
+    "Bucket",
+    "Entry",
+    "Manifest",
+    "Piece",
+    "build_manifest",
+    "check_sources",
+    "decode_manifest",
+    "dtype_from_name",
+    "dtype_name",
+    "encode_manifest",
+    "make_buckets",
+    "plan_hash",
+    "sent_dtype",
+]
+
+MANIFEST_BUFFER = "rl_sync/manifest"
+ARENA_PREFIX = "rl_sync/arena/"
+ALIGN = 64
+FORMAT = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise PlanMismatchError([f"unknown dtype {name!r} in a subscriber manifest"])
+    return dt
+
+
+class Entry(msgspec.Struct, frozen=True, array_like=True):
+    """One named tensor inside an arena."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    arena: int
+    offset: int  # bytes from the arena's start
+    nbytes: int
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """A subscriber's receive layout, as registered under :data:`MANIFEST_BUFFER`."""
+
+    format: int
+    entries: tuple[Entry, ...]
+    arenas: tuple[int, ...]  # byte size of arena i, registered as ARENA_PREFIX + str(i)
+    host: str = ""  # which host the subscriber runs on (used to group relays)
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Manifest)
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return _enc.encode(m)
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    try:
+        m = _dec.decode(data)
+    except msgspec.DecodeError as exc:
+        raise PlanMismatchError([f"the subscriber's manifest does not decode: {exc}"]) from exc
+    if m.format != FORMAT:
+        raise PlanMismatchError([f"manifest format {m.format}, this rl_sync reads format {FORMAT}"])
+    return m
+
+
+def build_manifest(state: Mapping[str, torch.Tensor], arena_bytes: int, host: str = "") -> Manifest:
+    """Lay ``state`` out in arenas of at most ``arena_bytes`` (a larger tensor gets an arena of its own)."""
+    entries: list[Entry] = []
+    arenas: list[int] = []
+    cur = -1
+    used = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        start = -(-used // ALIGN) * ALIGN
+        if cur < 0 or (start + nbytes > arena_bytes and used > 0):
+            arenas.append(0)
+            cur += 1
+            start = 0
+        entries.append(Entry(name, dtype_name(t.dtype), tuple(t.shape), cur, start, nbytes))
+        used = start + nbytes
+        arenas[cur] = used
+    return Manifest(FORMAT, tuple(entries), tuple(arenas), host)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one entry that travels in one bucket: entry bytes ``[start, stop)``."""
+
+    entry: Entry
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Bytes ``[offset, offset + nbytes)`` of arena ``arena``, packed from ``pieces``."""
+
+    index: int
+    arena: int
+    offset: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+def make_buckets(manifest: Manifest, bucket_bytes: int) -> list[Bucket]:
+    """Cut every arena into byte ranges of at most ``bucket_bytes``, at entry boundaries where possible."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
+    out: list[Bucket] = []
+    by_arena: dict[int, list[Entry]] = {}
+    for e in manifest.entries:
+        by_arena.setdefault(e.arena, []).append(e)
+    for arena in range(len(manifest.arenas)):
+        start = end = 0
+        pieces: list[Piece] = []
+        for e in by_arena.get(arena, []):
+            if e.nbytes == 0:
+                continue
+            if pieces and e.offset + e.nbytes - start > bucket_bytes:
+                out.append(Bucket(len(out), arena, start, end - start, tuple(pieces)))
+                pieces = []
+            pos = 0
+            while pos < e.nbytes:  # an entry larger than a bucket is split across several
+                if not pieces:
+                    start = e.offset + pos
+                take = min(e.nbytes - pos, bucket_bytes - (e.offset + pos - start))
+                pieces.append(Piece(e, pos, pos + take))
+                pos += take
+                end = e.offset + pos
+                if pos < e.nbytes:
+                    out.append(Bucket(len(out), arena, start, end - start, tuple(pieces)))
+                    pieces = []
+        if pieces:
+            out.append(Bucket(len(out), arena, start, end - start, tuple(pieces)))
+    return out
+
+
+def plan_hash(manifest: Manifest, buckets: list[Bucket]) -> str:
+    """A digest of the ordered entries, arenas and bucket layout (both sides compute it)."""
+    h = hashlib.sha256()
+    h.update(_enc.encode((manifest.format, manifest.entries, manifest.arenas)))
+    h.update(_enc.encode([(b.arena, b.offset, b.nbytes) for b in buckets]))
+    return h.hexdigest()[:32]
+
+
+NameMap = Mapping[str, str] | Callable[[str], "str | None"]
+
+
+def check_sources(
+    tensors: Mapping[str, torch.Tensor], manifest: Manifest, *, dtype: torch.dtype | str | None,
+    name_map: NameMap | None, subscriber: str,
+) -> dict[str, torch.Tensor]:
+    """Map the trainer's tensors onto the subscriber's entries; raise listing every difference.
+
+    Returns generator name -> trainer tensor. Names the ``name_map`` maps to
+    None are dropped. Differences: a generator entry the trainer lacks, a
+    trainer tensor the generator lacks, a shape mismatch, a dtype that does
+    not match the generator's after the cast (:func:`sent_dtype`).
+    """
+    mapped: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name!r} is a {type(t).__name__}, not a tensor")
+            continue
+        gen = _map_name(name_map, name)
+        if gen is None:
+            continue
+        if gen in mapped:
+            problems.append(f"two trainer tensors map to {gen!r}")
+            continue
+        mapped[gen] = t
+    want = {e.name: e for e in manifest.entries}
+    for gen in mapped.keys() - want.keys():
+        problems.append(f"{gen!r}: the trainer has it, subscriber {subscriber!r} does not")
+    for e in manifest.entries:
+        src = mapped.get(e.name)
+        if src is None:
+            problems.append(f"{e.name!r}: subscriber {subscriber!r} expects it, the trainer does not send it")
+            continue
+        t = src
+        if tuple(t.shape) != tuple(e.shape):
+            problems.append(f"{e.name!r}: shape {tuple(e.shape)} on {subscriber!r}, {tuple(t.shape)} on the trainer")
+        sent = sent_dtype(t.dtype, e.dtype, dtype)
+        if dtype_name(sent) != e.dtype:
+            how = dtype_name(sent) if sent == t.dtype else f"{dtype_name(t.dtype)} cast to {dtype_name(sent)}"
+            problems.append(f"{e.name!r}: dtype {e.dtype} on {subscriber!r}, the trainer sends {how}"
+                            + ("" if dtype is not None else " (pass dtype= to cast)"))
+    if problems:
+        raise PlanMismatchError(sorted(problems), subscriber=subscriber)
+    return mapped
+
+
+def sent_dtype(trainer: torch.dtype, subscriber: str, dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype a trainer tensor travels in: only floating-point tensors are cast.
+
+    ``dtype=None`` sends every tensor as it is; a ``torch.dtype`` casts floating-point
+    tensors to it; ``"auto"`` casts each floating-point tensor to the subscriber's
+    (floating-point) dtype for it. Integer and bool tensors always go as they are.
+    """
+    if dtype is None or not trainer.is_floating_point:
+        return trainer
+    if dtype == "auto":
+        want = dtype_from_name(subscriber)
+        return want if want.is_floating_point else trainer
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _map_name(name_map: NameMap | None, name: str) -> str | None:
+    if name_map is None:
+        return name
+    if callable(name_map):
+        return name_map(name)
+    return name_map.get(name, name)

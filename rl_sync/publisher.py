@@ -1,0 +1,598 @@
+"""Trainer side: plan once per subscriber, then each step pack -> pull -> commit.
+
+Theory of operation, one :meth:`WeightPublisher.push`:
+
+1. **Plan** (cached per subscriber incarnation): connect, ``get`` the
+   subscriber's manifest, cut it into buckets, hash the layout, and check the
+   trainer's tensors against it (names through ``name_map``, shapes, dtypes
+   after the ``dtype`` cast). Any difference raises :class:`PlanMismatchError`
+   listing all of them, before any byte moves. Subscribers with the same
+   layout form a *group* and share the publisher's send slots.
+2. **Begin**: every subscriber checks the version (strictly newer) and the
+   plan hash, and answers.
+3. **Buckets**: per group, the publisher packs bucket k (casting to the
+   subscriber's dtype) into send slot ``k % 2`` (double buffering: packing
+   k+1 overlaps the pulls of k) and tells each subscriber whose source is the
+   publisher to pull it; a subscriber that has a bucket tells the publisher,
+   which then tells the subscribers relaying from it (see :mod:`rl_sync.fanout`).
+   A slot is reused once every subscriber pulling from it answered.
+4. **Commit**: a subscriber holding every bucket is told to commit, and
+   applies the version atomically with respect to its readers.
+
+Failures are per subscriber: a lost peer (its channel closed, or another
+incarnation answers), an error reply, or the push's deadline fail that
+subscriber's entry only, and it is told to abort (nothing applied). A
+subscriber whose relay source fails pulls the missing buckets from the
+publisher instead. The publisher's memory stays bounded: two slots of at most
+``bucket_bytes`` per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import transport
+from transport.errors import Phase
+
+from . import messages as m
+from .errors import PlanMismatchError, PushAbortedError, StaleVersionError, SubscriberRejectedError
+from .fanout import FANOUTS, assign_sources
+from .plan import (
+    ARENA_PREFIX,
+    MANIFEST_BUFFER,
+    Bucket,
+    Manifest,
+    NameMap,
+    check_sources,
+    decode_manifest,
+    dtype_from_name,
+    make_buckets,
+    plan_hash,
+)
+from .report import PushReport, SubscriberResult
+from .subscriber import live_tensors
+
+__all__ = ["WeightPublisher"]
+
+log = logging.getLogger("rl_sync.publisher")
+
+SLOTS = 2
+_POLL = 0.05
+
+
+class _Layout:
+    """A subscriber's manifest and buckets, cached for one incarnation."""
+
+    def __init__(self, incarnation: int, manifest: Manifest, buckets: list[Bucket], digest: str, same_host: bool) -> None:
+        self.incarnation = incarnation
+        self.manifest = manifest
+        self.buckets = buckets
+        self.digest = digest
+        self.same_host = same_host
+
+
+class _Target:
+    """One subscriber during one push."""
+
+    def __init__(self, name: str, layout: _Layout) -> None:
+        self.name = name
+        self.layout = layout
+        self.source: str | None = None
+        self.dependents: list[_Target] = []
+        self.begun = False
+        self.have: set[int] = set()
+        self.inflight: dict[int, str | None] = {}  # bucket -> source of the outstanding pull (None: a slot)
+        self.orphaned: set[int] = set()  # buckets to pull from the publisher after a relay failed
+        self.committing = False
+        self.committed = False
+        self.error: BaseException | None = None
+        self.finished_at = 0.0
+        self.group: _Group | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self.committed
+
+    @property
+    def complete(self) -> bool:
+        return len(self.have) == len(self.layout.buckets)
+
+
+class _Group:
+    """Subscribers sharing one layout, and the send slots their buckets are packed into."""
+
+    def __init__(self, digest: str, layout: _Layout, sources: dict[str, torch.Tensor], slots: list[str],
+                 slot_tensors: list[torch.Tensor]) -> None:
+        self.digest = digest
+        self.buckets = layout.buckets
+        self.sources = sources  # generator name -> trainer tensor
+        self.slots = slots
+        self.slot_tensors = slot_tensors
+        self.slot_users: list[set[str]] = [set() for _ in slots]
+        self.targets: list[_Target] = []
+        self.next_bucket = 0
+
+
+class WeightPublisher:
+    """Pushes versions of a model's weights to subscribers (generators).
+
+    Parameters:
+        endpoint: the trainer's open :class:`transport.Endpoint`.
+        subscribers: endpoint names of the :class:`rl_sync.WeightSubscriber` s;
+            change the set later with :meth:`add_subscriber` / :meth:`remove_subscriber`.
+        dtype: cast floating-point tensors on the way: a dtype (float32 trainer
+            -> ``torch.bfloat16`` generators), ``"auto"`` (to whatever floating-point
+            dtype each subscriber holds for that tensor, for mixed-precision
+            generators), or None (no cast; dtypes must match). Integer and bool
+            tensors are never cast.
+        bucket_bytes: largest bucket (rounded down to a multiple of 64); the
+            publisher holds two send slots of at most this size per layout.
+        name_map: trainer name -> generator name, as a mapping (names not in it
+            are kept) or a callable (returning None drops the tensor).
+        fanout: ``"auto"`` (same host: everyone reads the one packed copy; other
+            hosts: a two-level tree), ``"direct"`` or ``"chain"``; see :mod:`rl_sync.fanout`.
+        connect_timeout: how long a push waits for each subscriber to answer
+            the connect and manifest read; one that does not fails its entry.
+
+    One push runs at a time; call it from the endpoint's event loop.
+    """
+
+    def __init__(self, endpoint: transport.Endpoint, subscribers: list[str] | tuple[str, ...], *,
+                 dtype: torch.dtype | str | None = None, bucket_bytes: int = 256 << 20, name_map: NameMap | None = None,
+                 fanout: str = "auto", connect_timeout: float = 5.0) -> None:
+        if dtype is not None and dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, 'auto' or None, got {dtype!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 64:
+            raise ValueError(f"bucket_bytes must be an int >= 64, got {bucket_bytes!r}")
+        if fanout not in FANOUTS:
+            raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
+        if name_map is not None and not (callable(name_map) or isinstance(name_map, Mapping)):
+            raise TypeError("name_map must be a mapping or a callable")
+        self.endpoint = endpoint
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes // 64 * 64
+        self.name_map = name_map
+        self.fanout = fanout
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
+        self.connect_timeout = connect_timeout
+        self._subscribers: list[str] = []
+        for s in subscribers:
+            self.add_subscriber(s)
+        self._version = 0
+        self._layouts: dict[str, _Layout] = {}
+        self._slots: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+        self._push_ids = itertools.count(secrets.randbits(40))
+        self._run: _Run | None = None
+        self._packing: asyncio.Future[Any] | None = None
+        _attach(self)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def subscribers(self) -> list[str]:
+        return list(self._subscribers)
+
+    @property
+    def version(self) -> int:
+        """The newest version at least one subscriber committed (0 before that)."""
+        return self._version
+
+    def add_subscriber(self, name: str) -> None:
+        """Include ``name`` from the next push on (it gets the full weights then)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"subscriber names are non-empty strings, got {name!r}")
+        if name == self.endpoint.name:
+            raise ValueError("a publisher cannot subscribe to itself")
+        if name not in self._subscribers:
+            self._subscribers.append(name)
+
+    def remove_subscriber(self, name: str) -> None:
+        if name in self._subscribers:
+            self._subscribers.remove(name)
+        self._layouts.pop(name, None)
+
+    def close(self) -> None:
+        """Stop taking replies and unregister the send slots (idempotent)."""
+        _detach(self)
+        for names, _ in self._slots.values():
+            for n in names:
+                with contextlib.suppress(transport.TransportError):
+                    self.endpoint.unregister(n)
+        self._slots.clear()
+
+    # ------------------------------------------------------------------ push
+    async def push(self, weights: Any, version: int, timeout: float | None = None, *,
+                   progress: bool = False) -> PushReport:
+        """Push ``weights`` (an ``nn.Module`` or name -> tensor) as ``version`` to every subscriber.
+
+        Returns a :class:`PushReport` once every subscriber has committed or
+        failed; one subscriber's failure never fails the others, and a dead or
+        frozen one is given up on when its channel is lost (heartbeats) or at
+        the deadline. The deadline is ``timeout`` (default the endpoint's)
+        after the planning phase, which takes at most ``connect_timeout``
+        (only for subscribers not connected yet or restarted). Raises
+        :class:`StaleVersionError` if ``version`` is not newer than the last
+        pushed one and :class:`PlanMismatchError` if the weights do not fit a
+        subscriber's layout, both before any byte moves. The source tensors
+        must not change until it returns. Cancelling it tells every
+        subscriber not yet told to commit to abort (their weights stay as
+        they were); subscribers already told to commit may still commit.
+        ``progress=True`` shows a tqdm bar of the bytes packed.
+        """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {version!r}")
+        if version <= self._version:
+            raise StaleVersionError(f"version {version} is not newer than the last pushed version {self._version}")
+        if self._run is not None:
+            raise RuntimeError("a push is already running on this publisher")
+        if not self._subscribers:
+            raise ValueError("the publisher has no subscribers")
+        tensors = live_tensors(weights)
+        t0 = time.monotonic()
+        limit = self.endpoint.timeout if timeout is None else timeout
+        report = PushReport(version)
+        if self._packing is not None:  # a cancelled push's last pack may still be writing a slot
+            await asyncio.wait([self._packing])
+        run = _Run(self, next(self._push_ids), version, t0 + min(limit, self.connect_timeout), t0)
+        self._run = run
+        try:
+            groups = await self._prepare(run, tensors, report)
+            run.deadline = time.monotonic() + limit
+            if run.targets:
+                await run.execute(groups, progress)
+        finally:
+            await run.finish()
+            self._run = None
+        for name, t in run.targets.items():
+            report.results[name] = SubscriberResult(
+                ok=t.committed, error=t.error, bytes=sum(b.nbytes for b in t.layout.buckets) if t.committed else 0,
+                seconds=(t.finished_at or time.monotonic()) - t0, source=t.source or self.endpoint.name)
+        report.seconds = time.monotonic() - t0
+        report.packed_bytes = run.packed_bytes
+        if any(r.ok for r in report.results.values()):
+            self._version = version
+        (log.info if report.ok else log.warning)("push %s", report.summary())
+        return report
+
+    async def _prepare(self, run: _Run, tensors: dict[str, torch.Tensor], report: PushReport) -> list[_Group]:
+        names = list(self._subscribers)
+        got = await asyncio.gather(*(self._layout(s, run.deadline) for s in names), return_exceptions=True)
+        mismatches: list[str] = []
+        groups: dict[str, _Group] = {}
+        for name, res in zip(names, got, strict=True):
+            if isinstance(res, PlanMismatchError):
+                mismatches += [f"{name}: {d}" for d in res.differences]
+                continue
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res
+                report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0)
+                continue
+            layout = res
+            try:
+                sources = check_sources(tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map,
+                                        subscriber=name)
+            except PlanMismatchError as exc:
+                mismatches += [f"{name}: {d}" for d in exc.differences]
+                continue
+            group = groups.get(layout.digest)
+            if group is None:
+                slot_names, slot_tensors = self._slot(layout)
+                group = groups[layout.digest] = _Group(layout.digest, layout, sources, slot_names, slot_tensors)
+            target = _Target(name, layout)
+            target.group = group
+            group.targets.append(target)
+            run.targets[name] = target
+        if mismatches:
+            run.targets.clear()
+            raise PlanMismatchError(mismatches)
+        self._drop_unused_slots(set(groups))
+        for group in groups.values():
+            by_name = {t.name: t for t in group.targets}
+            src = assign_sources(list(by_name), {n: t.layout.same_host for n, t in by_name.items()},
+                                 {n: t.layout.manifest.host for n, t in by_name.items()}, self.fanout)
+            for name, source in src.items():
+                by_name[name].source = source
+                if source is not None:
+                    by_name[source].dependents.append(by_name[name])
+        return list(groups.values())
+
+    async def _layout(self, name: str, deadline: float) -> _Layout:
+        ep = self.endpoint
+        peer = await ep.connect(name, timeout=max(0.001, deadline - time.monotonic()))
+        cached = self._layouts.get(name)
+        if cached is not None and cached.incarnation == peer.incarnation:
+            return cached
+        spec = peer.buffers.get(MANIFEST_BUFFER)
+        if spec is None:
+            raise PlanMismatchError([f"{name!r} runs no WeightSubscriber (no {MANIFEST_BUFFER!r} buffer)"])
+        raw = torch.empty(spec.nbytes, dtype=torch.uint8)
+        await ep.get(name, {MANIFEST_BUFFER: raw}, timeout=max(0.001, deadline - time.monotonic()))
+        manifest = decode_manifest(raw.numpy().tobytes())
+        buckets = make_buckets(manifest, self.bucket_bytes)
+        layout = _Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.plane == "shm")
+        self._layouts[name] = layout
+        log.info("publisher %s: planned %s (%d tensors, %d buckets, %.1f MiB, via %s)", ep.name, name,
+                 len(manifest.entries), len(buckets), sum(manifest.arenas) / 2**20, peer.plane)
+        return layout
+
+    def _slot(self, layout: _Layout) -> tuple[list[str], list[torch.Tensor]]:
+        size = max((b.nbytes for b in layout.buckets), default=64)
+        have = self._slots.get(layout.digest)
+        if have is not None and have[1][0].numel() >= size:
+            return have
+        names = [f"rl_sync/pub/{layout.digest[:16]}/{i}" for i in range(SLOTS)]
+        tensors = [torch.empty(size, dtype=torch.uint8) for _ in names]
+        for n, t in zip(names, tensors, strict=True):
+            if n in self.endpoint.buffers:
+                self.endpoint.unregister(n)
+            self.endpoint.register(n, t)
+        self._slots[layout.digest] = (names, tensors)
+        return names, tensors
+
+    def _drop_unused_slots(self, keep: set[str]) -> None:
+        for digest in list(self._slots):
+            if digest not in keep:
+                for n in self._slots.pop(digest)[0]:
+                    with contextlib.suppress(transport.TransportError):
+                        self.endpoint.unregister(n)
+
+    def _on_reply(self, note: transport.Notification) -> None:
+        try:
+            msg = m.decode(note.payload)
+        except Exception as exc:
+            log.warning("publisher %s: malformed rl_sync reply from %s dropped: %s", self.endpoint.name, note.peer, exc)
+            return
+        run = self._run
+        if not isinstance(msg, m.Reply) or run is None or msg.push_id != run.push_id:
+            return  # a late reply to an earlier push
+        target = run.targets.get(note.peer)
+        if target is not None and target.error is None:
+            run.on_reply(target, msg)
+
+
+# Replies reach publishers through one route per endpoint (several publishers may share an endpoint).
+_PUBLISHERS: weakref.WeakKeyDictionary[transport.Endpoint, list[WeightPublisher]] = weakref.WeakKeyDictionary()
+
+
+def _attach(pub: WeightPublisher) -> None:
+    pubs = _PUBLISHERS.get(pub.endpoint)
+    if pubs is None:
+        pubs = _PUBLISHERS[pub.endpoint] = []
+
+        def route(note: transport.Notification) -> None:
+            for p in list(pubs):
+                p._on_reply(note)
+
+        pub.endpoint.on_notification(route, prefix=m.TO_PUBLISHER)
+    if pub not in pubs:
+        pubs.append(pub)
+
+
+def _detach(pub: WeightPublisher) -> None:
+    pubs = _PUBLISHERS.get(pub.endpoint)
+    if pubs is not None and pub in pubs:
+        pubs.remove(pub)
+        if not pubs:
+            del _PUBLISHERS[pub.endpoint]
+            pub.endpoint.on_notification(None, prefix=m.TO_PUBLISHER)
+
+
+class _Run:
+    """The state of one push: targets, their progress, and the tasks driving them."""
+
+    def __init__(self, pub: WeightPublisher, push_id: int, version: int, deadline: float, t0: float) -> None:
+        self.pub = pub
+        self.ep = pub.endpoint
+        self.push_id = push_id
+        self.version = version
+        self.deadline = deadline
+        self.t0 = t0
+        self.targets: dict[str, _Target] = {}
+        self.changed = asyncio.Event()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.packed_bytes = 0
+        self.bar: Any = None
+
+    # ------------------------------------------------------------------ driving
+    async def execute(self, groups: list[_Group], progress: bool) -> None:
+        if progress:
+            from tqdm.auto import tqdm
+
+            total = sum(b.nbytes for g in groups for b in g.buckets)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"push v{self.version}")
+        watchdog = asyncio.ensure_future(self._watchdog())
+        try:
+            for t in self.targets.values():
+                self._send(t, m.Begin(self.push_id, self.version, t.layout.digest, self.pub.bucket_bytes))
+            await self._until(lambda: all(t.begun or t.error for t in self.targets.values()))
+            await asyncio.gather(*(self._run_group(g) for g in groups))
+            await self._until(lambda: not any(t.alive for t in self.targets.values()))
+        finally:
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
+            if self.bar is not None:
+                self.bar.close()
+
+    async def _run_group(self, group: _Group) -> None:
+        n = len(group.buckets)
+        for k in range(n):
+            group.next_bucket = k
+            want = [t for t in group.targets if t.alive and t.begun and t.source is None and k not in t.have]
+            if want:
+                await self._serve(group, k, want)
+        group.next_bucket = n
+        # repair: buckets whose relay failed come from the publisher
+        while True:
+            await self._until(lambda: not any(t.alive and not t.complete and not t.orphaned for t in group.targets)
+                              or any(t.alive and t.orphaned and not t.inflight for t in group.targets))
+            todo = sorted(set().union(*(t.orphaned for t in group.targets if t.alive and not t.inflight)))
+            if not todo:
+                return
+            for k in todo:
+                want = [t for t in group.targets if t.alive and k in t.orphaned]
+                for t in want:
+                    t.orphaned.discard(k)
+                if want:
+                    await self._serve(group, k, want)
+
+    async def _serve(self, group: _Group, k: int, want: list[_Target]) -> None:
+        """Pack bucket ``k`` into a free slot and tell ``want`` to pull it."""
+        slot = k % len(group.slots)
+        await self._until(lambda: not group.slot_users[slot])
+        bucket = group.buckets[k]
+        pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, group.sources, group.slot_tensors[slot]))
+        self.pub._packing = pack
+        await asyncio.shield(pack)
+        self.packed_bytes += bucket.nbytes
+        if self.bar is not None:
+            self.bar.update(bucket.nbytes)
+        for t in want:
+            if t.alive and k not in t.have and k not in t.inflight:
+                t.inflight[k] = None
+                group.slot_users[slot].add(t.name)
+                self._send(t, m.Pull(self.push_id, k, self.ep.name, group.slots[slot], 0))
+
+    def on_reply(self, t: _Target, r: m.Reply) -> None:
+        if r.stage == "begin":
+            if r.error is None:
+                t.begun = True
+                self._maybe_commit(t)  # a layout with no bytes at all
+            else:
+                self.fail(t, _rejection(t.name, r))
+        elif r.stage == "pull":
+            source = t.inflight.pop(r.bucket, "?")
+            self._release_slot(t, r.bucket, source)
+            if r.error is None:
+                t.have.add(r.bucket)
+                for d in t.dependents:
+                    if d.alive and d.source == t.name and r.bucket not in d.have and r.bucket not in d.inflight:
+                        b = d.layout.buckets[r.bucket]
+                        d.inflight[r.bucket] = t.name
+                        self._send(d, m.Pull(self.push_id, r.bucket, t.name, ARENA_PREFIX + str(b.arena), b.offset))
+                self._maybe_commit(t)
+            elif source not in (None, "?"):
+                log.info("push %d: %s could not pull bucket %d from relay %s (%s); it will come from the publisher",
+                         self.push_id, t.name, r.bucket, source, r.error)
+                t.orphaned.add(r.bucket)
+            else:
+                self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
+        elif r.stage == "commit":
+            if r.error is None:
+                t.committed = True
+                t.finished_at = time.monotonic()
+            elif r.error_kind == "timeout":
+                self.fail(t, transport.TransportTimeoutError(f"{t.name}: {r.error}", Phase.COMMIT))
+            else:
+                self.fail(t, SubscriberRejectedError(f"{t.name} refused the commit: {r.error}"))
+        self.changed.set()
+
+    def _release_slot(self, t: _Target, k: int, source: str | None) -> None:
+        if source is None and t.group is not None:
+            t.group.slot_users[k % len(t.group.slots)].discard(t.name)
+
+    def _maybe_commit(self, t: _Target) -> None:
+        if t.alive and t.begun and t.complete and not t.committing:
+            t.committing = True
+            self._send(t, m.Commit(self.push_id, self.version))
+
+    def fail(self, t: _Target, exc: BaseException) -> None:
+        if t.error is not None or t.committed:
+            return
+        t.error = exc
+        t.finished_at = time.monotonic()
+        log.warning("push %d (version %d): %s failed: %s: %s", self.push_id, self.version, t.name,
+                    type(exc).__name__, exc)
+        if t.group is not None:
+            for users in t.group.slot_users:
+                users.discard(t.name)
+        for d in t.dependents:  # they pull what they still miss from the publisher
+            if d.source == t.name and d.alive:
+                d.source = None
+                nxt = d.group.next_bucket if d.group is not None else 0
+                d.orphaned |= {k for k in range(nxt) if k not in d.have and k not in d.inflight}
+        if t.begun:
+            self._send(t, m.Abort(self.push_id, f"{type(exc).__name__}: {exc}"), best_effort=True)
+        self.changed.set()
+
+    def _send(self, t: _Target, msg: m.Message, best_effort: bool = False) -> None:
+        if best_effort:  # an abort goes only over a channel still open to the same incarnation, never a new dial
+            p = self.ep.peers.get(t.name)
+            if p is None or p.incarnation != t.layout.incarnation:
+                return
+        limit = 2.0 if best_effort else max(0.5, self.deadline - time.monotonic())
+
+        async def send() -> None:
+            try:
+                await self.ep.notify(t.name, m.encode(msg), timeout=limit)
+            except Exception as exc:
+                if not best_effort:
+                    self.fail(t, exc)
+
+        task = asyncio.ensure_future(send())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _until(self, cond: Callable[[], bool]) -> None:
+        while not cond():
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_POLL):
+                    await self.changed.wait()
+
+    async def _watchdog(self) -> None:
+        """Fails targets whose channel is lost (or answered by another incarnation) or that pass the deadline."""
+        while True:
+            now = time.monotonic()
+            peers = self.ep.peers
+            for t in list(self.targets.values()):
+                if not t.alive:
+                    continue
+                p = peers.get(t.name)
+                if p is None or p.incarnation != t.layout.incarnation:
+                    self.fail(t, transport.PeerLostError(f"subscriber {t.name!r} was lost during the push"))
+                elif now >= self.deadline:
+                    phase = Phase.COMMIT if t.committing else Phase.TRANSFER
+                    self.fail(t, transport.TransportTimeoutError(
+                        f"subscriber {t.name!r} did not finish version {self.version} before the deadline "
+                        f"({len(t.have)}/{len(t.layout.buckets)} buckets)", phase))
+            await asyncio.sleep(_POLL)
+
+    async def finish(self) -> None:
+        """Abort whatever did not commit (cancellation included) and wait, bounded, for the messages to go."""
+        for t in self.targets.values():
+            if t.alive:
+                self.fail(t, PushAbortedError(f"the push of version {self.version} stopped before {t.name} committed"))
+        if self.tasks:
+            await asyncio.shield(asyncio.wait(list(self.tasks), timeout=2.0))
+
+
+def _rejection(name: str, r: m.Reply) -> Exception:
+    if r.error_kind == "stale":
+        return StaleVersionError(f"{name}: {r.error}")
+    if r.error_kind == "plan":
+        return PlanMismatchError([r.error or "plan mismatch"], subscriber=name)
+    return SubscriberRejectedError(f"{name}: {r.error}")
+
+
+def _pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
+    """Copy (and cast) the pieces of ``bucket`` into ``slot``. Runs on a worker thread."""
+    with torch.no_grad():
+        for p in bucket.pieces:
+            e = p.entry
+            dt = dtype_from_name(e.dtype)
+            size = dt.itemsize
+            src = sources[e.name].reshape(-1)[p.start // size:p.stop // size]
+            at = e.offset + p.start - bucket.offset
+            slot[at:at + p.stop - p.start].view(dt).copy_(src)

@@ -1,0 +1,63 @@
+"""What a push returns: one result per subscriber, and the totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PushReport", "SubscriberResult"]
+
+
+@dataclass
+class SubscriberResult:
+    """How the push went for one subscriber.
+
+    ``ok`` is true once the subscriber committed the version; otherwise
+    ``error`` holds the exception (:class:`transport.PeerLostError`,
+    :class:`transport.TransportTimeoutError`, :class:`rl_sync.StaleVersionError`, ...).
+    ``bytes`` counts the bytes delivered to it, ``seconds`` the time from the
+    push's start to its commit (or failure); ``source`` is where it pulled
+    its buckets from (the publisher, or a relaying subscriber).
+    """
+
+    ok: bool = False
+    error: BaseException | None = None
+    bytes: int = 0
+    seconds: float = 0.0
+    source: str = ""
+
+
+@dataclass
+class PushReport:
+    """The outcome of :meth:`rl_sync.WeightPublisher.push`."""
+
+    version: int
+    results: dict[str, SubscriberResult] = field(default_factory=dict)
+    seconds: float = 0.0
+    packed_bytes: int = 0  # bytes the publisher packed (its own cost: once per bucket, not per subscriber)
+
+    @property
+    def ok(self) -> bool:
+        """True when every subscriber committed."""
+        return bool(self.results) and all(r.ok for r in self.results.values())
+
+    @property
+    def bytes(self) -> int:
+        """Bytes delivered to the subscribers that committed."""
+        return sum(r.bytes for r in self.results.values() if r.ok)
+
+    @property
+    def gbps(self) -> float:
+        """Delivered GB/s: bytes that reached committing subscribers over the push's wall time."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def failed(self) -> dict[str, BaseException | None]:
+        return {name: r.error for name, r in self.results.items() if not r.ok}
+
+    def summary(self) -> str:
+        ok = sum(r.ok for r in self.results.values())
+        line = (f"version {self.version}: {ok}/{len(self.results)} subscribers committed, "
+                f"{self.bytes / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s)")
+        for name, err in self.failed.items():
+            line += f"; {name} failed: {type(err).__name__}: {err}"
+        return line

@@ -1,0 +1,349 @@
+"""Generator side: receive buffers, serve pushes, apply commits atomically.
+
+A :class:`WeightSubscriber` registers its staging arenas and its manifest on
+the endpoint and then serves pushes on the endpoint's event loop, with no
+call from the application: it answers the publisher's ``Begin``, pulls each
+bucket into its staging arena when told to (a one-sided ``get`` from the
+bucket's source), and on ``Commit`` copies staging into the live weights
+while holding the writer side of a readers-writer lock. Readers
+(:meth:`WeightSubscriber.hold`) therefore never see two versions at once, and
+a push that fails or is cancelled before its commit leaves the live weights
+untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+import transport
+from transport.errors import Phase
+
+from . import messages as m
+from .plan import (
+    ARENA_PREFIX,
+    MANIFEST_BUFFER,
+    Bucket,
+    Manifest,
+    build_manifest,
+    dtype_from_name,
+    encode_manifest,
+    make_buckets,
+    plan_hash,
+)
+from .rwlock import RWLock
+
+__all__ = ["WeightSubscriber", "host_key", "live_tensors"]
+
+log = logging.getLogger("rl_sync.subscriber")
+
+MODES = ("staged",)
+
+
+def host_key() -> str:
+    """Which host this process runs on (hostname and kernel boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def live_tensors(model_or_state_dict: Any) -> dict[str, torch.Tensor]:
+    """The tensors a push writes: an ``nn.Module``'s state dict, or a mapping of name -> tensor."""
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        state = model_or_state_dict.state_dict()
+    elif isinstance(model_or_state_dict, Mapping):
+        state = dict(model_or_state_dict)
+    else:
+        raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, got {type(model_or_state_dict).__name__}")
+    for name, t in state.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(f"state entries are str -> tensor, got {name!r} -> {type(t).__name__}")
+    return {name: t.detach() for name, t in state.items()}
+
+
+class _Push:
+    __slots__ = ("buckets", "done", "publisher", "push_id", "version")
+
+    def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket]) -> None:
+        self.publisher = publisher
+        self.push_id = push_id
+        self.version = version
+        self.buckets = buckets
+        self.done: set[int] = set()
+
+
+class WeightSubscriber:
+    """Receives versioned weight pushes into ``model_or_state_dict``.
+
+    Constructing it registers its buffers on ``endpoint`` (one staging arena
+    per ``arena_bytes`` of weights, plus a small manifest) and starts serving
+    pushes for as long as the endpoint is open; the endpoint may be open
+    already or opened later. Call it on the endpoint's event loop thread.
+
+    Parameters:
+        endpoint: an open (or not yet opened) :class:`transport.Endpoint`.
+        model_or_state_dict: an ``nn.Module`` (its ``state_dict()``) or a
+            mapping of name -> tensor; the tensors are updated in place.
+        mode: ``"staged"`` (default): bytes land in staging arenas while
+            readers keep running on the current weights; the commit copies
+            them in while :meth:`hold` is blocked.
+        arena_bytes: largest staging arena (a tensor larger than that gets an
+            arena of its own).
+        commit_timeout: how long a commit waits for readers to leave
+            :meth:`hold` before it fails (the push then reports a timeout
+            for this subscriber and the weights stay as they were).
+    """
+
+    def __init__(self, endpoint: transport.Endpoint, model_or_state_dict: Any, *, mode: str = "staged",
+                 arena_bytes: int = 1 << 30, commit_timeout: float = 30.0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if arena_bytes < 64:
+            raise ValueError(f"arena_bytes must be >= 64, got {arena_bytes}")
+        self.endpoint = endpoint
+        self.mode = mode
+        self.commit_timeout = commit_timeout
+        self._live = live_tensors(model_or_state_dict)
+        if not self._live:
+            raise ValueError("the model has no tensors to receive")
+        self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key())
+        self._arenas = [torch.empty(n, dtype=torch.uint8) for n in self.manifest.arenas]
+        self._plans: dict[int, tuple[list[Bucket], str]] = {}
+        self._lock = RWLock()
+        self._version = 0
+        self._version_cond = threading.Condition()
+        self._push: _Push | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._names: list[str] = []
+        manifest_bytes = encode_manifest(self.manifest)
+        self._manifest_tensor = torch.frombuffer(bytearray(manifest_bytes), dtype=torch.uint8)
+        try:
+            for i, arena in enumerate(self._arenas):
+                endpoint.register(ARENA_PREFIX + str(i), arena)
+                self._names.append(ARENA_PREFIX + str(i))
+            endpoint.register(MANIFEST_BUFFER, self._manifest_tensor)
+            self._names.append(MANIFEST_BUFFER)
+        except BaseException:
+            self._unregister()
+            raise
+        endpoint.on_notification(self._on_message, prefix=m.TO_SUBSCRIBER)
+        log.info("subscriber %s: %d tensors, %.1f MiB in %d arenas, mode %s", endpoint.name, len(self._live),
+                 sum(self.manifest.arenas) / 2**20, len(self._arenas), mode)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def version(self) -> int:
+        """The committed version (0 before the first commit)."""
+        return self._version
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.manifest.arenas)
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until a version >= ``version`` is committed; return the committed version.
+
+        Raises :class:`transport.TransportTimeoutError` (phase ``commit``) at
+        the deadline; ``timeout=None`` waits as long as it takes. Cancelling
+        it only stops the wait.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._version < version:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise transport.TransportTimeoutError(
+                    f"version {version} was not committed within {timeout} s (holding {self._version})", Phase.COMMIT)
+            await asyncio.sleep(0.005)
+        return self._version
+
+    def wait_for_version_blocking(self, version: int, timeout: float | None = None) -> int:
+        """:meth:`wait_for_version` for a thread that is not the event loop's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._version_cond:
+            while self._version < version:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise transport.TransportTimeoutError(
+                        f"version {version} was not committed within {timeout} s (holding {self._version})",
+                        Phase.COMMIT)
+                self._version_cond.wait(left)
+            return self._version
+
+    @contextlib.asynccontextmanager
+    async def hold(self, timeout: float | None = None) -> AsyncIterator[int]:
+        """Keep the weights from changing inside the block; yields the version held.
+
+        Many holders may overlap; a commit waits until all have left, and
+        holders that arrive while a commit waits queue behind it. Raises
+        :class:`transport.TransportTimeoutError` if the lock is not had
+        within ``timeout``.
+        """
+        if not await self._lock.acquire_read_async(timeout):
+            raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+        try:
+            yield self._version
+        finally:
+            self._lock.release_read()
+
+    @contextlib.contextmanager
+    def hold_blocking(self, timeout: float | None = None) -> Any:
+        """:meth:`hold` for a thread that is not the event loop's."""
+        if not self._lock.acquire_read(timeout):
+            raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+        try:
+            yield self._version
+        finally:
+            self._lock.release_read()
+
+    def close(self) -> None:
+        """Stop serving pushes and unregister the buffers (idempotent). Call on the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.endpoint.on_notification(None, prefix=m.TO_SUBSCRIBER)
+        for t in list(self._tasks):
+            t.cancel()
+        if self.endpoint.is_open:
+            self._unregister()
+
+    def _unregister(self) -> None:
+        for name in self._names:
+            with contextlib.suppress(transport.TransportError):
+                self.endpoint.unregister(name)
+        self._names.clear()
+
+    # ------------------------------------------------------------------ serving
+    def plan(self, bucket_bytes: int) -> tuple[list[Bucket], str]:
+        got = self._plans.get(bucket_bytes)
+        if got is None:
+            buckets = make_buckets(self.manifest, bucket_bytes)
+            got = self._plans[bucket_bytes] = (buckets, plan_hash(self.manifest, buckets))
+        return got
+
+    def _on_message(self, note: transport.Notification) -> None:
+        try:
+            msg = m.decode(note.payload)
+        except (ValueError, msgspec.DecodeError) as exc:
+            log.warning("subscriber %s: malformed rl_sync message from %s dropped: %s", self.endpoint.name, note.peer, exc)
+            return
+        if isinstance(msg, m.Begin):
+            self._begin(note.peer, msg)
+        elif isinstance(msg, m.Pull):
+            push = self._current(note.peer, msg.push_id)
+            if push is None:
+                self._reply(note.peer, m.Reply(msg.push_id, "pull", msg.bucket, "no such push in progress", "other"))
+            elif not 0 <= msg.bucket < len(push.buckets):
+                self._reply(note.peer, m.Reply(msg.push_id, "pull", msg.bucket, f"bucket {msg.bucket} is out of range", "plan"))
+            else:
+                self._spawn(self._pull(push, msg))
+        elif isinstance(msg, m.Commit):
+            push = self._current(note.peer, msg.push_id)
+            if push is None or push.version != msg.version:
+                self._reply(note.peer, m.Reply(msg.push_id, "commit", -1, "no such push in progress", "other"))
+            elif len(push.done) != len(push.buckets):
+                self._reply(note.peer, m.Reply(msg.push_id, "commit", -1,
+                                               f"{len(push.buckets) - len(push.done)} buckets missing", "other"))
+            else:
+                self._spawn(self._commit(push))
+        elif isinstance(msg, m.Abort):
+            if self._current(note.peer, msg.push_id) is not None:
+                log.info("subscriber %s: push %d aborted by %s: %s", self.endpoint.name, msg.push_id, note.peer, msg.reason)
+                self._push = None
+        else:
+            log.warning("subscriber %s: unexpected %s from %s", self.endpoint.name, type(msg).__name__, note.peer)
+
+    def _current(self, peer: str, push_id: int) -> _Push | None:
+        push = self._push
+        if push is None or push.publisher != peer or push.push_id != push_id:
+            return None
+        return push
+
+    def _begin(self, peer: str, msg: m.Begin) -> None:
+        if msg.version <= self._version:
+            self._reply(peer, m.Reply(msg.push_id, "begin", -1,
+                                      f"version {msg.version} is not newer than the committed {self._version}", "stale",
+                                      self._version))
+            return
+        try:
+            buckets, digest = self.plan(msg.bucket_bytes)
+        except ValueError as exc:
+            self._reply(peer, m.Reply(msg.push_id, "begin", -1, str(exc), "plan", self._version))
+            return
+        if digest != msg.plan_hash:
+            self._reply(peer, m.Reply(msg.push_id, "begin", -1,
+                                      f"plan hash {msg.plan_hash} differs from the subscriber's {digest}", "plan",
+                                      self._version))
+            return
+        self._push = _Push(peer, msg.push_id, msg.version, buckets)
+        self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version))
+
+    async def _pull(self, push: _Push, msg: m.Pull) -> None:
+        b = push.buckets[msg.bucket]
+        dest = self._arenas[b.arena][b.offset:b.offset + b.nbytes]
+        try:
+            await self.endpoint.get(msg.source, {msg.buffer: transport.At(dest, msg.offset)})
+        except Exception as exc:
+            self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other"))
+            return
+        push.done.add(msg.bucket)
+        self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket))
+
+    async def _commit(self, push: _Push) -> None:
+        if not await self._lock.acquire_write_async(self.commit_timeout):
+            self._reply(push.publisher, m.Reply(push.push_id, "commit", -1,
+                                                f"readers held the weights for more than {self.commit_timeout} s",
+                                                "timeout", self._version))
+            return
+        try:
+            await asyncio.to_thread(self._apply)
+            with self._version_cond:
+                self._version = push.version
+                self._version_cond.notify_all()
+        except Exception as exc:
+            log.exception("subscriber %s: commit of version %d failed", self.endpoint.name, push.version)
+            self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, f"{type(exc).__name__}: {exc}", "other",
+                                                self._version))
+            return
+        finally:
+            self._lock.release_write()
+            if self._push is push:
+                self._push = None
+        log.debug("subscriber %s: committed version %d", self.endpoint.name, push.version)
+        self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
+
+    def _apply(self) -> None:
+        # views are taken here, not at construction: registering (at open) moves an arena into shared memory
+        with torch.no_grad():
+            for e in self.manifest.entries:
+                view = self._arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
+                self._live[e.name].copy_(view.view(e.shape))
+
+    def _reply(self, peer: str, reply: m.Reply) -> None:
+        async def send() -> None:
+            try:
+                await self.endpoint.notify(peer, m.encode(reply))
+            except transport.TransportError as exc:
+                log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
+
+        self._spawn(send())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def __repr__(self) -> str:
+        return f"<WeightSubscriber {self.endpoint.name!r} version={self._version} pid={os.getpid()}>"

@@ -1,0 +1,118 @@
+"""rl_sync commands for the spawned-process harness in ``tests/_remote.py``.
+
+A child runs a real :class:`rl_sync.WeightSubscriber` on its real endpoint;
+the test process is the trainer. Data is made from seeds on both sides
+(``make_tensor``) so contents can be checked byte for byte without shipping
+tensors through the pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from tests._remote import dtype_of, make_tensor, poisoned, same_bytes
+
+
+def stamped(spec: dict[str, tuple[str, tuple[int, ...]]], version: int) -> dict[str, torch.Tensor]:
+    """Every element of every tensor holds ``version``: the stamp a reader checks."""
+    return {n: torch.full(tuple(sh), version, dtype=dtype_of(dt)) for n, (dt, sh) in spec.items()}
+
+
+def seeded(spec: dict[str, tuple[str, tuple[int, ...]]], seed: int) -> dict[str, torch.Tensor]:
+    return {n: make_tensor(dt, tuple(sh), seed + i) for i, (n, (dt, sh)) in enumerate(spec.items())}
+
+
+async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
+    from rl_sync import WeightSubscriber
+
+    if cmd == "sub_create":
+        spec, kwargs = args
+        model = {n: poisoned(dt, tuple(sh)) for n, (dt, sh) in spec.items()}
+        state["model"] = model
+        state["sub"] = WeightSubscriber(ep, model, **kwargs)
+        return len(state["sub"].manifest.arenas)
+    sub = state["sub"]
+    if cmd == "sub_version":
+        return sub.version
+    if cmd == "sub_wait":
+        version, timeout = args
+        return await sub.wait_for_version(version, timeout=timeout)
+    if cmd == "sub_check":  # contents == the trainer's seeded tensors, cast to the subscriber's dtypes
+        pub_spec, seed = args
+        want = seeded(pub_spec, seed)
+        async with sub.hold():
+            return {n: same_bytes(state["model"][n], want[n].to(state["model"][n].dtype)) for n in want}
+    if cmd == "sub_check_stamp":
+        async with sub.hold() as v:
+            return v, all(bool((t == v).all()) for t in state["model"].values())
+    if cmd == "sub_reader_start":  # a reader loop: inside hold(), every tensor must carry one stamp
+        stats = state["reader"] = {"checks": 0, "bad": [], "versions": set()}
+
+        async def reader() -> None:
+            while True:
+                async with sub.hold() as v:
+                    for name, t in state["model"].items():
+                        lo, hi = t.min().item(), t.max().item()
+                        if lo != hi or (v > 0 and lo != v):
+                            stats["bad"].append((v, name, lo, hi))
+                    stats["checks"] += 1
+                    stats["versions"].add(v)
+                await asyncio.sleep(0)
+
+        state["reader_task"] = asyncio.ensure_future(reader())
+        return None
+    if cmd == "sub_reader_stop":
+        task = state.pop("reader_task")
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        stats = state.pop("reader")
+        return stats["checks"], stats["bad"][:10], sorted(stats["versions"])
+    if cmd == "sub_hold":  # hold the weights for `seconds` in the background
+        seconds = args[0]
+
+        async def hold() -> None:
+            async with sub.hold():
+                await asyncio.sleep(seconds)
+
+        state["holder"] = asyncio.ensure_future(hold())
+        await asyncio.sleep(0.05)
+        return None
+    if cmd == "sub_close":
+        sub.close()
+        return None
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+def blocking_generator(name: str, store_url: str, spec: dict[str, tuple[str, tuple[int, ...]]], seed: int,
+                       out: Any) -> None:
+    """A generator without asyncio: BlockingEndpoint + BlockingWeightSubscriber (run in a spawned process)."""
+    import transport
+    from rl_sync import BlockingWeightSubscriber
+
+    try:
+        with transport.BlockingEndpoint(name, store=store_url, timeout=20) as ep:
+            model = {n: poisoned(dt, tuple(sh)) for n, (dt, sh) in spec.items()}
+            sub = BlockingWeightSubscriber(ep, model)
+            out.put(("ready", sub.version))
+            v = sub.wait_for_version(1, timeout=30)
+            want = seeded(spec, seed)
+            with sub.hold() as held:
+                ok = all(same_bytes(model[n], want[n]) for n in spec)
+            out.put(("done", v, held, ok))
+            deadline = time.monotonic() + 30
+            while ep.endpoint.is_open and time.monotonic() < deadline:
+                try:
+                    ep.next_notification(timeout=0.5)
+                    break  # any application notification: stop
+                except transport.TransportTimeoutError:
+                    pass
+            sub.close()
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,351 @@
+"""rl_sync between real processes: plans, contents, consistency under readers, failures, fan-out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import signal
+import time
+
+import pytest
+import torch
+
+import rl_sync
+import transport
+from rl_sync.fanout import assign_sources
+from rl_sync.plan import build_manifest, check_sources, make_buckets, plan_hash
+from tests._remote import RemoteEndpoint
+from tests._rl_remote import blocking_generator, seeded, stamped
+
+# the subscriber's layout: several dtypes, a 0-d and an empty tensor, one tensor larger than a bucket
+GEN = {
+    "embed.weight": ("bfloat16", (300, 64)),
+    "layers.0.weight": ("bfloat16", (128, 64)),
+    "layers.0.bias": ("bfloat16", (128,)),
+    "scale": ("float32", ()),
+    "empty": ("float32", (0, 4)),
+    "steps": ("int64", (3,)),
+}
+# what the trainer holds: float32 where the generator has bfloat16
+TRAIN = {n: ("float32" if dt == "bfloat16" else dt, sh) for n, (dt, sh) in GEN.items()}
+BUCKET = 16 << 10  # several buckets per push, and embed.weight (37.5 KiB) is split across three
+
+
+@contextlib.contextmanager
+def generators(store_url, uname, n, spec=GEN, *, planes=None, heartbeat_timeout=10.0, **sub_kwargs):
+    kw = {"store": store_url, "timeout": 20, "heartbeat_timeout": heartbeat_timeout}
+    if planes:
+        kw["planes"] = planes
+    gens = [RemoteEndpoint(uname(f"gen{i}"), **kw) for i in range(n)]
+    try:
+        for g in gens:
+            g.call("sub_create", spec, sub_kwargs)
+        yield gens
+    finally:
+        for g in gens:
+            g.kill()
+
+
+def trainer(store_url, uname, **kw):
+    return transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **kw)
+
+
+def cast_pub(ep, gens, **kw):
+    return rl_sync.WeightPublisher(ep, [g.name for g in gens], dtype="auto", bucket_bytes=BUCKET, **kw)
+
+
+# ---------------------------------------------------------------------------- plan (no processes)
+def test_buckets_cover_every_byte_once_and_respect_the_size():
+    state = {n: torch.zeros(sh, dtype=getattr(torch, dt)) for n, (dt, sh) in GEN.items()}
+    man = build_manifest(state, arena_bytes=40 << 10)
+    assert len(man.arenas) >= 2, "a 40 KiB arena limit must give several arenas"
+    buckets = make_buckets(man, BUCKET)
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for b in buckets:
+        assert 0 < b.nbytes <= BUCKET
+        for p in b.pieces:
+            assert b.offset <= p.entry.offset + p.start and p.entry.offset + p.stop <= b.offset + b.nbytes
+            seen.setdefault(p.entry.name, []).append((p.start, p.stop))
+    for e in man.entries:
+        ranges = sorted(seen.get(e.name, []))
+        covered = 0
+        for start, stop in ranges:
+            assert start == covered, f"{e.name}: gap or overlap at {start}"
+            covered = stop
+        assert covered == e.nbytes
+        if e.nbytes <= BUCKET:
+            assert len(ranges) <= 1, f"{e.name} fits in a bucket and must not be split"
+    assert len(seen["embed.weight"]) == 3
+    assert plan_hash(man, buckets) != plan_hash(man, make_buckets(man, BUCKET // 2))
+
+
+def test_check_sources_lists_every_difference():
+    gen = {n: torch.zeros(sh, dtype=getattr(torch, dt)) for n, (dt, sh) in GEN.items()}
+    man = build_manifest(gen, 1 << 20)
+    train = {n: torch.zeros(sh, dtype=getattr(torch, dt)) for n, (dt, sh) in TRAIN.items()}
+    del train["layers.0.bias"]
+    train["extra"] = torch.zeros(2)
+    train["layers.0.weight"] = torch.zeros(64, 128)
+    with pytest.raises(rl_sync.PlanMismatchError) as ei:
+        check_sources(train, man, dtype=None, name_map=None, subscriber="g")
+    diffs = "\n".join(ei.value.differences)
+    assert len(ei.value.differences) == 5, diffs  # layers.0.weight differs in shape and dtype
+    for needle in ("'layers.0.bias'", "'extra'", "shape (128, 64)", "'embed.weight': dtype bfloat16"):
+        assert needle in diffs
+    mapped = check_sources({"model." + n: t for n, t in gen.items()}, man, dtype=None,
+                           name_map=lambda n: n.removeprefix("model."), subscriber="g")
+    assert set(mapped) == set(GEN)
+    # a dtype casts floating-point tensors only; "auto" follows each subscriber entry
+    train = {n: torch.zeros(sh, dtype=getattr(torch, dt)) for n, (dt, sh) in TRAIN.items()}
+    with pytest.raises(rl_sync.PlanMismatchError) as ei:
+        check_sources(train, man, dtype=torch.bfloat16, name_map=None, subscriber="g")
+    assert [d.split(":")[0] for d in ei.value.differences] == ["'empty'", "'scale'"]
+    assert "the trainer sends float32 cast to bfloat16" in ei.value.differences[1]
+    assert set(check_sources(train, man, dtype="auto", name_map=None, subscriber="g")) == set(GEN)
+
+
+def test_assign_sources_builds_a_tree_per_host():
+    subs = ["a", "b", "c", "d", "e"]
+    same = {"a": True, "b": True}
+    hosts = {"c": "h2", "d": "h2", "e": "h3"}
+    src = assign_sources(subs, same, hosts)
+    assert src == {"a": None, "b": None, "c": None, "d": "c", "e": None}
+    assert assign_sources(subs, same, hosts, "chain") == {"a": None, "b": "a", "c": "b", "d": "c", "e": "d"}
+    with pytest.raises(ValueError):
+        assign_sources(subs, same, hosts, "ring")
+
+
+# ---------------------------------------------------------------------------- pushes
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+async def test_push_casts_and_delivers_exact_bytes(store_url, uname, plane):
+    with generators(store_url, uname, 2, planes=(plane,)) as gens:
+        async with trainer(store_url, uname, planes=(plane,)) as ep:
+            pub = cast_pub(ep, gens)
+            for version, seed in ((1, 10), (2, 20)):
+                report = await pub.push(seeded(TRAIN, seed), version)
+                assert report.ok, report.summary()
+                for g in gens:
+                    assert g.call("sub_version") == version
+                    assert all(g.call("sub_check", TRAIN, seed).values())
+            nbytes = sum(torch.zeros(sh, dtype=getattr(torch, dt)).nbytes for dt, sh in GEN.values())
+            assert set(report.results) == {g.name for g in gens}
+            for r in report.results.values():
+                assert r.ok and r.error is None and r.bytes >= nbytes and r.seconds > 0
+            assert report.bytes == sum(r.bytes for r in report.results.values()) and report.gbps > 0
+            assert report.packed_bytes < report.bytes, "buckets are packed once, not once per subscriber"
+            assert pub.version == 2
+
+
+async def test_stale_version_and_plan_mismatch_raise_before_any_byte_moves(store_url, uname):
+    with generators(store_url, uname, 1) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            with pytest.raises(rl_sync.PlanMismatchError) as ei:
+                bad = seeded(TRAIN, 1)
+                del bad["steps"]
+                bad["layers.0.bias"] = torch.zeros(5)
+                await pub.push(bad, 1)
+            assert len(ei.value.differences) == 2 and gens[0].name in str(ei.value)
+            assert gens[0].call("sub_version") == 0
+            assert (await pub.push(seeded(TRAIN, 1), 3)).ok
+            for v in (3, 2, 0):
+                with pytest.raises(rl_sync.StaleVersionError):
+                    await pub.push(seeded(TRAIN, 2), v)
+            assert gens[0].call("sub_version") == 3 and all(gens[0].call("sub_check", TRAIN, 1).values())
+            # a second publisher that starts lower is refused by the subscriber itself
+            other = rl_sync.WeightPublisher(ep, [gens[0].name], dtype="auto", bucket_bytes=BUCKET)
+            pub.close()
+            report = await other.push(seeded(TRAIN, 2), 2)
+            assert isinstance(report.results[gens[0].name].error, rl_sync.StaleVersionError)
+            assert all(gens[0].call("sub_check", TRAIN, 1).values())
+            with pytest.raises(rl_sync.PlanMismatchError, match="runs no WeightSubscriber"):
+                async with transport.Endpoint(uname("plain"), store=store_url) as plain:
+                    await rl_sync.WeightPublisher(ep, [plain.name]).push(seeded(TRAIN, 1), 9)
+
+
+async def test_name_map_translates_names(store_url, uname):
+    with generators(store_url, uname, 1) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens, name_map={f"module.{n}": n for n in GEN})
+            data = seeded(TRAIN, 5)
+            report = await pub.push({f"module.{n}": t for n, t in data.items()}, 1)
+            assert report.ok, report.summary()
+            assert all(gens[0].call("sub_check", TRAIN, 5).values())
+
+
+async def test_readers_never_see_two_versions(store_url, uname):
+    """A reader loop inside hold() checks that every element of every tensor carries one version stamp."""
+    spec = {"a": ("float32", (64, 64)), "b": ("float32", (4096,)), "c": ("float32", (3, 5))}
+    with generators(store_url, uname, 2, spec=spec) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = rl_sync.WeightPublisher(ep, [g.name for g in gens], bucket_bytes=4096)
+            for g in gens:
+                g.call("sub_reader_start")
+            pushes = 200
+            for v in range(1, pushes + 1):
+                report = await pub.push(stamped(spec, v), v)
+                assert report.ok, report.summary()
+            for g in gens:
+                checks, bad, versions = g.call("sub_reader_stop")
+                assert not bad, f"a reader saw a mix of versions: {bad}"
+                assert checks > 50 and len(versions) > 10, (checks, versions)
+                assert g.call("sub_check_stamp") == [pushes, True] or g.call("sub_check_stamp") == (pushes, True)
+
+
+async def test_commit_waits_for_readers_and_times_out_without_applying(store_url, uname):
+    with generators(store_url, uname, 1, commit_timeout=1.0) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[0].call("sub_hold", 0.6)
+            t0 = time.monotonic()
+            assert (await pub.push(seeded(TRAIN, 2), 2)).ok
+            assert time.monotonic() - t0 >= 0.4, "the commit must wait for the reader to leave hold()"
+            gens[0].call("sub_hold", 5.0)
+            report = await pub.push(seeded(TRAIN, 3), 3)
+            err = report.results[gens[0].name].error
+            assert isinstance(err, transport.TransportTimeoutError) and err.phase == transport.errors.Phase.COMMIT
+            assert gens[0].call("sub_version", timeout=30) == 2
+            assert all(gens[0].call("sub_check", TRAIN, 2).values())
+
+
+# ---------------------------------------------------------------------------- failures
+async def test_cancelled_push_is_never_committed(store_url, uname):
+    with generators(store_url, uname, 2) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[1].signal(signal.SIGSTOP)  # its pulls stall, so the push is stuck mid-way
+            push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2))
+            await asyncio.sleep(1.0)
+            assert not push.done()
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+            gens[1].signal(signal.SIGCONT)
+            await asyncio.sleep(0.5)
+            for g in gens:
+                assert g.call("sub_version") == 1
+                assert all(g.call("sub_check", TRAIN, 1).values()), "the previous version must stay intact"
+            report = await pub.push(seeded(TRAIN, 3), 3)
+            assert report.ok, report.summary()
+            for g in gens:
+                assert all(g.call("sub_check", TRAIN, 3).values())
+
+
+async def test_dead_subscriber_fails_only_its_entry_and_a_restart_gets_everything(store_url, uname):
+    with generators(store_url, uname, 2) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens, connect_timeout=2.0)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            # killed in the middle of a push (frozen first so the push is certainly mid-way)
+            gens[1].signal(signal.SIGSTOP)
+            push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2, timeout=60))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            gens[1].kill()
+            report = await asyncio.wait_for(push, 30)
+            assert time.monotonic() - t0 < 5.0, "a dead subscriber must be given up on within seconds"
+            assert report.results[gens[0].name].ok
+            assert isinstance(report.results[gens[1].name].error, transport.PeerLostError)
+            assert not report.ok
+            assert all(gens[0].call("sub_check", TRAIN, 2).values())
+            # dead before the push: fails its entry, the other commits
+            t0 = time.monotonic()
+            report = await pub.push(seeded(TRAIN, 3), 3, timeout=3)
+            assert time.monotonic() - t0 < 2.0 + 3 + 1 and report.results[gens[0].name].ok
+            assert not report.results[gens[1].name].ok
+            # restarted under the same name: the next push gives it the full weights
+            reborn = RemoteEndpoint(gens[1].name, store=store_url, timeout=20)
+            try:
+                reborn.call("sub_create", GEN, {})
+                report = await pub.push(seeded(TRAIN, 4), 4)
+                assert report.ok, report.summary()
+                assert all(reborn.call("sub_check", TRAIN, 4).values())
+                assert reborn.call("sub_version") == 4
+            finally:
+                reborn.kill()
+
+
+async def test_frozen_subscriber_times_out_and_spares_the_rest(store_url, uname):
+    with generators(store_url, uname, 2) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[1].signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            report = await pub.push(seeded(TRAIN, 2), 2, timeout=2.0)
+            took = time.monotonic() - t0
+            gens[1].signal(signal.SIGCONT)
+            assert 1.5 < took < 6, took
+            assert report.results[gens[0].name].ok
+            assert isinstance(report.results[gens[1].name].error, transport.TransportTimeoutError)
+            await asyncio.sleep(0.3)
+            assert gens[1].call("sub_version") == 1
+            assert all(gens[1].call("sub_check", TRAIN, 1).values())
+
+
+async def test_late_joiner_and_leaver(store_url, uname):
+    with generators(store_url, uname, 2) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = rl_sync.WeightPublisher(ep, [gens[0].name], dtype="auto", bucket_bytes=BUCKET)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            pub.add_subscriber(gens[1].name)
+            report = await pub.push(seeded(TRAIN, 2), 2)
+            assert report.ok and set(report.results) == {g.name for g in gens}
+            assert all(gens[1].call("sub_check", TRAIN, 2).values())
+            pub.remove_subscriber(gens[0].name)
+            report = await pub.push(seeded(TRAIN, 3), 3)
+            assert set(report.results) == {gens[1].name}
+            assert gens[0].call("sub_version") == 2
+
+
+# ---------------------------------------------------------------------------- fan-out
+async def test_relay_chain_delivers_and_survives_a_dead_relay(store_url, uname):
+    with generators(store_url, uname, 3) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens, fanout="chain")
+            report = await pub.push(seeded(TRAIN, 1), 1)
+            assert report.ok, report.summary()
+            names = sorted(g.name for g in gens)
+            assert [report.results[n].source for n in names] == [ep.name, names[0], names[1]]
+            for g in gens:
+                assert all(g.call("sub_check", TRAIN, 1).values())
+            # the middle of the chain dies mid-push: the last one gets its buckets from the publisher
+            middle = next(g for g in gens if g.name == names[1])
+            middle.signal(signal.SIGSTOP)
+            push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2, timeout=60))
+            await asyncio.sleep(0.5)
+            middle.kill()
+            report = await asyncio.wait_for(push, 30)
+            assert report.results[names[0]].ok and report.results[names[2]].ok, report.summary()
+            assert isinstance(report.results[names[1]].error, transport.PeerLostError)
+            for g in gens:
+                if g is not middle:
+                    assert all(g.call("sub_check", TRAIN, 2).values())
+
+
+def test_blocking_subscriber(store_url, uname):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    name = uname("bgen")
+    proc = ctx.Process(target=blocking_generator, args=(name, store_url, TRAIN, 7, out), daemon=True)
+    proc.start()
+    try:
+        assert out.get(timeout=60) == ("ready", 0)
+
+        async def push() -> rl_sync.PushReport:
+            async with trainer(store_url, uname) as ep:
+                report = await rl_sync.WeightPublisher(ep, [name], bucket_bytes=BUCKET).push(seeded(TRAIN, 7), 1)
+                await ep.notify(name, b"stop")
+                return report
+
+        report = asyncio.run(push())
+        assert report.ok, report.summary()
+        assert out.get(timeout=30) == ("done", 1, 1, True)
+    finally:
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
