@@ -1,4 +1,4 @@
-# make demo   set up .venv and run the demo (two processes on this machine, CPU)
+# make demo   set up .venv and run the demo (RL trainer + 2 generators on this machine, CPU)
 # make test   set up .venv and run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
 
 demo: setup
-	$(PY) examples/asyncio_put_get.py
+	$(PY) examples/rl_loop.py
 
 test: setup
 	$(PY) -m pytest
@@ -20,10 +20,11 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/bench_transport.py
+	$(PY) bench/bench_rl_sync.py
 
 doctor: setup
 	$(PY) -m transport doctor
 
 lint: setup
 	$(VENV)/bin/ruff check transport rl_sync tests examples bench
-	$(VENV)/bin/mypy transport
+	$(VENV)/bin/mypy transport rl_sync

@@ -67,6 +67,7 @@ __all__ = ["WeightPublisher"]
 log = logging.getLogger("rl_sync.publisher")
 
 SLOTS = 2
+_PROBE = 0.5  # seconds a push waits for a subscriber that was lost at the previous push
 _POLL = 0.05
 
 
@@ -143,6 +144,7 @@ class WeightPublisher:
             hosts: a two-level tree), ``"direct"`` or ``"chain"``; see :mod:`rl_sync.fanout`.
         connect_timeout: how long a push waits for each subscriber to answer
             the connect and manifest read; one that does not fails its entry.
+            A subscriber lost at the previous push is waited for 0.5 s only.
 
     One push runs at a time; call it from the endpoint's event loop.
     """
@@ -174,6 +176,7 @@ class WeightPublisher:
         self._slots: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
         self._push_ids = itertools.count(secrets.randbits(40))
         self._run: _Run | None = None
+        self._lost: set[str] = set()  # subscribers lost or unreachable at the last push
         self._packing: asyncio.Future[Any] | None = None
         _attach(self)
 
@@ -261,12 +264,17 @@ class WeightPublisher:
         report.packed_bytes = run.packed_bytes
         if any(r.ok for r in report.results.values()):
             self._version = version
+        self._lost = {n for n, r in report.results.items()
+                      if isinstance(r.error, (transport.PeerLostError, transport.PeerNotFoundError))}
         (log.info if report.ok else log.warning)("push %s", report.summary())
         return report
 
     async def _prepare(self, run: _Run, tensors: dict[str, torch.Tensor], report: PushReport) -> list[_Group]:
         names = list(self._subscribers)
-        got = await asyncio.gather(*(self._layout(s, run.deadline) for s in names), return_exceptions=True)
+        # a subscriber lost at an earlier push is only probed briefly: a dead one must not cost every push
+        # connect_timeout; a restarted one is picked up by whichever push first finds it answering
+        got = await asyncio.gather(*(self._layout(s, min(run.deadline, run.t0 + _PROBE) if s in self._lost
+                                                  else run.deadline) for s in names), return_exceptions=True)
         mismatches: list[str] = []
         groups: dict[str, _Group] = {}
         for name, res in zip(names, got, strict=True):

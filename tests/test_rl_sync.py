@@ -164,14 +164,18 @@ async def test_stale_version_and_plan_mismatch_raise_before_any_byte_moves(store
                     await rl_sync.WeightPublisher(ep, [plain.name]).push(seeded(TRAIN, 1), 9)
 
 
-async def test_name_map_translates_names(store_url, uname):
+async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, uname, capfd):
     with generators(store_url, uname, 1) as gens:
         async with trainer(store_url, uname) as ep:
             pub = cast_pub(ep, gens, name_map={f"module.{n}": n for n in GEN})
             data = seeded(TRAIN, 5)
-            report = await pub.push({f"module.{n}": t for n, t in data.items()}, 1)
+            report = await pub.push({f"module.{n}": t for n, t in data.items()}, 1, progress=True)
             assert report.ok, report.summary()
             assert all(gens[0].call("sub_check", TRAIN, 5).values())
+            err = capfd.readouterr().err
+            assert "push v1" in err and "100%" in err, err
+            await pub.push({f"module.{n}": t for n, t in data.items()}, 2)
+            assert "push v2" not in capfd.readouterr().err, "no bar unless asked for"
 
 
 async def test_readers_never_see_two_versions(store_url, uname):
@@ -251,11 +255,12 @@ async def test_dead_subscriber_fails_only_its_entry_and_a_restart_gets_everythin
             assert isinstance(report.results[gens[1].name].error, transport.PeerLostError)
             assert not report.ok
             assert all(gens[0].call("sub_check", TRAIN, 2).values())
-            # dead before the push: fails its entry, the other commits
+            # dead before the push: fails its entry after a short probe (it was lost last time), the other commits
             t0 = time.monotonic()
             report = await pub.push(seeded(TRAIN, 3), 3, timeout=3)
-            assert time.monotonic() - t0 < 2.0 + 3 + 1 and report.results[gens[0].name].ok
-            assert not report.results[gens[1].name].ok
+            assert time.monotonic() - t0 < 1.5 and report.results[gens[0].name].ok
+            assert isinstance(report.results[gens[1].name].error, (transport.PeerNotFoundError,
+                                                                   transport.TransportTimeoutError))
             # restarted under the same name: the next push gives it the full weights
             reborn = RemoteEndpoint(gens[1].name, store=store_url, timeout=20)
             try:
