@@ -23,7 +23,11 @@ def test_doctor_reports_planes_and_choice():
     for p in rep["planes"].values():
         assert p["reason"]
     assert "shm" in rep["choice"] and "tcp" in rep["choice"]
-    assert "found" in rep["nccl"]
+    nccl = rep["nccl"]
+    assert nccl["found"] is True, nccl  # nvidia-nccl-cu12 is a dependency on Linux
+    assert nccl["version"].startswith("2.") and nccl["source"] in {"explicit", "torch", "pathfinder", "system"}
+    assert [a["source"] for a in nccl["attempts"]][-1] == nccl["source"] and all(a["reason"] for a in nccl["attempts"])
+    assert nccl["optional"]["ncclCommAbort"] is True
     human = _run("-m", "transport", "doctor")
     assert human.returncode == 0 and "planes:" in human.stdout and "choice:" in human.stdout
 

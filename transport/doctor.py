@@ -56,26 +56,23 @@ def _cross_process_shm() -> tuple[bool, str]:
 
 
 def _nccl() -> dict[str, Any]:
-    """Where libnccl is and its version (the GPU planes are not part of this build)."""
-    candidates: list[str] = []
-    if os.environ.get("TRANSPORT_NCCL_LIB"):
-        candidates.append(os.environ["TRANSPORT_NCCL_LIB"])
-    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            candidates.append(str(Path(loc) / "lib" / "libnccl.so.2"))
-    candidates.append("libnccl.so.2")
-    for path in candidates:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        v = ctypes.c_int()
-        if lib.ncclGetVersion(ctypes.byref(v)) == 0:
-            code = v.value
-            return {"found": True, "path": path, "version": f"{code // 10000}.{code // 100 % 100}.{code % 100}"}
-        return {"found": True, "path": path, "version": "unknown (ncclGetVersion failed)"}
-    return {"found": False, "searched": candidates}
+    """Where libnccl was found (through the binding's search order), why, its version and optional functions."""
+    from transport.cuda import NcclUnavailableError, load_nccl
+    from transport.cuda.nccl_lib import OPTIONAL_FUNCTIONS
+
+    try:
+        lib = load_nccl()
+    except NcclUnavailableError as exc:
+        return {"found": False, "error": str(exc),
+                "attempts": [{"source": a.source.value, "reason": a.reason} for a in exc.attempts]}
+    return {
+        "found": True,
+        "path": lib.path,
+        "version": lib.version_string,
+        "source": lib.source.value,
+        "attempts": [{"source": a.source.value, "reason": a.reason} for a in lib.attempts],
+        "optional": {f.name: lib.has(f.name) for f in OPTIONAL_FUNCTIONS},
+    }
 
 
 def collect() -> dict[str, Any]:
@@ -156,7 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cuda: {'available ' + ', '.join(c.get('devices', [])) if c['available'] else 'not available'}; "
           f"{c['gpu_planes']}")
     n = report["nccl"]
-    print(f"nccl: {n['version'] + ' at ' + n['path'] if n['found'] else 'not found'}")
+    if n["found"]:
+        print(f"nccl: {n['version']} at {n['path']} (via {n['source']})")
+        missing = [name for name, ok in n["optional"].items() if not ok]
+        print(f"  optional functions missing: {', '.join(missing) if missing else 'none'}")
+    else:
+        print("nccl: not found")
+    for a in n["attempts"]:
+        print(f"  {a['source']}: {a['reason']}")
     print(f"choice: {report['choice']}")
     if "peer" in report:
         p = report["peer"]
