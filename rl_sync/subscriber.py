@@ -126,6 +126,7 @@ class WeightSubscriber:
         self._version = 0
         self._version_cond = threading.Condition()
         self._push: _Push | None = None
+        self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._names: list[str] = []
@@ -240,7 +241,7 @@ class WeightSubscriber:
             log.warning("subscriber %s: malformed rl_sync message from %s dropped: %s", self.endpoint.name, note.peer, exc)
             return
         if isinstance(msg, m.Begin):
-            self._begin(note.peer, msg)
+            self._spawn(self._begin(note.peer, msg))
         elif isinstance(msg, m.Pull):
             push = self._current(note.peer, msg.push_id)
             if push is None:
@@ -271,7 +272,10 @@ class WeightSubscriber:
             return None
         return push
 
-    def _begin(self, peer: str, msg: m.Begin) -> None:
+    async def _begin(self, peer: str, msg: m.Begin) -> None:
+        # a commit still applying reads the staging arenas: the next push may write them only after it
+        async with self._applying:
+            pass
         if msg.version <= self._version:
             self._reply(peer, m.Reply(msg.push_id, "begin", -1,
                                       f"version {msg.version} is not newer than the committed {self._version}", "stale",
@@ -307,6 +311,12 @@ class WeightSubscriber:
                                                 f"readers held the weights for more than {self.commit_timeout} s",
                                                 "timeout", self._version))
             return
+        if self._push is not push:  # aborted (or superseded) while waiting for the readers: apply nothing
+            self._lock.release_write()
+            self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
+                                                self._version))
+            return
+        await self._applying.acquire()
         try:
             await asyncio.to_thread(self._apply)
             with self._version_cond:
@@ -319,6 +329,7 @@ class WeightSubscriber:
             return
         finally:
             self._lock.release_write()
+            self._applying.release()
             if self._push is push:
                 self._push = None
         log.debug("subscriber %s: committed version %d", self.endpoint.name, push.version)

@@ -214,6 +214,23 @@ async def test_commit_waits_for_readers_and_times_out_without_applying(store_url
             assert all(gens[0].call("sub_check", TRAIN, 2).values())
 
 
+async def test_a_push_given_up_while_its_commit_waits_is_never_applied(store_url, uname):
+    """The publisher's deadline passes while a reader holds the weights: the late commit must not apply."""
+    with generators(store_url, uname, 1) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[0].call("sub_hold", 2.5)
+            report = await pub.push(seeded(TRAIN, 2), 2, timeout=1.0)
+            err = report.results[gens[0].name].error
+            assert isinstance(err, transport.TransportTimeoutError) and err.phase == transport.errors.Phase.COMMIT
+            await asyncio.sleep(2.5)  # the reader has left; an aborted commit must still not apply
+            assert gens[0].call("sub_version") == 1
+            assert all(gens[0].call("sub_check", TRAIN, 1).values())
+            assert (await pub.push(seeded(TRAIN, 3), 3)).ok
+            assert all(gens[0].call("sub_check", TRAIN, 3).values())
+
+
 # ---------------------------------------------------------------------------- failures
 async def test_cancelled_push_is_never_committed(store_url, uname):
     with generators(store_url, uname, 2) as gens:
