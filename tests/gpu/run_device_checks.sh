@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# The GPU checks of this repo in ONE command of a few minutes, for a lent GPU machine (one H200).
+#
+# Through the device tool, from a session whose checkout is this repo:
+#     run(command="bash tests/gpu/run_device_checks.sh", timeout_s=540, carry=[".whl"])
+# The log, doctor.json and gpu.json come back from $OUT (device_checks.log has everything; the last
+# lines of the output are one SUMMARY line per step). Call give_back afterwards unless rerunning.
+#
+# That machine has no network and no .venv of this repo: its python3 (3.12) has torch, cuda-python,
+# nvidia-nccl-cu13, pytest and pytest-timeout, but NOT msgspec (transport cannot be imported
+# without it) nor pytest-asyncio. Carry the missing wheels: here, once, before the run:
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#         -d .whl msgspec==0.23.0
+# (.whl/ is git-ignored, hence carry=[".whl"]; a wheels/ folder is used the same way.) This script
+# installs every wheel it finds there with pip --no-index into a private folder on PYTHONPATH, and
+# reports the imports still missing. Without pytest-asyncio, pyproject's asyncio options are
+# unknown to pytest: that warning is ignored (none of these tests uses asyncio).
+#
+# Anywhere else: bash tests/gpu/run_device_checks.sh [OUTDIR]   (default $OUT, else /tmp/device-out)
+# On a machine without CUDA it runs end to end too: GPU tests and bench skipped, CPU tests run.
+#
+# Steps (each under `timeout`, all within a total budget of DEVICE_CHECKS_BUDGET_S = 480 s; a
+# failing step does not stop the next): nvidia-smi; python/torch/CUDA/NCCL versions;
+# `python -m transport doctor --json`; pytest tests/gpu; pytest tests/test_nccl_binding.py;
+# bench/bench_gpu.py. Exit status 0 when every check step passed, else 1.
+
+set -u
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
+ROOT=$PWD
+OUTDIR=${1:-${OUT:-/tmp/device-out}}
+mkdir -p "$OUTDIR" || exit 2
+OUTDIR=$(cd "$OUTDIR" && pwd)
+LOG=$OUTDIR/device_checks.log
+STEP_OUT=$OUTDIR/step.out # the running step's output (left behind only if the run is killed mid-step)
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+BUDGET=${DEVICE_CHECKS_BUDGET_S:-480}
+START=$SECONDS
+SUMMARY=()
+FAILED=0
+
+log() { printf '%s\n' "$*" | tee -a "$LOG"; }
+
+# step KIND NAME LIMIT_S CMD...   KIND: check (counts for PASS/FAIL) or info (recorded only)
+step() {
+    local kind=$1 name=$2 limit=$3
+    shift 3
+    local left=$((BUDGET - (SECONDS - START) - 5))
+    if [ "$left" -lt 5 ]; then
+        log "=== [$name] not run: the ${BUDGET}s budget is spent"
+        SUMMARY+=("$(printf 'SUMMARY %-12s %s' "$name" "$([ "$kind" = check ] && echo FAIL || echo INFO) not run (budget spent)")")
+        [ "$kind" = check ] && FAILED=$((FAILED + 1))
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    log ""
+    log "=== [$name] $(date -u +%H:%M:%S) timeout ${limit}s: $*"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" </dev/null >"$STEP_OUT" 2>&1
+    local rc=$?
+    cat "$STEP_OUT" | tee -a "$LOG"
+    rm -f "$STEP_OUT"
+    local secs=$((SECONDS - t0)) verdict note=""
+    if [ "$kind" = check ]; then
+        if [ "$rc" -eq 0 ]; then verdict=PASS; else verdict=FAIL; FAILED=$((FAILED + 1)); fi
+    else
+        if [ "$rc" -eq 0 ]; then verdict=INFO; else verdict="INFO(unavailable)"; fi
+    fi
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then note="timed out at ${limit}s; "; fi
+    SUMMARY+=("$(printf 'SUMMARY %-12s %-5s rc=%-3s %4ss  %s' "$name" "$verdict" "$rc" "$secs" "$note")")
+    log "=== [$name] $verdict rc=$rc in ${secs}s"
+    return 0
+}
+
+# annotate TEXT: append TEXT to the last SUMMARY line
+annotate() { [ -n "$1" ] && SUMMARY[${#SUMMARY[@]} - 1]="${SUMMARY[${#SUMMARY[@]} - 1]}$1"; return 0; }
+
+# The last pytest result line of a step's log section ("8 passed, 2 skipped in 3.1s").
+pytest_note() { sed -n "/^=== \[$1\] .*timeout/,\$p" "$LOG" | grep -E '(passed|failed|skipped|error|errors|no tests ran).* in [0-9.]+s' | tail -1 | tr -d '=' | sed 's/^ *//;s/ *$//'; }
+
+log "device checks of $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?') ($(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l) paths changed), $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname), output in $OUTDIR"
+
+# -- the interpreter: the repo's venv if there is one, else the python on PATH that has torch --------
+if [ -x "$ROOT/.venv/bin/python" ]; then
+    PY=$ROOT/.venv/bin/python
+else
+    PY=""
+    for c in python python3; do
+        if command -v "$c" >/dev/null 2>&1 && timeout 60 "$c" -c 'import torch' >/dev/null 2>&1; then
+            PY=$(command -v "$c")
+            break
+        fi
+    done
+    [ -n "$PY" ] || PY=$(command -v python3 || command -v python || echo python3)
+fi
+log "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))"
+
+# -- wheels carried for packages the machine lacks -----------------------------------------------------
+SITE=/tmp/device-checks-site
+for d in wheels .whl; do
+    if compgen -G "$ROOT/$d/*.whl" >/dev/null; then
+        step check "wheels-$d" 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$SITE" "$ROOT/$d"/*.whl
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+done
+
+MISSING=$(timeout 60 "$PY" - <<'EOF' 2>/dev/null
+import importlib
+missing = []
+for name in ("torch", "msgspec", "tqdm", "pytest", "pytest_timeout", "pytest_asyncio", "hypothesis",
+             "cuda.bindings", "cuda.pathfinder"):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        missing.append(name)
+print(" ".join(missing))
+EOF
+)
+has() { case " $MISSING " in *" $1 "*) return 1 ;; *) return 0 ;; esac; }
+if [ -n "$MISSING" ]; then
+    log "MISSING imports: $MISSING"
+    has torch || log "  torch: nothing here can run"
+    has msgspec || log "  msgspec: transport cannot be imported, so every test and the bench's NCCL part fail; carry its wheel in .whl/ (see the header)"
+    has tqdm || log "  tqdm: transport may fail to import; carry its wheel"
+    has pytest || log "  pytest: the test steps cannot run"
+    has pytest_timeout || log "  pytest_timeout: no per-test timeout inside pytest (each step's timeout still bounds it)"
+    has pytest_asyncio || log "  pytest_asyncio: pyproject's asyncio options are unknown to pytest; that warning is ignored (these tests use no asyncio)"
+    has hypothesis || log "  hypothesis: not used by these tests"
+    has cuda.pathfinder || log "  cuda.pathfinder: one NCCL search step is skipped (torch's NCCL is used first anyway)"
+else
+    log "imports: all present"
+fi
+
+# Only the plugins these tests need: the image's others (cov, xdist, benchmark, anyio, jaxtyping, ...)
+# stay out, so that filterwarnings=error meets no warning of theirs.
+PYTEST=(env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -p no:cacheprovider)
+if has pytest_timeout; then PYTEST+=(-p pytest_timeout --timeout 120); fi
+if has pytest_asyncio; then PYTEST+=(-p pytest_asyncio.plugin); fi
+if ! has pytest_timeout || ! has pytest_asyncio; then PYTEST+=(-W ignore::pytest.PytestConfigWarning); fi
+
+# -- what this machine is --------------------------------------------------------------------------
+step info nvidia-smi 15 nvidia-smi
+
+VERSIONS_PY=/tmp/device-checks-versions.py
+cat >"$VERSIONS_PY" <<'EOF'
+import importlib.metadata as md, json, os, platform, sys
+sys.path.insert(0, os.getcwd())  # the repo root: transport is not installed on the device machine
+info = {"python": platform.python_version(), "executable": sys.executable}
+for dist in ("torch", "cuda-python", "cuda-bindings", "cuda-pathfinder", "nvidia-nccl-cu12", "nvidia-nccl-cu13",
+             "msgspec", "tqdm", "pytest", "pytest-timeout", "pytest-asyncio", "hypothesis"):
+    try:
+        info[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        info[dist] = None
+try:
+    import torch
+    info["torch.version.cuda"] = torch.version.cuda
+    info["cuda_available"] = torch.cuda.is_available()
+    info["device_count"] = torch.cuda.device_count()
+    if info["cuda_available"]:
+        info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["torch.cuda.nccl.version"] = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception as exc:
+    info["torch_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    from cuda.bindings import driver
+    err, version = driver.cuDriverGetVersion()
+    info["cuda_driver_api_version"] = version if int(err) == 0 else str(err)
+except Exception as exc:
+    info["cuda_driver_api_version"] = f"unavailable: {type(exc).__name__}: {exc}"
+try:
+    from transport.cuda import load_nccl
+    lib = load_nccl()
+    info["transport_nccl"] = {"version": lib.version_string, "path": lib.path, "source": lib.source.value}
+except Exception as exc:
+    info["transport_nccl"] = f"unavailable: {type(exc).__name__}: {exc}"
+print(json.dumps(info, indent=2))
+EOF
+step info versions 45 "$PY" "$VERSIONS_PY"
+
+step info doctor 45 bash -c '"$1" -m transport doctor --json >"$2"' doctor "$PY" "$OUTDIR/doctor.json"
+if [ -s "$OUTDIR/doctor.json" ]; then
+    log "(doctor --json written to $OUTDIR/doctor.json)"
+    cat "$OUTDIR/doctor.json" >>"$LOG"
+else
+    rm -f "$OUTDIR/doctor.json"
+fi
+
+# -- the checks ------------------------------------------------------------------------------------
+step check gpu-tests 170 "${PYTEST[@]}" tests/gpu -v -rA
+annotate "$(pytest_note gpu-tests)"
+
+step check cpu-binding 110 "${PYTEST[@]}" tests/test_nccl_binding.py -v
+annotate "$(pytest_note cpu-binding)"
+
+step check bench 80 "$PY" bench/bench_gpu.py --out "$OUTDIR/gpu.json"
+annotate "$(sed -n '/^=== \[bench\] .*timeout/,$p' "$LOG" | grep -E '^(no CUDA: skipped|ratio library/raw:)' | tail -1)"
+
+# -- summary ---------------------------------------------------------------------------------------
+log ""
+log "=== summary ($((SECONDS - START))s of a ${BUDGET}s budget; files in $OUTDIR: $(cd "$OUTDIR" && ls | tr '\n' ' '))"
+for line in "${SUMMARY[@]}"; do log "$line"; done
+if [ "$FAILED" -eq 0 ]; then
+    log "SUMMARY all check steps passed"
+    exit 0
+fi
+log "SUMMARY $FAILED check step(s) failed"
+exit 1
