@@ -61,6 +61,7 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     error: str | None = None
     error_kind: str | None = None  # "stale" | "plan" | "other"
     version: int = 0  # the subscriber's committed version after this step
+    bank: int = 0  # begin: the arena bank this push fills (relays read it from there)
 
 
 Message = Begin | Pull | Commit | Abort | Reply

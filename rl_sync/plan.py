@@ -34,6 +34,7 @@ from .errors import PlanMismatchError
 __all__ = [
     "ARENA_PREFIX",
     "MANIFEST_BUFFER",
+    "arena_name",
     "Bucket",
     "Entry",
     "Manifest",
@@ -51,6 +52,11 @@ __all__ = [
 
 MANIFEST_BUFFER = "rl_sync/manifest"
 ARENA_PREFIX = "rl_sync/arena/"
+
+
+def arena_name(bank: int, arena: int) -> str:
+    """The registered name of arena ``arena`` of bank ``bank`` (``mode="swap"`` has two banks)."""
+    return f"{ARENA_PREFIX}{bank}/{arena}"
 ALIGN = 64
 FORMAT = 1
 
@@ -82,7 +88,7 @@ class Manifest(msgspec.Struct, frozen=True):
 
     format: int
     entries: tuple[Entry, ...]
-    arenas: tuple[int, ...]  # byte size of arena i, registered as ARENA_PREFIX + str(i)
+    arenas: tuple[int, ...]  # byte size of arena i, registered as arena_name(bank, i) for each bank
     host: str = ""  # which host the subscriber runs on (used to group relays)
 
 

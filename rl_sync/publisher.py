@@ -48,11 +48,11 @@ from . import messages as m
 from .errors import PlanMismatchError, PushAbortedError, StaleVersionError, SubscriberRejectedError
 from .fanout import FANOUTS, assign_sources
 from .plan import (
-    ARENA_PREFIX,
     MANIFEST_BUFFER,
     Bucket,
     Manifest,
     NameMap,
+    arena_name,
     check_sources,
     decode_manifest,
     dtype_from_name,
@@ -91,6 +91,7 @@ class _Target:
         self.source: str | None = None
         self.dependents: list[_Target] = []
         self.begun = False
+        self.bank = 0  # the subscriber's arena bank this push fills
         self.have: set[int] = set()
         self.inflight: dict[int, str | None] = {}  # bucket -> source of the outstanding pull (None: a slot)
         self.orphaned: set[int] = set()  # buckets to pull from the publisher after a relay failed
@@ -476,6 +477,7 @@ class _Run:
         if r.stage == "begin":
             if r.error is None:
                 t.begun = True
+                t.bank = r.bank
                 self._maybe_commit(t)  # a layout with no bytes at all
             else:
                 self.fail(t, _rejection(t.name, r))
@@ -488,7 +490,7 @@ class _Run:
                     if d.alive and d.source == t.name and r.bucket not in d.have and r.bucket not in d.inflight:
                         b = d.layout.buckets[r.bucket]
                         d.inflight[r.bucket] = t.name
-                        self._send(d, m.Pull(self.push_id, r.bucket, t.name, ARENA_PREFIX + str(b.arena), b.offset))
+                        self._send(d, m.Pull(self.push_id, r.bucket, t.name, arena_name(t.bank, b.arena), b.offset))
                 self._maybe_commit(t)
             elif source not in (None, "?"):
                 log.info("push %d: %s could not pull bucket %d from relay %s (%s); it will come from the publisher",

@@ -31,10 +31,10 @@ from transport.errors import Phase
 
 from . import messages as m
 from .plan import (
-    ARENA_PREFIX,
     MANIFEST_BUFFER,
     Bucket,
     Manifest,
+    arena_name,
     build_manifest,
     dtype_from_name,
     encode_manifest,
@@ -47,7 +47,7 @@ __all__ = ["WeightSubscriber", "host_key", "live_tensors"]
 
 log = logging.getLogger("rl_sync.subscriber")
 
-MODES = ("staged",)
+MODES = ("staged", "swap")
 
 
 def host_key() -> str:
@@ -60,10 +60,14 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def live_tensors(model_or_state_dict: Any) -> dict[str, torch.Tensor]:
-    """The tensors a push writes: an ``nn.Module``'s state dict, or a mapping of name -> tensor."""
+def live_tensors(model_or_state_dict: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors a push writes: an ``nn.Module``'s state dict, or a mapping of name -> tensor.
+
+    ``keep_vars=True`` returns the module's own parameter and buffer objects (not detached
+    aliases), so that they can be re-pointed in place.
+    """
     if isinstance(model_or_state_dict, torch.nn.Module):
-        state = model_or_state_dict.state_dict()
+        state = model_or_state_dict.state_dict(keep_vars=keep_vars)
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
     else:
@@ -71,13 +75,22 @@ def live_tensors(model_or_state_dict: Any) -> dict[str, torch.Tensor]:
     for name, t in state.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise TypeError(f"state entries are str -> tensor, got {name!r} -> {type(t).__name__}")
-    return {name: t.detach() for name, t in state.items()}
+    return state if keep_vars else {name: t.detach() for name, t in state.items()}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 class _Push:
-    __slots__ = ("buckets", "done", "publisher", "push_id", "version")
+    __slots__ = ("bank", "buckets", "done", "publisher", "push_id", "version")
 
-    def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket]) -> None:
+    def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket], bank: int) -> None:
+        self.bank = bank
         self.publisher = publisher
         self.push_id = push_id
         self.version = version
@@ -99,9 +112,16 @@ class WeightSubscriber:
             mapping of name -> tensor; the tensors are updated in place.
         mode: ``"staged"`` (default): bytes land in staging arenas while
             readers keep running on the current weights; the commit copies
-            them in while :meth:`hold` is blocked.
-        arena_bytes: largest staging arena (a tensor larger than that gets an
-            arena of its own).
+            them in while :meth:`hold` is blocked. ``"swap"``: two banks of
+            arenas; a push fills the bank the weights do not use and the
+            commit re-points every live tensor into it (``Tensor.set_``, no
+            copy), so a commit costs microseconds instead of a pass over the
+            weights. Swap needs CPU tensors and a model that keeps no other
+            alias of its weights (a view taken before a commit keeps the old
+            bank, which the next push overwrites). Memory is the same in both
+            modes: the live weights plus one copy.
+        arena_bytes: largest arena (a tensor larger than that gets an arena
+            of its own).
         commit_timeout: how long a commit waits for readers to leave
             :meth:`hold` before it fails (the push then reports a timeout
             for this subscriber and the weights stay as they were).
@@ -116,11 +136,18 @@ class WeightSubscriber:
         self.endpoint = endpoint
         self.mode = mode
         self.commit_timeout = commit_timeout
-        self._live = live_tensors(model_or_state_dict)
+        self._live = live_tensors(model_or_state_dict, keep_vars=mode == "swap")
         if not self._live:
             raise ValueError("the model has no tensors to receive")
+        if mode == "swap":
+            where = {n: t.device.type for n, t in self._live.items() if t.device.type != "cpu"}
+            if where:
+                raise ValueError(f"mode='swap' re-points CPU tensors; these are not on the CPU: {where} "
+                                 "(use mode='staged')")
         self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key())
-        self._arenas = [torch.empty(n, dtype=torch.uint8) for n in self.manifest.arenas]
+        nbanks = 2 if mode == "swap" else 1
+        self._banks = [[torch.empty(n, dtype=torch.uint8) for n in self.manifest.arenas] for _ in range(nbanks)]
+        self._live_bank: int | None = None  # swap: the bank the live tensors point into (None: their own memory)
         self._plans: dict[int, tuple[list[Bucket], str]] = {}
         self._lock = RWLock()
         self._version = 0
@@ -133,17 +160,18 @@ class WeightSubscriber:
         manifest_bytes = encode_manifest(self.manifest)
         self._manifest_tensor = torch.frombuffer(bytearray(manifest_bytes), dtype=torch.uint8)
         try:
-            for i, arena in enumerate(self._arenas):
-                endpoint.register(ARENA_PREFIX + str(i), arena)
-                self._names.append(ARENA_PREFIX + str(i))
+            for bank, arenas in enumerate(self._banks):
+                for i, arena in enumerate(arenas):
+                    endpoint.register(arena_name(bank, i), arena)
+                    self._names.append(arena_name(bank, i))
             endpoint.register(MANIFEST_BUFFER, self._manifest_tensor)
             self._names.append(MANIFEST_BUFFER)
         except BaseException:
             self._unregister()
             raise
         endpoint.on_notification(self._on_message, prefix=m.TO_SUBSCRIBER)
-        log.info("subscriber %s: %d tensors, %.1f MiB in %d arenas, mode %s", endpoint.name, len(self._live),
-                 sum(self.manifest.arenas) / 2**20, len(self._arenas), mode)
+        log.info("subscriber %s: %d tensors, %.1f MiB in %d arenas x %d banks, mode %s", endpoint.name,
+                 len(self._live), sum(self.manifest.arenas) / 2**20, len(self.manifest.arenas), nbanks, mode)
 
     # ------------------------------------------------------------------ public
     @property
@@ -291,12 +319,13 @@ class WeightSubscriber:
                                       f"plan hash {msg.plan_hash} differs from the subscriber's {digest}", "plan",
                                       self._version))
             return
-        self._push = _Push(peer, msg.push_id, msg.version, buckets)
-        self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version))
+        bank = 0 if self._live_bank is None or len(self._banks) == 1 else 1 - self._live_bank
+        self._push = _Push(peer, msg.push_id, msg.version, buckets, bank)
+        self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version, bank))
 
     async def _pull(self, push: _Push, msg: m.Pull) -> None:
         b = push.buckets[msg.bucket]
-        dest = self._arenas[b.arena][b.offset:b.offset + b.nbytes]
+        dest = self._banks[push.bank][b.arena][b.offset:b.offset + b.nbytes]
         try:
             await self.endpoint.get(msg.source, {msg.buffer: transport.At(dest, msg.offset)})
         except Exception as exc:
@@ -318,7 +347,10 @@ class WeightSubscriber:
             return
         await self._applying.acquire()
         try:
-            await asyncio.to_thread(self._apply)
+            if self.mode == "swap":
+                self._repoint(push.bank)  # microseconds: no need to leave the loop
+            else:
+                await asyncio.to_thread(self._apply, push.bank)
             with self._version_cond:
                 self._version = push.version
                 self._version_cond.notify_all()
@@ -335,12 +367,25 @@ class WeightSubscriber:
         log.debug("subscriber %s: committed version %d", self.endpoint.name, push.version)
         self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
 
-    def _apply(self) -> None:
+    def _apply(self, bank: int) -> None:
         # views are taken here, not at construction: registering (at open) moves an arena into shared memory
+        arenas = self._banks[bank]
         with torch.no_grad():
             for e in self.manifest.entries:
-                view = self._arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
+                view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
                 self._live[e.name].copy_(view.view(e.shape))
+
+    def _repoint(self, bank: int) -> None:
+        arenas = self._banks[bank]
+        with torch.no_grad():
+            for e in self.manifest.entries:
+                arena = arenas[e.arena]
+                size = dtype_from_name(e.dtype).itemsize
+                start = arena.storage_offset() + e.offset
+                if start % size:
+                    raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}")
+                self._live[e.name].set_(arena.untyped_storage(), start // size, e.shape, _contiguous_strides(e.shape))
+        self._live_bank = bank
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
         async def send() -> None:

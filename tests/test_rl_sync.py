@@ -178,10 +178,11 @@ async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, una
             assert "push v2" not in capfd.readouterr().err, "no bar unless asked for"
 
 
-async def test_readers_never_see_two_versions(store_url, uname):
+@pytest.mark.parametrize("mode", ["staged", "swap"])
+async def test_readers_never_see_two_versions(store_url, uname, mode):
     """A reader loop inside hold() checks that every element of every tensor carries one version stamp."""
     spec = {"a": ("float32", (64, 64)), "b": ("float32", (4096,)), "c": ("float32", (3, 5))}
-    with generators(store_url, uname, 2, spec=spec) as gens:
+    with generators(store_url, uname, 2, spec=spec, mode=mode) as gens:
         async with trainer(store_url, uname) as ep:
             pub = rl_sync.WeightPublisher(ep, [g.name for g in gens], bucket_bytes=4096)
             for g in gens:
@@ -229,6 +230,49 @@ async def test_a_push_given_up_while_its_commit_waits_is_never_applied(store_url
             assert all(gens[0].call("sub_check", TRAIN, 1).values())
             assert (await pub.push(seeded(TRAIN, 3), 3)).ok
             assert all(gens[0].call("sub_check", TRAIN, 3).values())
+
+
+async def test_swap_mode_repoints_in_place_and_keeps_the_old_version_on_failure(store_url, uname):
+    with generators(store_url, uname, 3, mode="swap") as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens, fanout="chain")  # relays read the bank their source fills
+            for v in (1, 2, 3):
+                report = await pub.push(seeded(TRAIN, v), v)
+                assert report.ok, report.summary()
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+            gens[2].signal(signal.SIGSTOP)
+            report = await pub.push(seeded(TRAIN, 4), 4, timeout=2.0)
+            gens[2].signal(signal.SIGCONT)
+            assert not report.results[gens[2].name].ok
+            await asyncio.sleep(0.3)
+            assert gens[2].call("sub_version") == 3 and all(gens[2].call("sub_check", TRAIN, 3).values())
+            assert (await pub.push(seeded(TRAIN, 5), 5)).ok
+            for g in gens:
+                assert all(g.call("sub_check", TRAIN, 5).values())
+
+
+async def test_swap_mode_keeps_module_parameters_usable(store_url, uname):
+    """In one process: a module's own Parameter objects are re-pointed; forward and backward still work."""
+    torch.manual_seed(0)
+    src, dst = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    weight = dst.weight
+    async with trainer(store_url, uname) as ep, transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, dst, mode="swap")
+        pub = rl_sync.WeightPublisher(ep, [gep.name])
+        for v in (1, 2):
+            with torch.no_grad():
+                src.weight.add_(1.0)
+            assert (await pub.push(src, v)).ok
+            async with sub.hold() as held:
+                assert held == v and dst.weight is weight and torch.equal(dst.weight, src.weight)
+                assert torch.equal(dst.bias, src.bias)
+        dst(torch.ones(2, 8)).sum().backward()
+        assert dst.weight.grad is not None and dst.weight.grad.shape == (4, 8)
+        with pytest.raises(ValueError, match="mode='swap'"):
+            rl_sync.WeightSubscriber(gep, {"m": torch.empty(3, device="meta")}, mode="swap")
+        with pytest.raises(ValueError, match="mode must be one of"):
+            rl_sync.WeightSubscriber(gep, dst, mode="direct")
 
 
 # ---------------------------------------------------------------------------- failures
