@@ -341,10 +341,10 @@ async def test_frozen_subscriber_times_out_and_spares_the_rest(store_url, uname)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
             gens[1].signal(signal.SIGSTOP)
             t0 = time.monotonic()
-            report = await pub.push(seeded(TRAIN, 2), 2, timeout=2.0)
+            report = await pub.push(seeded(TRAIN, 2), 2, timeout=4.0)  # roomy: the healthy one must finish
             took = time.monotonic() - t0
             gens[1].signal(signal.SIGCONT)
-            assert 1.5 < took < 6, took
+            assert 3.5 < took < 9, took
             assert report.results[gens[0].name].ok
             assert isinstance(report.results[gens[1].name].error, transport.TransportTimeoutError)
             await asyncio.sleep(0.3)
