@@ -118,8 +118,11 @@ class WeightSubscriber:
             copy), so a commit costs microseconds instead of a pass over the
             weights. Swap needs CPU tensors and a model that keeps no other
             alias of its weights (a view taken before a commit keeps the old
-            bank, which the next push overwrites). Memory is the same in both
-            modes: the live weights plus one copy.
+            bank, which the next push overwrites: take views inside
+            :meth:`hold` and drop them when it ends). Memory is the same in
+            both modes, the live weights plus one copy, except that in swap
+            mode the tensors the model was built with stay allocated until
+            the first commit re-points them.
         arena_bytes: largest arena (a tensor larger than that gets an arena
             of its own).
         commit_timeout: how long a commit waits for readers to leave
