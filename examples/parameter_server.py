@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import multiprocessing as mp
 import sys
 import time
 
 import torch
+from _procs import collect, stop_and_reap
 from torch import nn
 
 import rl_sync
@@ -113,30 +113,6 @@ async def _worker(name: str, index: int, store: str, args: argparse.Namespace) -
 
 
 # ---------------------------------------------------------------------------- server
-async def collect(ep: transport.Endpoint, kind: str, names: list[str], procs: list[mp.process.BaseProcess],
-                  timeout: float) -> dict[str, list[str]]:
-    """Wait for one ``kind`` notification from each of ``names``; returns name -> its words after the kind."""
-    got: dict[str, list[str]] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < len(names):
-        dead = [p.name for p in procs if p.exitcode is not None and p.name not in got]
-        if dead:
-            raise SystemExit(f"FAILED: worker(s) {', '.join(dead)} exited while the server waited for '{kind}'")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise SystemExit(f"FAILED: no '{kind}' from {sorted(set(names) - set(got))} within {timeout} s")
-        try:
-            note = await ep.next_notification(timeout=min(1.0, left))
-        except transport.TransportTimeoutError:
-            continue
-        words = note.payload.decode(errors="replace").split()
-        if words and words[0] == kind and note.peer in names:
-            got[note.peer] = words[1:]
-        else:
-            log.warning("ignored notification %r from %s", note.payload[:80], note.peer)
-    return got
-
-
 async def server(args: argparse.Namespace) -> int:
     names = [f"worker-{i}" for i in range(args.workers)]
     model = build_model(args.seed)
@@ -155,14 +131,14 @@ async def server(args: argparse.Namespace) -> int:
             p.start()
         pub = rl_sync.WeightPublisher(ep, names)
         try:
-            await collect(ep, "ready", names, procs, READY_TIMEOUT)
+            await collect(ep, "ready", names, procs, READY_TIMEOUT, role="worker")
             print(f"server: MLP of {nparams} parameters, {len(names)} workers with {SHARD} samples each", flush=True)
             report = await pub.push(model, version=1)
             if not report.ok:
                 raise SystemExit(f"FAILED: first push: {report.summary()}")
             print(f"{'step':>4} {'version':>7} {'loss':>9} {'push ms':>8}  ok", flush=True)
             for step in range(1, args.steps + 1):
-                got = await collect(ep, "grad", names, procs, STEP_TIMEOUT)
+                got = await collect(ep, "grad", names, procs, STEP_TIMEOUT, role="worker")
                 stale = {n: w[0] for n, w in got.items() if int(w[0]) != step}
                 if stale:
                     raise SystemExit(f"FAILED: gradients of another version than {step}: {stale}")
@@ -178,15 +154,7 @@ async def server(args: argparse.Namespace) -> int:
                 if not report.ok:
                     raise SystemExit(f"FAILED: push did not reach every worker: {report.summary()}")
         finally:
-            for n in names:
-                with contextlib.suppress(transport.TransportError):
-                    await ep.notify(n, b"stop", timeout=2.0)
-            for p in procs:  # joined on a thread so this endpoint keeps answering the workers' goodbyes
-                await asyncio.to_thread(p.join, 20)
-                if p.is_alive():
-                    log.warning("%s did not exit; killing it", p.name)
-                    p.kill()
-                    await asyncio.to_thread(p.join, 5)
+            await stop_and_reap(ep, names, procs)
             pub.close()
     if any(p.exitcode != 0 for p in procs):
         raise SystemExit("FAILED: worker exit codes " + ", ".join(f"{p.name}={p.exitcode}" for p in procs))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import logging
 import multiprocessing as mp
@@ -36,6 +35,7 @@ import time
 
 import _toy_rl as toy
 import torch
+from _procs import collect, stop_and_reap
 
 import rl_sync
 import transport
@@ -125,30 +125,6 @@ async def _generator(name: str, index: int, store: str, args: argparse.Namespace
 
 
 # ---------------------------------------------------------------------------- trainer
-async def collect(ep: transport.Endpoint, kind: str, names: list[str], procs: list[mp.process.BaseProcess],
-                  timeout: float) -> dict[str, list[str]]:
-    """Wait for one ``kind`` notification from each of ``names``; returns name -> its words after the kind."""
-    got: dict[str, list[str]] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < len(names):
-        dead = [p.name for p in procs if p.exitcode is not None and p.name not in got]
-        if dead:
-            raise SystemExit(f"FAILED: generator(s) {', '.join(dead)} exited while the trainer waited for '{kind}'")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise SystemExit(f"FAILED: no '{kind}' from {sorted(set(names) - set(got))} within {timeout} s")
-        try:
-            note = await ep.next_notification(timeout=min(1.0, left))
-        except transport.TransportTimeoutError:
-            continue
-        words = note.payload.decode(errors="replace").split()
-        if words and words[0] == kind and note.peer in names:
-            got[note.peer] = words[1:]
-        else:
-            log.warning("ignored notification %r from %s", note.payload[:80], note.peer)
-    return got
-
-
 async def trainer(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     names = [f"gen-{i}" for i in range(args.generators)]
@@ -168,7 +144,7 @@ async def trainer(args: argparse.Namespace) -> int:
         pub = rl_sync.WeightPublisher(ep, names)
         rewards: list[float] = []
         try:
-            await collect(ep, "ready", names, procs, READY_TIMEOUT)
+            await collect(ep, "ready", names, procs, READY_TIMEOUT, role="generator")
             planes = ", ".join(f"{n} over {ep.peers[n].plane}" for n in names if n in ep.peers)
             print(f"trainer: policy of {nparams} parameters ({nparams * 4 / 2**10:.0f} KiB) on {device}; "
                   f"{len(names)} generator(s) ({planes}); {args.batch} rollouts per step", flush=True)
@@ -177,7 +153,7 @@ async def trainer(args: argparse.Namespace) -> int:
                 raise SystemExit(f"FAILED: first push: {report.summary()}")
             print(f"{'step':>4} {'version':>7} {'sampled':>7} {'reward':>6} {'push ms':>8} {'GB/s':>6}  ok", flush=True)
             for step in range(1, args.steps + 1):
-                got = await collect(ep, "rollout", names, procs, STEP_TIMEOUT)
+                got = await collect(ep, "rollout", names, procs, STEP_TIMEOUT, role="generator")
                 sampled = sorted({int(w[0]) for w in got.values()})
                 prompts = torch.cat([buffers[n][f"rollout/{n}/prompts"] for n in names])
                 actions = torch.cat([buffers[n][f"rollout/{n}/actions"] for n in names])
@@ -192,7 +168,7 @@ async def trainer(args: argparse.Namespace) -> int:
             want = weights_digest(policy)
             for n in names:
                 await ep.notify(n, b"digest")
-            digests = await collect(ep, "digest", names, procs, STEP_TIMEOUT)
+            digests = await collect(ep, "digest", names, procs, STEP_TIMEOUT, role="generator")
             wrong = {n: d for n, d in digests.items() if d != [str(final), want]}
             if wrong:
                 raise SystemExit(f"FAILED: weights differ from the trainer's version {final} ({want[:16]}): "
@@ -201,15 +177,7 @@ async def trainer(args: argparse.Namespace) -> int:
             print(f"verified: {who} exactly the trainer's final weights (version {final}, sha256 {want[:16]})",
                   flush=True)
         finally:
-            for n in names:
-                with contextlib.suppress(transport.TransportError):
-                    await ep.notify(n, b"stop", timeout=2.0)
-            for p in procs:  # joined on a thread so this endpoint keeps answering the generators' goodbyes
-                await asyncio.to_thread(p.join, 20)
-                if p.is_alive():
-                    log.warning("%s did not exit; killing it", p.name)
-                    p.kill()
-                    await asyncio.to_thread(p.join, 5)
+            await stop_and_reap(ep, names, procs)
             pub.close()
     if any(p.exitcode != 0 for p in procs):
         raise SystemExit("FAILED: generator exit codes " + ", ".join(f"{p.name}={p.exitcode}" for p in procs))
