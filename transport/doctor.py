@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import importlib.util
 import json
 import multiprocessing as mp
 import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 __all__ = ["collect", "main"]
