@@ -1,16 +1,21 @@
 """Ordered sending on one socket: a writer thread plus a fast path.
 
-Frames go out in the order they are submitted. Large submissions are queued
-for the writer thread, which blocks in ``sendall`` (GIL released) so that
-neither the event loop nor a channel's reader ever blocks on a slow peer.
-Small submissions made while nothing is queued or being sent go out at once
-from the calling thread with one non-blocking ``sendmsg``; whatever the
-kernel did not take is put at the *front* of the queue, so order holds. The
-fast path saves a thread hand-off per op, which is most of the cost of a
-small op.
+Frames go out in the order they are submitted. A submission made while
+nothing is queued or being sent goes out at once from the calling thread with
+one non-blocking ``sendmsg`` of at most ``DIRECT_MAX`` bytes (a larger one:
+its first ``DIRECT_MAX`` bytes, header included); whatever the kernel did not
+take is put at the *front* of the queue for the writer thread, which blocks in
+``sendall`` (GIL released), so order holds and neither the event loop nor a
+channel's reader ever waits for a slow peer. The fast path saves a thread
+hand-off per op, which is most of the cost of a small op, and lets a large
+payload start moving before the writer thread is even awake.
 
 ``busy`` marks that someone owns the socket for sending (the writer or a
-fast-path caller); the writer waits while it is set.
+fast-path caller); the writer waits while it is set. A fast-path send wakes
+the writer only if there is something for it to do (a remainder, frames
+queued meanwhile) or someone waits in ``flush``: an idle writer woken for
+nothing costs a context switch on the other CPU, right when the peer's reader
+needs it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,12 @@ from dataclasses import dataclass
 
 __all__ = ["DIRECT_MAX", "Sender"]
 
-DIRECT_MAX = 64 * 1024  # bytes a fast-path submission may carry
+# Bytes one fast-path sendmsg may carry: a 16 MiB payload and its header. It bounds the calling
+# thread's time in the call (a copy into the socket, ~2-4 ms at most on loopback, where the
+# kernel keeps taking bytes as fast as the peer reads them; over a network, what fits in the send
+# buffer). Handing the rest of a large payload to the writer costs more than a thread wake-up: the
+# woken writer may land on the CPU that the peer's reader is using, and the two then share it.
+DIRECT_MAX = (16 << 20) + (64 << 10)
 _DIRECT_MAX_PARTS = 64  # and buffers
 
 
@@ -32,6 +42,22 @@ _DIRECT_MAX_PARTS = 64  # and buffers
 class _Job:
     frames: list[bytes | memoryview]
     on_sent: Callable[[], None] | None
+
+
+def _head(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The first ``DIRECT_MAX`` bytes (at most ``_DIRECT_MAX_PARTS`` buffers) of ``frames``."""
+    out: list[bytes | memoryview] = []
+    room = DIRECT_MAX
+    for f in frames:
+        n = len(f)
+        if n >= room:
+            out.append(memoryview(f)[:room] if n > room else f)
+            break
+        out.append(f)
+        room -= n
+        if len(out) == _DIRECT_MAX_PARTS:
+            break
+    return out
 
 
 def _remainder(frames: Sequence[bytes | memoryview], sent: int) -> list[bytes | memoryview]:
@@ -52,9 +78,10 @@ class Sender:
     def __init__(self, sock: socket.socket, name: str, on_error: Callable[[OSError], None]) -> None:
         self._sock = sock
         self._on_error = on_error
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._jobs: collections.deque[_Job] = collections.deque()
         self._busy = False
+        self._flushers = 0  # threads waiting in flush()
         self._closed = False
         self.last_tx = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"transport-tx-{name}", daemon=True)
@@ -71,20 +98,13 @@ class Sender:
         with self._cond:
             if self._closed:
                 return False
-            fast = (
-                direct
-                and not self._busy
-                and not self._jobs
-                and len(frames) <= _DIRECT_MAX_PARTS
-                and sum(len(f) for f in frames) <= DIRECT_MAX
-            )
-            if not fast:
+            if not direct or self._busy or self._jobs:
                 self._jobs.append(_Job(frames, on_sent))
                 self._cond.notify()
                 return True
             self._busy = True
         try:
-            sent = self._sock.sendmsg(frames, (), socket.MSG_DONTWAIT)
+            sent = self._sock.sendmsg(_head(frames), (), socket.MSG_DONTWAIT)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
@@ -98,7 +118,8 @@ class Sender:
             self._busy = False
             if rest:
                 self._jobs.appendleft(_Job(rest, on_sent))
-            self._cond.notify_all()
+            if self._jobs or self._flushers:
+                self._cond.notify_all()
         if not rest:
             self.last_tx = time.monotonic()
             if on_sent is not None:
@@ -109,11 +130,15 @@ class Sender:
         """Wait until everything submitted so far has been sent (bounded); True if it was."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._busy:
-                left = end - time.monotonic()
-                if left <= 0 or self._closed:
-                    return False
-                self._cond.wait(left)
+            self._flushers += 1
+            try:
+                while self._jobs or self._busy:
+                    left = end - time.monotonic()
+                    if left <= 0 or self._closed:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._flushers -= 1
         return True
 
     def close(self) -> None:
