@@ -1,0 +1,152 @@
+"""Await a blocking completion (a CUDA event) from asyncio, without a core spinning on it.
+
+A GPU copy or an NCCL send finishes on the device; the host learns of it from a CUDA event. Polling
+``event.query()`` from the event loop either burns a core (tight loop) or adds latency (sleeps);
+blocking in ``event.synchronize()`` on the loop freezes it. A :class:`CompletionBridge` owns one
+daemon thread that calls the blocking wait, with the GIL released, in submission order, and
+resolves an asyncio future on the loop when it returns. With events created as blocking-sync
+(``torch.cuda.Event(blocking=True)``, i.e. ``cudaEventBlockingSync``) that thread sleeps in the
+driver instead of spinning, so a transfer of seconds costs no CPU and the loop keeps serving
+other tasks.
+
+Anything with ``synchronize()`` (blocking, GIL released) and ``query()`` (non-blocking) can be
+waited for; that is what lets the CPU tests exercise the bridge (ordering, cancellation, errors,
+shutdown) with waitables that complete when a test says so, and ``tests/gpu`` with real events.
+
+Waits complete in submission order: a bridge serves one ordered queue of work, such as one
+channel's CUDA stream, where a later event cannot complete before an earlier one. Waitables of
+independent streams belong to separate bridges, or a slow one would hold back the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from typing import Protocol
+
+from .errors import EndpointClosedError, TransportError
+
+__all__ = ["CompletionBridge", "CompletionError", "Waitable"]
+
+log = logging.getLogger(__name__)
+
+
+class Waitable(Protocol):
+    """What a bridge waits for: a CUDA event, or anything else that completes on its own."""
+
+    def query(self) -> bool:
+        """True if already complete (never blocks)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until complete (releasing the GIL); raise if the work it tracks failed."""
+        ...
+
+
+class CompletionError(TransportError):
+    """The work a waitable tracks failed (for a CUDA event: the CUDA error that ``synchronize`` raised)."""
+
+
+class CompletionBridge:
+    """One thread that turns blocking waits into asyncio futures, in submission order.
+
+    Create and use it from the event loop's thread; :meth:`close` may be called from any thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "transport-completion") -> None:
+        self._loop = loop
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[tuple[Waitable, asyncio.Future[None]]] = collections.deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Waits submitted and not yet returned by the thread (including the one it is in)."""
+        with self._cond:
+            return len(self._queue)
+
+    def wait(self, waitable: Waitable) -> asyncio.Future[None]:
+        """A future that completes when ``waitable`` does (event loop thread; never blocks).
+
+        An already complete waitable gives a finished future without a thread hand-off. The
+        future fails with :class:`CompletionError` if ``synchronize`` raised, and with
+        :class:`EndpointClosedError` if the bridge is closed first. Cancelling the future (or
+        the task awaiting it) stops the waiting only: the thread still waits for the waitable
+        before taking the next one, so that work queued later is never reported complete
+        before it. Bound the wait with ``asyncio.timeout``; this call has no deadline of its own.
+        """
+        fut: asyncio.Future[None] = self._loop.create_future()
+        with self._cond:
+            if self._closed:
+                fut.set_exception(EndpointClosedError("the completion bridge is closed"))
+                return fut
+            if not self._queue:
+                try:
+                    done = waitable.query()
+                except Exception as exc:  # a failed CUDA event raises from query too
+                    fut.set_exception(CompletionError(f"the awaited work failed: {exc}"))
+                    return fut
+                if done:
+                    fut.set_result(None)
+                    return fut
+            self._queue.append((waitable, fut))
+            self._cond.notify()
+        return fut
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Fail the waits not yet started and stop the thread (any thread; bounded by ``timeout``).
+
+        The wait in progress, if any, cannot be interrupted (a hung GPU op keeps its thread, a
+        daemon, until the process exits); its future fails with :class:`EndpointClosedError` now.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for _, fut in dropped:
+            self._resolve_soon(fut, EndpointClosedError("the completion bridge was closed before the work completed"))
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------------------- thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                waitable, fut = self._queue[0]
+            exc: BaseException | None = None
+            try:
+                waitable.synchronize()
+            except Exception as e:  # the tracked work failed: that op fails, the bridge goes on
+                exc = CompletionError(f"the awaited work failed: {e}")
+            with self._cond:
+                if self._queue and self._queue[0][1] is fut:
+                    self._queue.popleft()
+                elif self._closed:  # close() already failed it
+                    return
+            self._resolve_soon(fut, exc)
+
+    def _resolve_soon(self, fut: asyncio.Future[None], exc: BaseException | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(_resolve, fut, exc)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():  # cancelled by its waiter
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
