@@ -81,7 +81,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as _dt
 import hashlib
 import inspect
 import json
@@ -89,11 +88,9 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import platform
 import queue
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -107,7 +104,9 @@ if str(ROOT) not in sys.path:
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, inherited by every spawned process
 
+import _common  # noqa: E402  (bench/_common.py)
 import torch  # noqa: E402
+from _common import loadavg, usable_cpus  # noqa: E402
 
 MiB = 1 << 20
 GB = 1e9
@@ -248,20 +247,6 @@ def _rusage() -> tuple[float, float, int]:
 
 def _rusage_delta(a: tuple[float, float, int], b: tuple[float, float, int]) -> dict[str, float]:
     return {"user_s": b[0] - a[0], "sys_s": b[1] - a[1], "minflt": b[2] - a[2]}
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
 
 
 def _idle_fraction(seconds: float = 1.0) -> float | None:
@@ -1189,25 +1174,7 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], limits: dict[str, An
 
 
 def environment(cfg: dict[str, Any]) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": _usable_cpus(),
-        "loadavg_start": _loadavg(),
-        "cpu_idle_before_start": _idle_fraction(),
-        "torch_threads": cfg["threads"],
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "git_commit": commit,
-        "start_method": "spawn",
-        "argv": sys.argv,
-    }
+    return _common.environment(ROOT, cfg["threads"], _idle_fraction)
 
 
 # ---------------------------------------------------------------------------- main
@@ -1315,7 +1282,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{durations['build_state']:.1f} s", flush=True)
 
     def phase_limits(rnd: int) -> None:
-        raw_limits.append(measure_limits(state, cfg["bf16_bytes"], 1, max(3, reps), _usable_cpus(), killed))
+        raw_limits.append(measure_limits(state, cfg["bf16_bytes"], 1, max(3, reps), usable_cpus(), killed))
 
     def phase_rl_sync(rnd: int) -> None:
         raw_cases.extend(asyncio.run(run_rl_sync(cfg, state, errors, killed, rnd)))
@@ -1357,10 +1324,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = merge_cases(raw_cases)
     limits = merge_limits(raw_limits, cfg["bf16_bytes"])
 
-    env["loadavg_end"] = _loadavg()
+    env["loadavg_end"] = loadavg()
     rows = build_rows(cfg, cases)
     fan = fanout_ratios(cfg, rows)
-    model = floor_model(cfg, limits, _usable_cpus(), rows) if limits else None
+    model = floor_model(cfg, limits, usable_cpus(), rows) if limits else None
     targets = evaluate_targets(cfg, rows, fan, model)
     mismatches = [r for r in rows if r.get("verified") is False]
     for r in mismatches:

@@ -53,18 +53,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as _dt
 import functools
 import importlib
 import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import queue
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -75,7 +72,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import _common  # noqa: E402  (bench/_common.py)
 import torch  # noqa: E402
+from _common import loadavg, usable_cpus  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -795,18 +794,6 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
 
 
 # ---------------------------------------------------------------------------- main
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
 
 
 def _idle_fraction(seconds: float = 1.0) -> float | None:
@@ -827,25 +814,7 @@ def _idle_fraction(seconds: float = 1.0) -> float | None:
 
 
 def environment(cfg: dict[str, Any]) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": _usable_cpus(),
-        "loadavg_start": _loadavg(),
-        "cpu_idle_before_start": _idle_fraction(),
-        "torch_threads": cfg["threads"],
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "git_commit": commit,
-        "start_method": "spawn",
-        "argv": sys.argv,
-    }
+    return _common.environment(ROOT, cfg["threads"], _idle_fraction)
 
 
 def _merge(acc: Any, new: Any) -> Any:
@@ -880,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         # two busy processes per measurement (target + initiator, sender + receiver): half the cores
         # each. More OpenMP threads than free cores makes every parallel copy_ wait for a descheduled
         # thread (on a 2-core VM, copy_ with 2 threads took 4-16 ms for 1-16 MiB instead of 0.02-0.7 ms).
-        args.threads = max(1, _usable_cpus() // 2)
+        args.threads = max(1, usable_cpus() // 2)
     if args.threads < 1:
         ap.error("--threads must be >= 1")
     if args.rounds is not None and args.rounds < 1:
@@ -926,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
             p.kill()
             p.join(3.0)
 
-    env["loadavg_end"] = _loadavg()
+    env["loadavg_end"] = loadavg()
     rows = build_rows(cfg, res)
     targets = evaluate_targets(cfg, rows)
     total = time.monotonic() - t_start
