@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests._loop_probe import probe_wait
 from transport.completion import CompletionBridge, CompletionError
 from transport.errors import EndpointClosedError
 
@@ -54,20 +55,7 @@ async def bridge():
 async def test_loop_keeps_serving_and_no_core_spins_during_a_long_wait(bridge):
     gate = Gate()
     open_later(gate, 0.6)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    t = asyncio.create_task(ticker())
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    async with asyncio.timeout(10):
-        await bridge.wait(gate)
-    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-    t.cancel()
+    cpu, wall, ticks = await probe_wait(bridge.wait(gate), timeout=10)
     assert wall >= 0.55
     assert ticks >= 20, f"the loop served only {ticks} ticks of 10 ms in {wall:.2f} s"
     # a spinning waiter would use ~one core for the whole wait

@@ -9,10 +9,10 @@ Plain ``asyncio.run`` inside sync tests: the device machine has no pytest-asynci
 from __future__ import annotations
 
 import asyncio
-import time
 
 import torch
 
+from tests._loop_probe import LoopProbe, probe_wait
 from transport.completion import CompletionBridge
 
 MiB = 1 << 20
@@ -33,28 +33,15 @@ def test_long_gpu_wait_keeps_the_loop_serving_and_idle() -> None:
     cycles = _cycles_for(1.0)
     stream = torch.cuda.Stream()
 
-    async def main() -> tuple[float, float, int]:
+    async def main() -> LoopProbe:
         bridge = CompletionBridge(asyncio.get_running_loop(), name="gpu-test-bridge")
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        t = asyncio.create_task(ticker())
         try:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(cycles)
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
-            cpu0, wall0 = time.process_time(), time.monotonic()
-            async with asyncio.timeout(30):
-                await bridge.wait(ev)
-            return time.process_time() - cpu0, time.monotonic() - wall0, ticks
+            return await probe_wait(bridge.wait(ev), timeout=30)
         finally:
-            t.cancel()
             bridge.close(2.0)
 
     cpu, wall, ticks = asyncio.run(main())
