@@ -39,6 +39,11 @@ class BlockingWeightSubscriber:
         return self._sub.version
 
     @property
+    def torn(self) -> bool:
+        """Direct mode: a push wrote the live weights and never committed (see :attr:`WeightSubscriber.torn`)."""
+        return self._sub.torn
+
+    @property
     def subscriber(self) -> WeightSubscriber:
         return self._sub
 

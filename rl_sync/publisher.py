@@ -589,6 +589,8 @@ class _Run:
 
 
 def _rejection(name: str, r: m.Reply) -> Exception:
+    if r.error_kind == "timeout":  # a direct-mode subscriber's readers did not leave in time
+        return transport.TransportTimeoutError(f"{name}: {r.error}", Phase.COMMIT)
     if r.error_kind == "stale":
         return StaleVersionError(f"{name}: {r.error}")
     if r.error_kind == "plan":

@@ -8,7 +8,10 @@ bucket's source), and on ``Commit`` copies staging into the live weights
 while holding the writer side of a readers-writer lock. Readers
 (:meth:`WeightSubscriber.hold`) therefore never see two versions at once, and
 a push that fails or is cancelled before its commit leaves the live weights
-untouched.
+untouched. ``mode="direct"`` trades that last property for memory: the live
+weights are the arena, written while readers are held off for the whole push,
+and a push that fails after its first byte leaves them *torn*: :meth:`hold`
+then waits for the next successful commit.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ __all__ = ["WeightSubscriber", "host_key", "live_tensors"]
 
 log = logging.getLogger("rl_sync.subscriber")
 
-MODES = ("staged", "swap")
+MODES = ("staged", "swap", "direct")
+_REPOINTING = ("swap", "direct")  # modes that re-point the live tensors into arenas
 
 
 def host_key() -> str:
@@ -87,7 +91,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Push:
-    __slots__ = ("bank", "buckets", "done", "publisher", "push_id", "version")
+    __slots__ = ("bank", "buckets", "done", "locked", "progress", "publisher", "push_id", "version")
 
     def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket], bank: int) -> None:
         self.bank = bank
@@ -96,6 +100,8 @@ class _Push:
         self.version = version
         self.buckets = buckets
         self.done: set[int] = set()
+        self.locked = False  # direct mode: this push holds the writer lock
+        self.progress = time.monotonic()  # direct mode: when it last moved (the watchdog's clock)
 
 
 class WeightSubscriber:
@@ -123,11 +129,22 @@ class WeightSubscriber:
             both modes, the live weights plus one copy, except that in swap
             mode the tensors the model was built with stay allocated until
             the first commit re-points them.
+            ``"direct"``: one copy of the weights, no more: the live tensors
+            are re-pointed into the arenas (as in swap, with the same
+            requirements) and a push writes into them while :meth:`hold`
+            is blocked, from ``Begin`` (which waits for readers to leave, up
+            to ``commit_timeout``) to the commit. A push that fails after
+            its first byte landed leaves the weights torn (:attr:`torn`):
+            :meth:`hold` waits until a later push commits. For models that
+            cannot afford a second copy and can pause reading for a push.
         arena_bytes: largest arena (a tensor larger than that gets an arena
             of its own).
         commit_timeout: how long a commit waits for readers to leave
             :meth:`hold` before it fails (the push then reports a timeout
-            for this subscriber and the weights stay as they were).
+            for this subscriber and the weights stay as they were). In
+            direct mode: how long ``Begin`` waits for readers, and how long
+            a push may go without progress before the subscriber gives it up
+            and lets readers back in (a publisher that died mid-push).
     """
 
     def __init__(self, endpoint: transport.Endpoint, model_or_state_dict: Any, *, mode: str = "staged",
@@ -139,18 +156,19 @@ class WeightSubscriber:
         self.endpoint = endpoint
         self.mode = mode
         self.commit_timeout = commit_timeout
-        self._live = live_tensors(model_or_state_dict, keep_vars=mode == "swap")
+        self._live = live_tensors(model_or_state_dict, keep_vars=mode in _REPOINTING)
         if not self._live:
             raise ValueError("the model has no tensors to receive")
-        if mode == "swap":
+        if mode in _REPOINTING:
             where = {n: t.device.type for n, t in self._live.items() if t.device.type != "cpu"}
             if where:
-                raise ValueError(f"mode='swap' re-points CPU tensors; these are not on the CPU: {where} "
+                raise ValueError(f"mode={mode!r} re-points CPU tensors; these are not on the CPU: {where} "
                                  "(use mode='staged')")
         self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key())
         nbanks = 2 if mode == "swap" else 1
         self._banks = [[torch.empty(n, dtype=torch.uint8) for n in self.manifest.arenas] for _ in range(nbanks)]
-        self._live_bank: int | None = None  # swap: the bank the live tensors point into (None: their own memory)
+        self._live_bank: int | None = None  # swap/direct: the bank the live tensors point into (None: their own memory)
+        self._torn = False  # direct: a push wrote into the live weights and did not commit
         self._plans: dict[int, tuple[list[Bucket], str]] = {}
         self._lock = RWLock()
         self._version = 0
@@ -185,6 +203,12 @@ class WeightSubscriber:
     @property
     def nbytes(self) -> int:
         return sum(self.manifest.arenas)
+
+    @property
+    def torn(self) -> bool:
+        """Direct mode only: a push wrote into the live weights and never committed. :meth:`hold`
+        waits while this is true; the next successful push clears it."""
+        return self._torn
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until a version >= ``version`` is committed; return the committed version.
@@ -223,8 +247,18 @@ class WeightSubscriber:
         :class:`transport.TransportTimeoutError` if the lock is not had
         within ``timeout``.
         """
-        if not await self._lock.acquire_read_async(timeout):
-            raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not await self._lock.acquire_read_async(left):
+                raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+            if not self._torn:
+                break
+            self._lock.release_read()  # torn weights: wait for a push to commit
+            if deadline is not None and time.monotonic() >= deadline:
+                raise transport.TransportTimeoutError(
+                    f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
+            await asyncio.sleep(0.005)
         try:
             yield self._version
         finally:
@@ -233,8 +267,21 @@ class WeightSubscriber:
     @contextlib.contextmanager
     def hold_blocking(self, timeout: float | None = None) -> Any:
         """:meth:`hold` for a thread that is not the event loop's."""
-        if not self._lock.acquire_read(timeout):
-            raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._lock.acquire_read(left):
+                raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+            if not self._torn:
+                break
+            self._lock.release_read()  # torn weights: wait for a push to commit
+            with self._version_cond:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise transport.TransportTimeoutError(
+                        f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
+                if self._torn:
+                    self._version_cond.wait(left)
         try:
             yield self._version
         finally:
@@ -246,6 +293,8 @@ class WeightSubscriber:
             return
         self._closed = True
         self.endpoint.on_notification(None, prefix=m.TO_SUBSCRIBER)
+        if self._push is not None:
+            self._drop(self._push, "the subscriber was closed")
         for t in list(self._tasks):
             t.cancel()
         if self.endpoint.is_open:
@@ -291,9 +340,10 @@ class WeightSubscriber:
             else:
                 self._spawn(self._commit(push))
         elif isinstance(msg, m.Abort):
-            if self._current(note.peer, msg.push_id) is not None:
+            push = self._current(note.peer, msg.push_id)
+            if push is not None:
                 log.info("subscriber %s: push %d aborted by %s: %s", self.endpoint.name, msg.push_id, note.peer, msg.reason)
-                self._push = None
+                self._drop(push, f"aborted by {note.peer}: {msg.reason}")
         else:
             log.warning("subscriber %s: unexpected %s from %s", self.endpoint.name, type(msg).__name__, note.peer)
 
@@ -323,21 +373,79 @@ class WeightSubscriber:
                                       self._version))
             return
         bank = 0 if self._live_bank is None or len(self._banks) == 1 else 1 - self._live_bank
-        self._push = _Push(peer, msg.push_id, msg.version, buckets, bank)
+        push = _Push(peer, msg.push_id, msg.version, buckets, bank)
+        if self.mode == "direct" and not await self._begin_direct(push):
+            return
+        if self._push is not None and self._push is not push:
+            self._drop(self._push, f"superseded by push {msg.push_id} of {peer}")
+        self._push = push
         self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version, bank))
+
+    async def _begin_direct(self, push: _Push) -> bool:
+        """Take the writer lock for the whole push (direct mode); False (and a reply) if not had."""
+        if self._push is not None:  # a push that never finished holds the lock: this one supersedes it
+            self._drop(self._push, f"superseded by push {push.push_id} of {push.publisher}")
+        if not await self._lock.acquire_write_async(self.commit_timeout):
+            self._reply(push.publisher, m.Reply(push.push_id, "begin", -1,
+                                                f"readers held the weights for more than {self.commit_timeout} s",
+                                                "timeout", self._version))
+            return False
+        push.locked = True
+        try:
+            if self._live_bank is None:  # first push: the live tensors move into the arena, once
+                await asyncio.to_thread(self._adopt)
+        except Exception as exc:
+            self._lock.release_write()
+            push.locked = False
+            log.exception("subscriber %s: moving the weights into the arena failed", self.endpoint.name)
+            self._reply(push.publisher, m.Reply(push.push_id, "begin", -1, f"{type(exc).__name__}: {exc}", "other",
+                                                self._version))
+            return False
+        push.progress = time.monotonic()
+        self._spawn(self._watch_direct(push))
+        return True
+
+    async def _watch_direct(self, push: _Push) -> None:
+        """Direct mode: give up a push that stops moving, so that readers are not locked out forever."""
+        period = max(0.05, min(1.0, self.commit_timeout / 4))
+        while push.locked:
+            await asyncio.sleep(period)
+            if push.locked and time.monotonic() - push.progress > self.commit_timeout:
+                log.warning("subscriber %s: push %d of %s made no progress for %.1f s; given up%s", self.endpoint.name,
+                            push.push_id, push.publisher, self.commit_timeout,
+                            ", the weights are torn until the next push commits" if self._torn else "")
+                self._drop(push, "no progress")
+
+    def _drop(self, push: _Push, why: str) -> None:
+        """Forget ``push`` (aborted, superseded, stalled); direct mode: let readers back in."""
+        if self._push is push:
+            self._push = None
+        if push.locked:
+            push.locked = False
+            self._lock.release_write()
+            log.debug("subscriber %s: push %d dropped (%s); torn=%s", self.endpoint.name, push.push_id, why, self._torn)
 
     async def _pull(self, push: _Push, msg: m.Pull) -> None:
         b = push.buckets[msg.bucket]
         dest = self._banks[push.bank][b.arena][b.offset:b.offset + b.nbytes]
+        if self.mode == "direct":
+            if not push.locked:  # given up meanwhile: the live weights are no longer ours to write
+                self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, "the push was given up", "other"))
+                return
+            self._torn = True  # from here on, the live weights may hold bytes of an uncommitted version
         try:
             await self.endpoint.get(msg.source, {msg.buffer: transport.At(dest, msg.offset)})
         except Exception as exc:
             self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other"))
             return
+        push.progress = time.monotonic()
         push.done.add(msg.bucket)
         self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket))
 
     async def _commit(self, push: _Push) -> None:
+        if self.mode == "direct":
+            self._commit_direct(push)
+            return
         if not await self._lock.acquire_write_async(self.commit_timeout):
             self._reply(push.publisher, m.Reply(push.push_id, "commit", -1,
                                                 f"readers held the weights for more than {self.commit_timeout} s",
@@ -369,6 +477,28 @@ class WeightSubscriber:
                 self._push = None
         log.debug("subscriber %s: committed version %d", self.endpoint.name, push.version)
         self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
+
+    def _commit_direct(self, push: _Push) -> None:
+        if not push.locked or self._push is not push:
+            self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was given up", "other",
+                                                self._version))
+            return
+        with self._version_cond:
+            self._version = push.version
+            self._torn = False
+            self._version_cond.notify_all()
+        self._drop(push, "committed")
+        log.debug("subscriber %s: committed version %d (direct)", self.endpoint.name, push.version)
+        self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
+
+    def _adopt(self) -> None:
+        """Direct mode, first push: copy the live weights into bank 0 and re-point them there."""
+        arenas = self._banks[0]
+        with torch.no_grad():
+            for e in self.manifest.entries:
+                view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
+                view.view(e.shape).copy_(self._live[e.name])
+        self._repoint(0)
 
     def _apply(self, bank: int) -> None:
         # views are taken here, not at construction: registering (at open) moves an arena into shared memory

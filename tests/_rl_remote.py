@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tests._remote import dtype_of, make_tensor, poisoned, same_bytes
+from transport.errors import TransportTimeoutError
 
 
 def stamped(spec: dict[str, tuple[str, tuple[int, ...]]], version: int) -> dict[str, torch.Tensor]:
@@ -84,6 +85,14 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
         state["holder"] = asyncio.ensure_future(hold())
         await asyncio.sleep(0.05)
         return None
+    if cmd == "sub_torn":
+        return sub.torn
+    if cmd == "sub_try_hold":  # hold() with a timeout: the version held, or "timeout"
+        try:
+            async with sub.hold(timeout=args[0]) as v:
+                return v
+        except TransportTimeoutError:
+            return "timeout"
     if cmd == "sub_close":
         sub.close()
         return None

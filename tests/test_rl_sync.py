@@ -178,7 +178,7 @@ async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, una
             assert "push v2" not in capfd.readouterr().err, "no bar unless asked for"
 
 
-@pytest.mark.parametrize("mode", ["staged", "swap"])
+@pytest.mark.parametrize("mode", ["staged", "swap", "direct"])
 async def test_readers_never_see_two_versions(store_url, uname, mode):
     """A reader loop inside hold() checks that every element of every tensor carries one version stamp."""
     spec = {"a": ("float32", (64, 64)), "b": ("float32", (4096,)), "c": ("float32", (3, 5))}
@@ -272,7 +272,77 @@ async def test_swap_mode_keeps_module_parameters_usable(store_url, uname):
         with pytest.raises(ValueError, match="mode='swap'"):
             rl_sync.WeightSubscriber(gep, {"m": torch.empty(3, device="meta")}, mode="swap")
         with pytest.raises(ValueError, match="mode must be one of"):
-            rl_sync.WeightSubscriber(gep, dst, mode="direct")
+            rl_sync.WeightSubscriber(gep, dst, mode="inplace")
+
+
+async def test_direct_mode_writes_the_live_weights_and_a_failed_push_tears_them(store_url, uname):
+    """Direct mode: one copy of the weights. A push cancelled after its first bytes landed leaves
+    the weights torn: hold() waits (here: times out) until the next push commits."""
+    spec = {"w": ("float32", (8 << 20,)), "b": ("float32", (7,))}  # 32 MiB in 1 MiB buckets: a push takes a while
+    with generators(store_url, uname, 1, spec=spec, mode="direct", commit_timeout=5.0) as gens:
+        g = gens[0]
+        async with trainer(store_url, uname) as ep:
+            pub = rl_sync.WeightPublisher(ep, [g.name], bucket_bytes=1 << 20)
+            assert (await pub.push(seeded(spec, 1), 1)).ok
+            assert all(g.call("sub_check", spec, 1).values()) and not g.call("sub_torn")
+            torn_at = None
+            for v in range(2, 8):  # cancel each push as soon as bytes landed; a push that wins the race commits
+                push = asyncio.ensure_future(pub.push(seeded(spec, v), v))
+                while not push.done() and not g.call("sub_torn"):
+                    await asyncio.sleep(0.002)
+                push.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await push
+                await asyncio.sleep(0.2)
+                if g.call("sub_torn"):
+                    torn_at = v
+                    break
+                assert g.call("sub_version") == v and all(g.call("sub_check", spec, v).values())
+            assert torn_at is not None, "no push was ever caught between its first byte and its commit"
+            assert g.call("sub_version") == torn_at - 1, "a cancelled push must not commit"
+            assert g.call("sub_try_hold", 0.5) == "timeout", "hold() must not hand out torn weights"
+            report = await pub.push(seeded(spec, 10), 10)
+            assert report.ok, report.summary()
+            assert not g.call("sub_torn")
+            assert g.call("sub_try_hold", 2.0) == 10
+            assert all(g.call("sub_check", spec, 10).values())
+
+
+async def test_direct_mode_gives_up_a_push_that_stops_and_lets_readers_back(store_url, uname):
+    """A publisher that vanishes mid-push (no Abort, no Commit) must not lock the readers out forever."""
+    spec = {"w": torch.zeros(4096)}
+    async with trainer(store_url, uname) as ep, transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, spec, mode="direct", commit_timeout=0.5)
+        src = torch.full((sub.nbytes,), 7, dtype=torch.uint8)
+        ep.register("src", src)
+        buckets, digest = sub.plan(1 << 20)
+        await ep.notify(gep.name, rl_sync.messages.encode(rl_sync.messages.Begin(1, 1, digest, 1 << 20)))
+        deadline = time.monotonic() + 5
+        while sub._push is None or not sub._push.locked:  # Begin took the writer lock
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        with pytest.raises(transport.TransportTimeoutError):
+            async with sub.hold(timeout=0.1):
+                pass
+        await ep.notify(gep.name, rl_sync.messages.encode(rl_sync.messages.Pull(1, 0, ep.name, "src", 0)))
+        while not sub.torn:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        # ... and then nothing: after commit_timeout without progress the subscriber gives the push up
+        while sub._push is not None:
+            assert time.monotonic() < deadline, "the stalled direct push was never given up"
+            await asyncio.sleep(0.05)
+        assert sub.version == 0 and sub.torn
+        with pytest.raises(transport.TransportTimeoutError, match="torn"):
+            async with sub.hold(timeout=0.2):
+                pass
+        assert bytes(spec["w"].view(torch.uint8)[:8].tolist()) == b"\x07" * 8, "the pull wrote the live tensor"
+        pub = rl_sync.WeightPublisher(ep, [gep.name])
+        want = torch.arange(4096, dtype=torch.float32)
+        report = await pub.push({"w": want}, 2)
+        assert report.ok, report.summary()
+        async with sub.hold(timeout=2.0) as v:
+            assert v == 2 and torch.equal(spec["w"], want) and not sub.torn
 
 
 # ---------------------------------------------------------------------------- failures
