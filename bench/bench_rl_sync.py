@@ -5,7 +5,7 @@ Usage::
 
     python bench/bench_rl_sync.py              # full run: ~355M params, 1 and 4 subscribers, both modes (~3 min)
     python bench/bench_rl_sync.py --quick      # ~20M params, 1 and 2 subscribers, both modes (seconds; smoke test)
-    python bench/bench_rl_sync.py [--params 350M] [--subscribers 1,4] [--modes staged,swap] [--reps N]
+    python bench/bench_rl_sync.py [--params 350M] [--subscribers 1,4] [--modes staged,swap,direct] [--reps N]
                                   [--rounds N] [--warmup N] [--buckets-mib 256[,64]] [--threads N] [--no-gloo]
                                   [--debug] [--json PATH]
 
@@ -29,8 +29,10 @@ Cases, every one between real processes (``spawn``):
   ``rl_sync.WeightSubscriber(ep, state, mode=...)`` over a bfloat16 state
   dict, once per ``--modes`` entry (fresh subscriber processes per mode):
   ``staged`` (buckets land in a staging arena, the commit copies them into
-  the live tensors) and ``swap`` (two banks of arenas, the commit re-points
-  the live tensors into the bank just filled with ``Tensor.set_``, no copy).
+  the live tensors), ``swap`` (two banks of arenas, the commit re-points
+  the live tensors into the bank just filled with ``Tensor.set_``, no copy)
+  and ``direct`` (one bank that the live tensors point into, written while
+  readers are held off; the commit only bumps the version).
   Timed: ``await pub.push(state, version)`` until every subscriber has
   committed (the push's own completion rule), per mode, subscriber count
   and ``bucket_bytes``, after ``--warmup`` warm-up pushes per arena bank
@@ -119,8 +121,9 @@ GLOO_TIMEOUT = 300.0  # process group timeout (init and every collective)
 BASE_LEN = 1_000_003  # period of the fill pattern, in elements (prime: no alignment with rows or buckets)
 FULL_PARAMS = 355_000_000
 QUICK_PARAMS = 20_000_000
-MODES = ("staged", "swap")  # rl_sync.WeightSubscriber's modes (rl_sync.subscriber.MODES)
-BANKS = {"staged": 1, "swap": 2}  # arena banks per mode: warm-up pushes are per bank
+MODES = ("staged", "swap", "direct")  # rl_sync.WeightSubscriber's modes (rl_sync.subscriber.MODES)
+BANKS = {"staged": 1, "swap": 2, "direct": 1}
+COMMIT_STEP = {"staged": "_apply", "swap": "_repoint", "direct": "_commit_direct"}  # what a commit does, per mode  # arena banks per mode: warm-up pushes are per bank
 
 CTX = mp.get_context("spawn")
 log = logging.getLogger("bench_rl_sync")
@@ -389,6 +392,7 @@ def _instrument_subscriber(rec: dict[str, list[tuple[float, float]]]) -> list[st
 
     wrap_commit("_apply")
     wrap_commit("_repoint")
+    wrap_commit("_commit_direct")
     return done
 
 
@@ -597,7 +601,7 @@ def _breakdown(t0: float, t1: float, packs: list[tuple[float, float, int]] | Non
                stats: dict[str, Any], mode: str) -> dict[str, Any]:
     """Seconds from the push's start (monotonic clock, shared by the processes of one host).
     ``commit_*``: the subscriber's commit step, ``_apply`` (staged: a copy) or ``_repoint`` (swap)."""
-    out: dict[str, Any] = {"wall_s": t1 - t0, "commit_step": "_repoint" if mode == "swap" else "_apply"}
+    out: dict[str, Any] = {"wall_s": t1 - t0, "commit_step": COMMIT_STEP.get(mode, "_apply")}
     if packs:
         out["pack_sum_s"] = sum(b - a for a, b, _ in packs)
         out["pack_first_start_s"] = min(a for a, _, _ in packs) - t0
@@ -894,9 +898,10 @@ def fanout_ratios(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[
 
 
 # per mode: passes over the bfloat16 bytes per subscriber (k), passes that must follow the cast (tail)
-FLOOR_PASSES = {"staged": (2, 1), "swap": (1, 0)}
+FLOOR_PASSES = {"staged": (2, 1), "swap": (1, 0), "direct": (1, 0)}
 FLOOR_TEXT = {"staged": ("C + 2 N M", "max(C + M, work / min(S, N + 1))"),
-              "swap": ("C + N M", "max(C, work / min(S, N + 1))")}
+              "swap": ("C + N M", "max(C, work / min(S, N + 1))"),
+              "direct": ("C + N M", "max(C, work / min(S, N + 1))")}
 
 
 def floor_model(cfg: dict[str, Any], limits: dict[str, Any], cores: int,
@@ -1017,7 +1022,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], limits: dict[str, An
                  f"per arena bank + {cfg['reps']} timed repetition(s) in each of {cfg['rounds']} round(s) (phases "
                  "rotated, repetitions pooled); seconds = median, until every subscriber committed / holds every tensor")
     lines.append("mode = WeightSubscriber mode: staged (pull into a staging arena, commit = copy into the live "
-                 "tensors), swap (pull into the spare bank, commit = re-point the live tensors with set_, no copy)")
+                 "tensors), swap (pull into the spare bank, commit = re-point the live tensors with set_, no copy), "
+                 "direct (pull into the live tensors while readers wait, commit = bump the version)")
     lines.append("GB/s = bfloat16 bytes (1e9/s) delivered per subscriber, and to all subscribers together; "
                  "vs gloo = gloo's median / this median, (best) = gloo's best / this best")
     lines.append("")
@@ -1069,6 +1075,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], limits: dict[str, An
                      "floor = max(C + M, work / min(S, N + 1))")
         lines.append("  swap:   work = C + N M (pack; per subscriber: pull into the spare bank; commit re-points), "
                      "floor = max(C, work / min(S, N + 1))")
+        lines.append("  direct: work = C + N M (pack; per subscriber: pull into the live tensors; commit bumps the "
+                     "version), floor = max(C, work / min(S, N + 1))")
         bkt = model["measured_bucket_bytes"] // MiB
         lines.append(f"  {'mode':<6} {'subs':>4} {'work s':>7} {'floor s':>8} {'floor set by':>13} {'measured s':>11} "
                      f"{'/ floor':>8}   (measured = median at bucket {bkt} MiB)")
@@ -1105,7 +1113,7 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], limits: dict[str, An
     if bd:
         lines.append("")
         lines.append("rl_sync breakdown (the median timed push; seconds from the push's start; *_sum = busy time; "
-                     "commit = _apply (staged: the copy) or _repoint (swap: set_ of every tensor), per subscriber):")
+                     "commit = _apply (staged: the copy), _repoint (swap: set_ of every tensor) or _commit_direct, per subscriber):")
         h2 = (f"  {'mode':<6} {'subs':>4} {'bucket':>7} {'wall':>6} {'1st pack':>8} {'pack_sum':>8} {'packs end':>9} "
               f"{'pull_sum/sub':>12} {'pulls end':>9} {'commit/sub':>10} {'commits end':>11}")
         lines.append(h2)
@@ -1215,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=_params, default=None, help="model size, e.g. 350M (default 355M; --quick 20M)")
     ap.add_argument("--subscribers", type=_int_list, default=None, help="subscriber counts (default 1,4; --quick 1,2)")
     ap.add_argument("--modes", type=_modes, default=list(MODES),
-                    help="WeightSubscriber modes to run, in this order (default and --quick: staged,swap)")
+                    help="WeightSubscriber modes to run, in this order (default and --quick: staged,swap,direct)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 3; --quick 1)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="warm-up pushes per case and arena bank (default 1: staged 1, swap 2)")
