@@ -84,7 +84,7 @@ class Endpoint:
             recorder; None installs no handler.
         max_pending_notifications: notifications queued for the application
             before the channels delivering them are back-pressured.
-        staging: :class:`transport.staging.StagingConfig` of the staged path
+        staging: :class:`transport.StagingConfig` of the staged path
             that moves CUDA tensors (bounce-buffer size and count, stall
             bound); None uses the defaults (4 x 8 MiB per op).
     """
@@ -115,7 +115,7 @@ class Endpoint:
         self.timeout = float(timeout)
         self.planes = validate_planes(planes)
         if staging is not None and not isinstance(staging, StagingConfig):
-            raise ValueError(f"staging must be a transport.staging.StagingConfig, got {type(staging).__name__}")
+            raise ValueError(f"staging must be a transport.StagingConfig, got {type(staging).__name__}")
         self.staging = Staging(staging)
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
