@@ -69,9 +69,12 @@ class Endpoint:
             port; read it back from :attr:`store_url`).
         timeout: default deadline, in seconds, of every operation that takes
             ``timeout=None``.
-        planes: allowed data planes, in any order, e.g. ``("tcp",)``; None
-            allows all. The plane per peer is chosen by
-            :func:`transport.planes.choose_cpu_plane` and logged.
+        planes: allowed data planes for CPU buffers, in any order, e.g.
+            ``("tcp",)``; None allows all. The plane per peer is chosen by
+            :func:`transport.planes.choose_cpu_plane` and logged. Ops on GPU
+            memory take the plane :func:`transport.planes.choose_gpu_plane`
+            picks (today always the staged path, which needs only the
+            channel's socket), whatever this says.
         listen_host: address to accept channels on; default: the local
             address that reaches the store's host (127.0.0.1 for a loopback store).
         heartbeat_interval / heartbeat_timeout: a channel sends a ping when

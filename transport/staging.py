@@ -19,7 +19,7 @@ to the device asynchronously; before a bounce buffer is refilled, its
 previous copy is waited for. All copies have completed when it returns.
 
 Both are generic over a :class:`CopyEngine` (issue an asynchronous copy,
-wait for it with a bound). The CUDA engine (dedicated stream, events, pinned
+wait for it with a bound). The CUDA engine (dedicated streams, events, pinned
 memory) lives in :mod:`transport.cuda.staging`; :class:`ThreadCopyEngine`
 runs copies on a worker thread and is what the CPU tests drive the same
 pipeline with (``StagingConfig(cpu_engine=ThreadCopyEngine)`` stages CPU
@@ -390,7 +390,7 @@ class Staging:
         return kind != "cpu" or self.config.cpu_engine is not None
 
     def engine(self, device: torch.device) -> CopyEngine:
-        """The copy engine for ``device`` (CUDA's is shared by the process, one stream per device)."""
+        """The copy engine for ``device`` (CUDA's is shared by the process, two streams per device)."""
         if device.type == "cpu":
             if self.config.cpu_engine is None:
                 raise InvalidTensorError("CPU tensors are not staged by this endpoint")

@@ -1,14 +1,17 @@
-"""The CUDA copy engine of the staged path (:mod:`transport.staging`): a dedicated stream per
-device, pinned bounce buffers, completion observed through CUDA events.
+"""The CUDA copy engine of the staged path (:mod:`transport.staging`): dedicated streams per
+device (one for device->host, one for host->device, so a channel's outgoing and incoming
+payloads can use both copy engines at once), pinned bounce buffers, completion observed through
+CUDA events.
 
 Only this module touches CUDA for staging; the pipeline's logic (chunking, ordering, bounded
 memory, errors) is :mod:`transport.staging`'s and is tested on CPU with a thread engine.
 
 Ordering: :meth:`CudaCopyEngine.mark` records an event on the *caller's* current stream when the
-op is issued (in the caller's thread); every copy of that op waits for it on the dedicated stream,
+op is issued (in the caller's thread); every copy of that op waits for it on its dedicated stream,
 so a put sees the tensor as the caller's stream had it at the call, and a get never writes into
 memory the caller's stream is still using. Work on other streams must be synchronized by the
-caller before the call.
+caller before the call. (The caller's thread is the one running the event loop; with a
+``BlockingEndpoint`` that is not the application's thread.)
 
 Blocking: :meth:`CudaCopyHandle.wait` polls the copy's event (never ``synchronize()``) until it
 has completed or the bound passes (:class:`~transport.errors.StagingError`); CUDA errors surface
@@ -56,13 +59,14 @@ class CudaCopyHandle:
 
 
 class CudaCopyEngine:
-    """Copies between one CUDA device and pinned host memory on a dedicated stream."""
+    """Copies between one CUDA device and pinned host memory on dedicated streams."""
 
     name = "cuda"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.d2h = torch.cuda.Stream(device=device)
+        self.h2d = torch.cuda.Stream(device=device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -73,12 +77,13 @@ class CudaCopyEngine:
         return event
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CudaCopyHandle:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        stream = self.h2d if dst.device.type == "cuda" else self.d2h
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if after is not None:
-                self.stream.wait_event(after)
+                stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         return CudaCopyHandle(event)
 
 
