@@ -301,6 +301,16 @@ def test_gpu_plane_choice_and_reasons():
     assert plane == "staged" and why.startswith("cuda_ipc: the peer is not on this host")
 
 
+def test_a_peer_buffer_on_an_unknown_device_is_a_protocol_error():
+    from transport.channel import specs_from_wire
+    from transport.wire import WireBuffer
+
+    assert specs_from_wire([WireBuffer("g", "float32", [2], "cuda:3", 8)])["g"].device == "cuda:3"
+    for device in ("tpu", "cuda:x", "meta", "", "cpu:0:1"):
+        with pytest.raises(transport.ProtocolError, match="unknown device"):
+            specs_from_wire([WireBuffer("g", "float32", [2], device, 8)])
+
+
 def test_planes_argument_names_cpu_planes_only():
     assert validate_planes(("tcp",)) == ("tcp",)
     with pytest.raises(ValueError, match="unknown planes"):

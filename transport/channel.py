@@ -34,6 +34,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import re
 import select
 import socket
 import struct
@@ -112,6 +113,7 @@ _LOWAT_MAX = 2 << 20
 _LOWAT_MIN = 64 << 10  # smaller chunks are not worth a setsockopt
 _RX_POLL_S = 1.0  # the reader's longest wait in one call: it rechecks the channel and a payload's progress
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")  # devices a peer's buffer may be on
 
 
 _STATE_HINT = {
@@ -207,6 +209,8 @@ def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
             raise ProtocolError(f"peer registry: buffer {b.name!r} has unknown dtype {b.dtype!r}") from None
         if any(d < 0 for d in b.shape):
             raise ProtocolError(f"peer registry: buffer {b.name!r} has a negative dimension {b.shape}")
+        if not _DEVICE.fullmatch(b.device):
+            raise ProtocolError(f"peer registry: buffer {b.name!r} is on an unknown device {b.device[:40]!r}")
         shape = torch.Size(b.shape)
         if shape.numel() * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
             raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}{b.shape}")

@@ -386,7 +386,7 @@ class Staging:
 
     def stages(self, device: str | torch.device) -> bool:
         """Whether bytes of a tensor on ``device`` go through bounce buffers."""
-        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        kind = device.type if isinstance(device, torch.device) else device.partition(":")[0]
         return kind != "cpu" or self.config.cpu_engine is not None
 
     def engine(self, device: torch.device) -> CopyEngine:
