@@ -299,6 +299,8 @@ class Channel:
         self.plane_reason = plane_reason
         self.staging = core.staging
         self._staged: StagedPlane | None = None  # ops touching GPU memory (created on the first)
+        self._staged_of: dict[str, BufferSpec] | None = None  # the peer_specs _staged_names was computed from
+        self._staged_names: frozenset[str] = frozenset()  # the peer's buffers on staged devices
         self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
         self.gpu_plane_reason: str | None = None
         self._sock = sock
@@ -357,9 +359,23 @@ class Channel:
         the peer's CPU buffers over ``shm`` is copied straight between the device and the
         mapped segment. A peer's GPU buffer is never in shared memory, so ops on one always
         travel inline on this channel's socket, whatever the channel's CPU plane."""
-        stages = self.staging.stages
-        remote = any(stages(self.peer_specs[it.name].device) for it, _ in pairs if it.name in self.peer_specs)
-        local = any(stages(t.device) for _, t in pairs)
+        specs = self.peer_specs  # replaced whole by the reader on a registry update
+        if specs is not self._staged_of:
+            self._staged_names = frozenset(n for n, sp in specs.items() if self.staging.stages(sp.device))
+            self._staged_of = specs
+        remote = local = False
+        if self._staged_names:  # plain loops: this runs for every op
+            for it, _ in pairs:
+                if it.name in self._staged_names:
+                    remote = True
+                    break
+        if self.staging.config.cpu_engine is not None:
+            local = True
+        else:
+            for _, t in pairs:
+                if t.is_cuda:
+                    local = True
+                    break
         if not (remote or local):
             return self.plane
         if self.gpu_plane is None:
@@ -395,7 +411,8 @@ class Channel:
             on_sent = lambda: self.recorder.update(rec, OpState.SENT)  # noqa: E731
         head = encode_frame(msg)
         frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
-        frames = _chain(head, payload) if isinstance(payload, Iterator) else [head, *payload]
+        # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
+        frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload))
         if not self._tx.submit(frames, on_sent, direct=direct):
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
