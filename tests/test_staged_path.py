@@ -289,6 +289,38 @@ async def test_timed_out_get_never_writes_after_returning(endpoints):
     assert torch.equal(out, w)
 
 
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_peer_killed_mid_staged_payload(store_url, uname, op):
+    """A socket failure in the middle of a staged payload (the peer process is killed): the op
+    fails with PeerLostError within moments, and every bounce buffer comes back."""
+    n = 32 << 20  # more than loopback socket buffers hold, so the payload is still moving at the kill
+    tgt = RemoteEndpoint(uname("victim"), store=store_url, planes=("tcp",))
+    try:
+        if op == "put":
+            tgt.call("register", "w", "uint8", (n,))
+        else:
+            tgt.call("register_data", "w", "uint8", (n,), seed())
+        engine = Counting(delay=0.01)
+        cfg = StagingConfig(chunk_bytes=256 << 10, buffers=3, cpu_engine=lambda: engine)
+        async with transport.Endpoint(uname("killer"), store=store_url, planes=("tcp",), timeout=60,
+                                      staging=cfg) as ep:
+            await ep.connect(tgt.name)
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            call = ep.put(tgt.name, {"w": data}) if op == "put" else ep.get(tgt.name, {"w": data})
+            task = asyncio.create_task(call)
+            while engine.calls < 10:  # the payload is under way
+                assert not task.done(), task
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            tgt.kill()
+            with pytest.raises(transport.PeerLostError):
+                await asyncio.wait_for(task, 20)
+            assert time.monotonic() - t0 < 10
+            await settle(ep)
+    finally:
+        tgt.stop()
+
+
 # ---------------------------------------------------------------------------- choice and checks
 def test_gpu_plane_choice_and_reasons():
     here = HostInfo("h1", "boot-1", 1, 10)
