@@ -322,3 +322,32 @@ def test_config_is_checked():
     s = Staging()
     assert s.stages("cuda:0") and not s.stages("cpu")
     assert Staging(StagingConfig(cpu_engine=ThreadCopyEngine)).stages(torch.device("cpu"))
+
+
+class NoHostMemory(ThreadCopyEngine):
+    """Bounce buffers cannot be allocated (pinned memory exhausted) after the first ``ok``."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__()
+        self.ok = ok
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.ok <= 0:
+            raise RuntimeError("injected: out of pinned memory")
+        self.ok -= 1
+        return super().host_buffer(nbytes)
+
+
+@pytest.mark.parametrize("ok", [0, 1, 2])
+def test_no_bounce_buffer_fails_the_transfer_cleanly(ok):
+    """Receiving: the payload is still consumed in full (through scratch) and the op fails;
+    sending: the op fails before the chunk is handed over."""
+    staging = Staging(StagingConfig(chunk_bytes=4096, buffers=3))
+    data = random_bytes(4096 * 7 + 9)
+    dst = poisoned(data.numel())
+    with pytest.raises(StagingError, match="cannot allocate"):
+        feed_in(dst, data, staging, NoHostMemory(ok))  # asserts every byte was consumed
+    assert staging.statistics().in_use == 0
+    with pytest.raises(StagingError, match="cannot allocate"):
+        list(_staged_payload(staging, NoHostMemory(ok), data))
+    assert staging.statistics().in_use == 0

@@ -223,7 +223,12 @@ class BounceRing:
         if buf is None:
             if self._released:
                 raise StagingError("bounce ring used after release")
-            buf = self._bufs[slot] = self.engine.host_buffer(self.chunk_bytes)
+            try:
+                buf = self.engine.host_buffer(self.chunk_bytes)
+            except Exception as exc:  # e.g. pinned memory exhausted
+                raise StagingError(f"{self.engine.name}: cannot allocate a {self.chunk_bytes}-byte bounce buffer: "
+                                   f"{exc}") from exc
+            self._bufs[slot] = buf
             self._staging._took(1)
         return buf
 
@@ -338,6 +343,14 @@ def stage_in(
             except StagingError as exc:
                 error = error or exc
 
+    def halt() -> None:  # no copy from here on; the ones in flight end first
+        nonlocal writing
+        writing = False
+        for s in range(count):
+            settle(s)
+        if on_stop is not None:
+            on_stop()
+
     pos, i = 0, 0
     try:
         while pos < n:
@@ -345,12 +358,16 @@ def stage_in(
             i += 1
             settle(slot)
             if writing and (error is not None or (stop is not None and stop())):
-                writing = False
-                for s in range(count):
-                    settle(s)
-                if on_stop is not None:
-                    on_stop()
-            buf = ring.buffer(slot)[:k]
+                halt()
+            try:
+                buf = ring.buffer(slot)[:k]
+            except StagingError as exc:  # no bounce buffer: drain through scratch memory instead
+                error = error or exc
+                if writing:
+                    halt()
+                fill(memoryview(bytearray(k)), n - pos - k)
+                pos += k
+                continue
             fill(tensor_bytes(buf), n - pos - k)
             if writing:
                 try:
