@@ -351,3 +351,25 @@ def test_no_bounce_buffer_fails_the_transfer_cleanly(ok):
     with pytest.raises(StagingError, match="cannot allocate"):
         list(_staged_payload(staging, NoHostMemory(ok), data))
     assert staging.statistics().in_use == 0
+
+
+def test_an_engine_that_cannot_start_still_consumes_the_payload():
+    def broken() -> ThreadCopyEngine:
+        raise RuntimeError("injected: CUDA failed to initialise")
+
+    staging = Staging(StagingConfig(chunk_bytes=4096, buffers=2, cpu_engine=broken))
+    data = random_bytes(3 * 4096 + 1)
+    src = memoryview(data.numpy()).cast("B")
+    pos = 0
+
+    def fill(view: memoryview, more: int) -> None:
+        nonlocal pos
+        assert more == data.numel() - pos - len(view)
+        view[:] = src[pos : pos + len(view)]
+        pos += len(view)
+
+    with pytest.raises(StagingError, match="cannot set up the staging copy engine"):
+        staging.receive(poisoned(data.numel()), fill)
+    assert pos == data.numel()
+    with pytest.raises(StagingError, match="cannot set up"):
+        list(staging.payload([data]))

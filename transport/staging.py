@@ -25,13 +25,19 @@ runs copies on a worker thread and is what the CPU tests drive the same
 pipeline with (``StagingConfig(cpu_engine=ThreadCopyEngine)`` stages CPU
 tensors too, end to end through endpoints).
 
-Blocking: every function here blocks its calling thread (never call them on
-the event loop). Every wait is bounded by ``stall_timeout`` (one chunk's copy
-must complete within it); past it, :class:`~transport.errors.StagingError`
-is raised. Cancellation: there is none inside; the channel stops a receive
-through ``stop`` (then copies already issued are waited for and the rest of
-the bytes is drained), and a send that cannot finish breaks its channel
-(a peer that saw part of a payload cannot be resynchronised).
+Blocking: :func:`stage_in`, :meth:`Staging.receive` and each step of
+:func:`stage_out` / :meth:`Staging.payload` block their calling thread (the
+channel's reader or writer, never the event loop); :meth:`Staging.mark`,
+:meth:`Staging.stages`, :meth:`Staging.ring` and :meth:`Staging.statistics`
+do not block. Timeouts: every wait is bounded by ``stall_timeout`` (one
+chunk's copy must complete within it); past it,
+:class:`~transport.errors.StagingError` is raised. Cancellation: nothing
+here is cancelled from outside. Cancelling ``await ep.put()`` stops the
+caller's wait only; the writer still stages and sends the whole payload
+(the source stays referenced). The channel stops a receive through ``stop``
+(copies already issued are waited for, the rest of the bytes is drained),
+and a send that cannot finish breaks its channel (a peer that saw part of a
+payload cannot be resynchronised).
 """
 
 from __future__ import annotations
@@ -407,19 +413,27 @@ class Staging:
         return kind != "cpu" or self.config.cpu_engine is not None
 
     def engine(self, device: torch.device) -> CopyEngine:
-        """The copy engine for ``device`` (CUDA's is shared by the process, two streams per device)."""
-        if device.type == "cpu":
-            if self.config.cpu_engine is None:
-                raise InvalidTensorError("CPU tensors are not staged by this endpoint")
-            with self._lock:
-                if self._cpu_engine is None:
-                    self._cpu_engine = self.config.cpu_engine()
-                return self._cpu_engine
+        """The copy engine for ``device`` (CUDA's is shared by the process, two streams per device).
+        :class:`StagingError` if it cannot be set up (e.g. CUDA fails to initialise)."""
         if device.type == "cuda":
-            from .cuda.staging import cuda_engine
+            try:
+                from .cuda.staging import cuda_engine
 
-            return cuda_engine(device)
-        raise InvalidTensorError(f"tensors on {device} cannot be staged (only cuda)")
+                return cuda_engine(device)
+            except Exception as exc:
+                raise StagingError(f"cannot set up the staging copy engine for {device}: {exc}") from exc
+        if device.type != "cpu":
+            raise InvalidTensorError(f"tensors on {device} cannot be staged (only cuda)")
+        factory = self.config.cpu_engine
+        if factory is None:
+            raise InvalidTensorError("CPU tensors are not staged by this endpoint")
+        with self._lock:
+            if self._cpu_engine is None:
+                try:
+                    self._cpu_engine = factory()
+                except Exception as exc:
+                    raise StagingError(f"cannot set up the staging copy engine for {device}: {exc}") from exc
+            return self._cpu_engine
 
     def ring(self, engine: CopyEngine, nbytes: int) -> BounceRing:
         """A ring for one transfer of ``nbytes``: no bigger than the transfer needs."""
@@ -432,7 +446,11 @@ class Staging:
         out: dict[torch.device, Any] = {}
         for t in tensors:
             if self.stages(t.device) and t.device not in out:
-                out[t.device] = self.engine(t.device).mark()
+                engine = self.engine(t.device)
+                try:
+                    out[t.device] = engine.mark()
+                except Exception as exc:
+                    raise StagingError(f"{engine.name}: cannot order the op after the caller's work: {exc}") from exc
         return out
 
     def payload(self, tensors: Iterable[torch.Tensor], marks: dict[torch.device, Any] | None = None
@@ -457,7 +475,17 @@ class Staging:
         """Receive into ``dst`` (any contiguous tensor on a staged device) through a ring;
         see :func:`stage_in`."""
         flat = dst.detach().reshape(-1).view(torch.uint8)
-        ring = self.ring(self.engine(dst.device), flat.numel())
+        try:
+            engine = self.engine(dst.device)
+        except StagingError:  # consume the bytes all the same: the stream stays in sync
+            scratch = memoryview(bytearray(min(self.config.chunk_bytes, flat.numel())))
+            left = flat.numel()
+            while left:
+                k = min(len(scratch), left)
+                left -= k
+                fill(scratch[:k], left)
+            raise
+        ring = self.ring(engine, flat.numel())
         try:
             return stage_in(flat, ring, self.config.stall_timeout, fill, after=after, stop=stop, on_stop=on_stop)
         finally:
