@@ -196,6 +196,22 @@ async def test_bad_input_raises_before_any_copy(endpoints):
     assert torch.equal(w, src) and ie.calls > 0 and te.calls > 0
 
 
+async def test_source_failure_before_the_first_chunk_keeps_the_channel(endpoints):
+    """Nothing was sent yet (the header waits for the first chunk): the op fails, the channel lives."""
+    a, b = await endpoints(Counting(fail_at=1), None)
+    w = torch.zeros(20 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    with pytest.raises(StagingError, match="injected device error in copy 1") as info:
+        await a.put(b.name, {"w": torch.randint(0, 256, w.shape, dtype=torch.uint8)})
+    assert "channel was closed" not in str(info.value)
+    assert peer.connected and bool((w == 0).all())
+    src = torch.randint(0, 256, w.shape, dtype=torch.uint8)
+    await a.put(b.name, {"w": src})
+    assert torch.equal(w, src) and peer.connected
+    await settle(a, b)
+
+
 async def test_source_failure_mid_put_fails_the_op_and_closes_the_channel(endpoints):
     a, b = await endpoints(Counting(fail_at=4), None)
     w = torch.zeros(20 * CHUNK, dtype=torch.uint8)
@@ -236,6 +252,20 @@ async def test_get_reply_failure_on_the_initiator_keeps_the_channel(endpoints):
         await a.get(b.name, {"w": out})
     assert peer.connected
     out.fill_(0xA5)
+    await a.get(b.name, {"w": out})
+    assert torch.equal(out, w)
+    await settle(a, b)
+
+
+async def test_get_reply_failure_on_the_target_before_the_first_chunk_keeps_the_channel(endpoints):
+    a, b = await endpoints(Counting(), Counting(fail_at=1))
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    out = torch.full_like(w, 0xA5)
+    with pytest.raises(StagingError, match="injected device error in copy 1"):
+        await a.get(b.name, {"w": out})
+    assert peer.connected and bool((out == 0xA5).all())
     await a.get(b.name, {"w": out})
     assert torch.equal(out, w)
     await settle(a, b)

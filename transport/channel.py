@@ -182,11 +182,21 @@ class CoreProtocol(Protocol):
     def on_timeout(self, ch: Channel, op: Op, exc: TransportTimeoutError) -> None: ...  # event loop
 
 
-def _chain(head: bytes, payload: Iterator[memoryview]) -> Iterator[bytes | memoryview]:
+def _chain(head: bytes, payload: Iterator[memoryview],
+           early: Callable[[StagingError], None] | None = None) -> Iterator[bytes | memoryview]:
     """A header frame and a lazily produced payload, as one iterator submission (closing it
-    closes ``payload``)."""
+    closes ``payload``). The payload's first buffer is produced *before* the header goes out:
+    if that fails (``early`` is told), nothing was sent and the channel stays in sync."""
+    try:
+        first = next(payload, None)
+    except StagingError as exc:
+        if early is not None:
+            early(exc)
+        raise
     yield head
-    yield from payload
+    if first is not None:
+        yield first
+        yield from payload
 
 
 def _byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
@@ -395,12 +405,14 @@ class Channel:
         return self._staged
 
     def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
-             op: Op | None = None, direct: bool = True) -> None:
+             op: Op | None = None, direct: bool = True,
+             early: Callable[[StagingError], None] | None = None) -> None:
         """Send ``msg`` (and raw ``payload`` behind it) after everything sent before. Never blocks.
 
         Small frames go out from the calling thread; the rest through the writer thread. A
         ``payload`` that is an iterator (the staged path) is drained by the writer thread, which
-        sends nothing else until it is exhausted.
+        sends nothing else until it is exhausted; if it fails before its first buffer, nothing
+        is sent and ``early`` gets the error (from the writer thread).
         """
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
@@ -412,7 +424,7 @@ class Channel:
         head = encode_frame(msg)
         frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
         # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
-        frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload))
+        frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload), early)
         if not self._tx.submit(frames, on_sent, direct=direct):
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
@@ -839,8 +851,15 @@ class Channel:
         if any(self.staging.stages(buf.tensor.device) for buf, _, n in ranges if n):
             rec.plane = "staged"
             parts = [_byte_slice(buf.tensor, off, n) for buf, off, n in ranges if n]
-            # the writer copies each staged part out chunk by chunk; a failure breaks the channel
-            self.send(Data(msg.op_id), self.staging.payload(parts))
+            op_id = msg.op_id
+
+            def early(exc: StagingError) -> None:  # nothing was sent: answer with the error instead
+                self.recorder.update(rec, OpState.FAILED, exc)
+                if self.is_open:
+                    self.send(Fail(op_id, error_kind(exc), str(exc)))
+
+            # the writer copies each staged part out chunk by chunk; a later failure breaks the channel
+            self.send(Data(msg.op_id), self.staging.payload(parts), early=early)
         else:
             views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
             self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent

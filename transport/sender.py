@@ -21,7 +21,9 @@ A submission may also be an *iterator* of buffers (the staged path's payload,
 produced chunk by chunk): it always goes to the writer, which asks for the
 next buffer only after sending the previous one, so nothing else can slip
 into the middle of it. If producing a buffer raises, the connection is
-unusable (the peer saw part of a payload): ``on_error`` gets the exception.
+unusable (the peer saw part of a payload): ``on_error`` gets the exception;
+unless it raised before its first buffer: then nothing of it went out, the
+job is dropped (the iterator reports its own failure) and sending goes on.
 An iterator that is dropped or stopped early is closed (so it can release
 what it holds).
 """
@@ -186,14 +188,18 @@ class Sender:
                     return
                 job = self._jobs.popleft()
                 self._busy = True
+            started = False
             try:
                 for f in job.frames:
+                    started = True
                     self._sock.sendall(f)
             except Exception as exc:  # OSError, or the error of an iterator submission
                 _close(job.frames)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+                if not started and not isinstance(exc, OSError):
+                    continue  # an iterator that failed before its first buffer: nothing went out
                 self._on_error(exc)
                 return
             with self._cond:

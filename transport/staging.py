@@ -36,8 +36,8 @@ here is cancelled from outside. Cancelling ``await ep.put()`` stops the
 caller's wait only; the writer still stages and sends the whole payload
 (the source stays referenced). The channel stops a receive through ``stop``
 (copies already issued are waited for, the rest of the bytes is drained),
-and a send that cannot finish breaks its channel (a peer that saw part of a
-payload cannot be resynchronised).
+and a send that cannot finish after its first chunk breaks its channel (a
+peer that saw part of a payload cannot be resynchronised).
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ is local to each side (:mod:`transport.staging`):
   stages the reply into the caller's GPU tensors.
 
 It works over any channel, whatever its CPU plane (a peer's GPU buffer is
-never in shared memory). A chunk that cannot be staged on the sending side
-fails the op with :class:`~transport.errors.StagingError` and closes the
-channel (the peer saw part of the payload); on the receiving side the rest of
-the payload is drained, the op fails with ``StagingError``, and the channel
-stays usable.
+never in shared memory). On the sending side the header goes out once the
+first chunk is staged: if that fails, nothing is sent, the op fails with
+:class:`~transport.errors.StagingError` and the channel stays usable; a later
+chunk that cannot be staged fails the op and closes the channel (the peer saw
+part of the payload). On the receiving side the rest of the payload is
+drained, the op fails with ``StagingError``, and the channel stays usable.
 """
 
 from __future__ import annotations
@@ -58,12 +59,23 @@ class StagedPlane(DataPlane):
         marks = staging.mark(tensors)  # here, in the caller's thread: the copies wait for its stream
         op.keep = tensors
         header = Put(op.op_id, op.seq, self.wire_plane, [it for it, _ in pairs], notify)
-        self.channel.send(header, self._payload(op, tensors, marks), op=op)
+        peer = self.channel.peer_name
+
+        def early(exc: StagingError) -> None:  # before the header went out: the channel is intact
+            self.channel.fail_op(op, StagingError(f"put #{op.op_id} to {peer!r}: {exc}"))
+
+        self.channel.send(header, self._payload(op, tensors, marks), op=op, early=early)
 
     def _payload(self, op: Any, tensors: list[torch.Tensor], marks: dict[torch.device, Any]) -> Iterator[memoryview]:
+        started = False
         try:
-            yield from self.channel.staging.payload(tensors, marks)
-        except StagingError as exc:  # the peer saw part of the payload: the channel cannot go on
+            for view in self.channel.staging.payload(tensors, marks):
+                started = True
+                yield view
+        except StagingError as exc:
+            if not started:
+                raise  # the channel's _chain reports it: nothing was sent
+            # the peer saw part of the payload: the channel cannot go on
             peer = self.channel.peer_name
             self.channel.fail_op(
                 op,
