@@ -385,3 +385,57 @@ async def test_other_devices_are_refused(pair):
         b.register("m", torch.empty(4, device="meta"))
     with pytest.raises(ValueError, match="StagingConfig"):
         transport.Endpoint("x", staging={"chunk_bytes": 1})
+
+
+def test_sender_iterator_submissions():
+    """An iterator is sent whole before anything submitted after it; one that fails before its
+    first buffer sends nothing and the sender goes on; one that fails later is a sender error."""
+    import socket
+
+    from transport.sender import Sender
+
+    a, b = socket.socketpair()
+    errors: list[Exception] = []
+    sent: list[str] = []
+    tx = Sender(a, "test", errors.append)
+    tx.start()
+    try:
+        release = threading.Event()
+
+        def slow():
+            yield b"<1"
+            release.wait(5)
+            yield b"2>"
+
+        def broken_at_once():
+            raise StagingError("injected before the first buffer")
+            yield b"never"  # pragma: no cover
+
+        assert tx.submit(slow(), lambda: sent.append("slow"))
+        assert tx.submit([b"[x]"], lambda: sent.append("x"))  # must not slip into the middle
+        assert tx.submit(broken_at_once(), lambda: sent.append("broken"))
+        assert tx.submit([b"[y]"], lambda: sent.append("y"))
+        time.sleep(0.1)
+        release.set()
+        assert tx.flush(5)
+        b.settimeout(5)
+        got = b""
+        while len(got) < len(b"<12>[x][y]"):
+            got += b.recv(100)
+        assert got == b"<12>[x][y]" and sent == ["slow", "x", "y"] and errors == []
+
+        def broken_later():
+            yield b"<half"
+            raise StagingError("injected after the first buffer")
+
+        assert tx.submit(broken_later())
+        end = time.monotonic() + 5
+        while not errors:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert isinstance(errors[0], StagingError)
+    finally:
+        tx.close()
+        a.close()
+        b.close()
+        tx.join(5)
