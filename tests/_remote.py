@@ -3,7 +3,9 @@
 Tests use it to put real processes on both sides of a channel: the child runs
 its own event loop and Endpoint; the test sends commands (register a poisoned
 buffer, check its contents against fresh random data, put, get, ...) and
-every reply is awaited with a bound.
+every reply is awaited with a bound. Commands that make tensors take an
+optional last argument ``device`` (default ``"cpu"``; e.g. ``"cuda:0"``):
+the data is made on the CPU from the seed and moved there.
 """
 
 from __future__ import annotations
@@ -80,14 +82,14 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
     async def handle(cmd: str, args: tuple[Any, ...]) -> Any:
         bufs = state["bufs"]
         if cmd == "register":
-            bname, dtype, shape = args
-            t = poisoned(dtype, tuple(shape))
+            bname, dtype, shape, *dev = args
+            t = poisoned(dtype, tuple(shape)).to(*dev or ["cpu"])
             bufs[bname] = t
             ep.register(bname, t)
             return None
         if cmd == "register_data":
-            bname, dtype, shape, seed = args
-            t = make_tensor(dtype, tuple(shape), seed)
+            bname, dtype, shape, seed, *dev = args
+            t = make_tensor(dtype, tuple(shape), seed).to(*dev or ["cpu"])
             bufs[bname] = t
             ep.register(bname, t)
             return None
@@ -97,19 +99,19 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return None
         if cmd == "check":
             bname, seed = args[0], args[1]
-            t = bufs[bname]
+            t = bufs[bname].cpu()
             return same_bytes(t, make_tensor(t.dtype, tuple(t.shape), seed))
         if cmd == "check_range":
             bname, seed, offset, count = args
-            t = bufs[bname].reshape(-1)
+            t = bufs[bname].cpu().reshape(-1)
             want = make_tensor(t.dtype, (count,), seed)
             return same_bytes(t[offset : offset + count].contiguous(), want)
         if cmd == "is_poisoned":
-            t = bufs[args[0]]
+            t = bufs[args[0]].cpu()
             return bool((as_bytes(t) == POISON).all())
         if cmd == "put":
-            peer, spec, timeout = args
-            data = {n: make_tensor(dt, tuple(sh), sd) for n, (dt, sh, sd) in spec.items()}
+            peer, spec, timeout, *dev = args
+            data = {n: make_tensor(dt, tuple(sh), sd).to(*dev or ["cpu"]) for n, (dt, sh, sd) in spec.items()}
             await ep.put(peer, data, timeout=timeout)
             return None
         if cmd == "put_many":  # concurrently to several peers: [(peer, spec)]
@@ -120,10 +122,16 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             ])
             return None
         if cmd == "get_check":
-            peer, spec, timeout = args
-            outs = {n: poisoned(dt, tuple(sh)) for n, (dt, sh, _) in spec.items()}
+            peer, spec, timeout, *dev = args
+            outs = {n: poisoned(dt, tuple(sh)).to(*dev or ["cpu"]) for n, (dt, sh, _) in spec.items()}
             await ep.get(peer, outs, timeout=timeout)
-            return {n: same_bytes(outs[n], make_tensor(dt, tuple(sh), sd)) for n, (dt, sh, sd) in spec.items()}
+            return {n: same_bytes(outs[n].cpu(), make_tensor(dt, tuple(sh), sd)) for n, (dt, sh, sd) in spec.items()}
+        if cmd == "staging_stats":
+            st = ep.staging.statistics()
+            return {"in_use": st.in_use, "peak_in_use": st.peak_in_use, "allocated": st.allocated}
+        if cmd == "peer_planes":
+            p = await ep.connect(args[0])
+            return {"plane": p.plane, "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason}
         if cmd == "notifications":
             count, timeout = args
             out = []

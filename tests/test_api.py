@@ -22,7 +22,8 @@ def test_public_names_are_exported():
         assert hasattr(transport, name), name
     assert issubclass(transport.TransportTimeoutError, TimeoutError)
     for cls in (transport.UnknownBufferError, transport.BufferMismatchError, transport.PeerNotFoundError,
-                transport.PeerLostError, transport.TransportTimeoutError, transport.EndpointClosedError):
+                transport.PeerLostError, transport.TransportTimeoutError, transport.EndpointClosedError,
+                transport.StagingError):
         assert issubclass(cls, transport.TransportError)
         assert getattr(errors, cls.__name__) is cls
 

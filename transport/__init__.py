@@ -18,12 +18,14 @@ from .errors import (
     PlaneUnavailableError,
     ProtocolError,
     RemoteError,
+    StagingError,
     TransportError,
     TransportTimeoutError,
     UnknownBufferError,
 )
 from .ranges import At
 from .registry import BufferSpec
+from .staging import StagingConfig
 
 __all__ = [
     "At",
@@ -40,6 +42,8 @@ __all__ = [
     "PlaneUnavailableError",
     "ProtocolError",
     "RemoteError",
+    "StagingConfig",
+    "StagingError",
     "TransportError",
     "TransportTimeoutError",
     "UnknownBufferError",

@@ -34,12 +34,13 @@ import asyncio
 import enum
 import itertools
 import logging
+import re
 import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,16 +55,19 @@ from .errors import (
     Phase,
     ProtocolError,
     RemoteError,
+    StagingError,
     StaleBufferError,
     TransportError,
     TransportTimeoutError,
     error_kind,
 )
 from .flight_recorder import OpKind, OpState, Record
-from .planes import PLANES
+from .hostinfo import local_host
+from .planes import PLANES, choose_gpu_plane
 from .ranges import resolve_item
 from .registry import BufferSpec, dtype_from_name
 from .sender import Sender
+from .staging import Staging
 from .wire import (
     MAX_NOTIFY,
     PROTOCOL_VERSION,
@@ -89,6 +93,7 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .planes.base import DataPlane
+    from .planes.staged import StagedPlane
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake", "specs_from_wire"]
 
@@ -108,6 +113,7 @@ _LOWAT_MAX = 2 << 20
 _LOWAT_MIN = 64 << 10  # smaller chunks are not worth a setsockopt
 _RX_POLL_S = 1.0  # the reader's longest wait in one call: it rechecks the channel and a payload's progress
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")  # devices a peer's buffer may be on
 
 
 _STATE_HINT = {
@@ -135,18 +141,22 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "keep", "kind", "lock", "on_wire", "op_id",
-                 "quiet", "record", "seq")
+    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "inline", "keep", "kind", "lock", "marks",
+                 "on_wire", "op_id", "quiet", "record", "seq")
 
-    def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record) -> None:
+    def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
+                 inline: bool = True) -> None:
         self.channel = channel
         self.op_id = op_id
         self.seq = seq
         self.kind = kind
         self.record = record
         self.future: asyncio.Future[None] = channel.loop.create_future()
-        self.dests: list[memoryview] | None = None  # tcp get: where the reply's bytes go
+        # tcp/staged get: where the reply's bytes go (a memoryview of CPU memory, or a tensor to stage into)
+        self.dests: list[memoryview | torch.Tensor] | None = None
+        self.marks: dict[torch.device, Any] | None = None  # staged get: what the copies wait for (per device)
         self.keep: Any = None  # tensors referenced until the op is over
+        self.inline = inline  # the op's bytes travel in the channel's stream (tcp framing)
         self.abandoned = False
         self.on_wire = False  # its header was handed to the sender
         # Writing into the caller's tensors (a get's payload, a local copy): ``busy`` is set under
@@ -164,10 +174,34 @@ class CoreProtocol(Protocol):
     incarnation: int
     loop: asyncio.AbstractEventLoop
 
+    staging: Staging
+
     def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
     def on_timeout(self, ch: Channel, op: Op, exc: TransportTimeoutError) -> None: ...  # event loop
+
+
+def _chain(head: bytes, payload: Iterator[memoryview],
+           early: Callable[[StagingError], None] | None = None) -> Iterator[bytes | memoryview]:
+    """A header frame and a lazily produced payload, as one iterator submission (closing it
+    closes ``payload``). The payload's first buffer is produced *before* the header goes out:
+    if that fails (``early`` is told), nothing was sent and the channel stays in sync."""
+    try:
+        first = next(payload, None)
+    except StagingError as exc:
+        if early is not None:
+            early(exc)
+        raise
+    yield head
+    if first is not None:
+        yield first
+        yield from payload
+
+
+def _byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
+    """Bytes ``[off, off + n)`` of a contiguous tensor, as a ``uint8`` view on its device."""
+    return t.detach().reshape(-1).view(torch.uint8)[off : off + n]
 
 
 def _timeval(seconds: float) -> bytes:
@@ -185,6 +219,8 @@ def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
             raise ProtocolError(f"peer registry: buffer {b.name!r} has unknown dtype {b.dtype!r}") from None
         if any(d < 0 for d in b.shape):
             raise ProtocolError(f"peer registry: buffer {b.name!r} has a negative dimension {b.shape}")
+        if not _DEVICE.fullmatch(b.device):
+            raise ProtocolError(f"peer registry: buffer {b.name!r} is on an unknown device {b.device[:40]!r}")
         shape = torch.Size(b.shape)
         if shape.numel() * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
             raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}{b.shape}")
@@ -271,6 +307,12 @@ class Channel:
         self.orderly = False  # closed by a Bye, not by a failure
         self.plane: DataPlane = plane_cls(self)
         self.plane_reason = plane_reason
+        self.staging = core.staging
+        self._staged: StagedPlane | None = None  # ops touching GPU memory (created on the first)
+        self._staged_of: dict[str, BufferSpec] | None = None  # the peer_specs _staged_names was computed from
+        self._staged_names: frozenset[str] = frozenset()  # the peer's buffers on staged devices
+        self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
+        self.gpu_plane_reason: str | None = None
         self._sock = sock
         self._seq = itertools.count(1)
         self._pending: dict[int, Op] = {}
@@ -294,8 +336,10 @@ class Channel:
         return self.state is ChannelState.OPEN
 
     # ---------------------------------------------------------------- initiator side
-    def new_op(self, kind: OpKind, names: list[str], nbytes: int) -> Op:
-        """Allocate an op (event loop). Raises :class:`PeerLostError` if the channel is down."""
+    def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane | None = None) -> Op:
+        """Allocate an op (event loop) that moves its bytes over ``plane`` (default: the channel's).
+        Raises :class:`PeerLostError` if the channel is down."""
+        plane = plane or self.plane
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
         op_id = next(Channel._op_ids)
@@ -310,19 +354,65 @@ class Channel:
             kind=kind,
             names=names,
             nbytes=nbytes,
-            plane=self.plane.name,
+            plane=plane.name,
             state=OpState.POSTED,
         )
-        op = Op(self, op_id, seq, kind, rec)
+        op = Op(self, op_id, seq, kind, rec, plane.inline_payload)
         with self._lock:
             self._pending[op_id] = op
         return op
 
-    def send(self, msg: Message, payload: Sequence[memoryview] = (), *, op: Op | None = None,
-             direct: bool = True) -> None:
+    def plane_for(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> DataPlane:
+        """The plane for one op (event loop). CPU memory on both sides: the channel's plane.
+        GPU memory on either side: the GPU plane (today always the staged path, see
+        :func:`~transport.planes.choose_gpu_plane`), except that a GPU tensor of ours meeting
+        the peer's CPU buffers over ``shm`` is copied straight between the device and the
+        mapped segment. A peer's GPU buffer is never in shared memory, so ops on one always
+        travel inline on this channel's socket, whatever the channel's CPU plane."""
+        specs = self.peer_specs  # replaced whole by the reader on a registry update
+        if specs is not self._staged_of:
+            self._staged_names = frozenset(n for n, sp in specs.items() if self.staging.stages(sp.device))
+            self._staged_of = specs
+        remote = local = False
+        if self._staged_names:  # plain loops: this runs for every op
+            for it, _ in pairs:
+                if it.name in self._staged_names:
+                    remote = True
+                    break
+        if self.staging.config.cpu_engine is not None:
+            local = True
+        else:
+            for _, t in pairs:
+                if t.is_cuda:
+                    local = True
+                    break
+        if not (remote or local):
+            return self.plane
+        if self.gpu_plane is None:
+            self.gpu_plane, self.gpu_plane_reason = choose_gpu_plane(local_host(), self.host)
+            log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
+                     self.gpu_plane_reason,
+                     "" if self.plane.inline_payload else
+                     f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
+                     "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
+                     f"read from a CPU buffer of the peer is copied straight over {self.plane.name})")
+        if not remote and not self.plane.inline_payload:
+            return self.plane
+        if self._staged is None:
+            from .planes.staged import StagedPlane
+
+            self._staged = StagedPlane(self)
+        return self._staged
+
+    def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
+             op: Op | None = None, direct: bool = True,
+             early: Callable[[StagingError], None] | None = None) -> None:
         """Send ``msg`` (and raw ``payload`` behind it) after everything sent before. Never blocks.
 
-        Small frames go out from the calling thread; the rest through the writer thread.
+        Small frames go out from the calling thread; the rest through the writer thread. A
+        ``payload`` that is an iterator (the staged path) is drained by the writer thread, which
+        sends nothing else until it is exhausted; if it fails before its first buffer, nothing
+        is sent and ``early`` gets the error (from the writer thread).
         """
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
@@ -331,11 +421,21 @@ class Channel:
             op.on_wire = True
             rec = op.record
             on_sent = lambda: self.recorder.update(rec, OpState.SENT)  # noqa: E731
-        if not self._tx.submit([encode_frame(msg), *payload], on_sent, direct=direct):
+        head = encode_frame(msg)
+        frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
+        # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
+        frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload), early)
+        if not self._tx.submit(frames, on_sent, direct=direct):
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
-    def _send_failed(self, exc: OSError) -> None:
-        self.lose(PeerLostError(f"sending to {self.peer_name!r} failed: {exc}"))
+    def _send_failed(self, exc: Exception) -> None:
+        if isinstance(exc, StagingError):
+            lost = PeerLostError(f"channel to {self.peer_name!r} closed: a staged payload could not be completed "
+                                 f"and the peer had seen part of it ({exc})")
+        else:
+            lost = PeerLostError(f"sending to {self.peer_name!r} failed: {exc}")
+        lost.__cause__ = exc
+        self.lose(lost)
 
     @property
     def last_tx(self) -> float:
@@ -394,13 +494,22 @@ class Channel:
         if not op.future.done():  # nobody will retrieve what the op ends with
             op.future.cancel()
         if busy and not op.quiet.wait(0.05):
-            if self.plane.inline_payload:  # bytes trickling in from the socket: cut them off
+            if op.inline:  # bytes trickling in from the socket: cut them off
                 self.lose(PeerLostError(
                     f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                     f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
             op.quiet.wait(1.0)  # a local copy stops at its next chunk
         if not op.on_wire:
             self._pop(op.op_id)
+
+    def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:
+        """Any thread: fail ``op`` with ``exc``; with ``lost``, break the channel first (its other
+        pending ops fail with ``lost``), so the caller that sees ``exc`` finds the channel closed."""
+        popped = self._pop(op.op_id)
+        if lost is not None:
+            self.lose(lost)
+        if popped is not None:
+            self._settle_from_thread(op, exc)
 
     def _pop(self, op_id: int) -> Op | None:
         with self._lock:
@@ -701,11 +810,10 @@ class Channel:
             if error is not None:
                 self._drain(sum(self._item_bytes(it) for it in msg.items))
             else:
-                total = left = sum(n for _, _, n in ranges)
-                for buf, off, n in ranges:
-                    if n:
-                        left -= n
-                        self._recv_into(buf.byte_view()[off : off + n], left, total)
+                dests = [self._dest(buf, off, n) for buf, off, n in ranges]
+                if any(not isinstance(d, memoryview) for d in dests):
+                    rec.plane = "staged"
+                error = self._receive(dests, None)
         if error is not None:
             self._reject(rec, msg.op_id, error)
             return
@@ -740,36 +848,97 @@ class Channel:
             self._done(rec)
             self.send(Ack(msg.op_id))
             return
-        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
-        self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
+        if any(self.staging.stages(buf.tensor.device) for buf, _, n in ranges if n):
+            rec.plane = "staged"
+            parts = [_byte_slice(buf.tensor, off, n) for buf, off, n in ranges if n]
+            op_id = msg.op_id
+
+            def early(exc: StagingError) -> None:  # nothing was sent: answer with the error instead
+                self.recorder.update(rec, OpState.FAILED, exc)
+                if self.is_open:
+                    self.send(Fail(op_id, error_kind(exc), str(exc)))
+
+            # the writer copies each staged part out chunk by chunk; a later failure breaks the channel
+            self.send(Data(msg.op_id), self.staging.payload(parts), early=early)
+        else:
+            views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
+            self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
         self._done(rec)  # queued for the writer; the initiator's record says when it arrived
+
+    def _dest(self, buf: Any, off: int, n: int) -> memoryview | torch.Tensor:
+        """Target side: where bytes ``[off, off + n)`` of a registered buffer are written: a
+        memoryview of CPU memory, or a byte view of the tensor when its device is staged."""
+        if self.staging.stages(buf.tensor.device):
+            return _byte_slice(buf.tensor, off, n)
+        return buf.byte_view()[off : off + n]
+
+    def _receive(self, dests: Sequence[memoryview | torch.Tensor], op: Op | None) -> StagingError | None:
+        """Reader thread: receive a payload into ``dests`` in order (memoryviews straight, tensors
+        through the staged path). Every byte is consumed whatever happens, so the stream stays in
+        sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
+        drained (``op.quiet`` is set once nothing more will be written). After a staging error the
+        rest is drained too; the error is returned."""
+        sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
+        total = left = sum(sizes)
+        error: StagingError | None = None
+        writing = True
+        if op is not None:
+            with op.lock:
+                writing = op.busy = not op.abandoned
+
+        def stopped() -> bool:
+            return op is not None and op.abandoned
+
+        def stop_writing() -> None:
+            nonlocal writing
+            writing = False
+            if op is not None:
+                op.quiet.set()
+
+        try:
+            for dest, n in zip(dests, sizes, strict=True):
+                left -= n
+                if not n:
+                    continue
+                if not writing:
+                    self._drain(n, left, total)
+                elif isinstance(dest, memoryview):
+                    got = 0
+                    while got < n:
+                        if writing and stopped():  # the caller gave up: drain the rest
+                            stop_writing()
+                        k = n - got if op is None else min(n - got, _RX_CHUNK)
+                        more = left + n - got - k
+                        if writing:
+                            self._recv_into(dest[got : got + k], more, total)
+                        else:
+                            self._drain(k, more, total)
+                        got += k
+                else:
+                    after = None if op is None or op.marks is None else op.marks.get(dest.device)
+
+                    def fill(view: memoryview, more: int, rest: int = left) -> None:
+                        self._recv_into(view, more + rest, total)
+
+                    try:
+                        if not self.staging.receive(dest, fill, after=after, stop=stopped, on_stop=stop_writing):
+                            stop_writing()
+                    except StagingError as exc:
+                        error = exc
+                        stop_writing()
+        finally:
+            if op is not None:
+                op.quiet.set()
+        return error
 
     def _take_data(self, msg: Data) -> None:
         with self._lock:
             op = self._pending.get(msg.op_id)
         if op is None or op.dests is None:
             raise ProtocolError(f"data for unknown get #{msg.op_id}")
-        with op.lock:
-            writing = op.busy = not op.abandoned
-        total = left = sum(len(view) for view in op.dests)
-        try:
-            for view in op.dests:
-                got, n = 0, len(view)
-                while got < n:
-                    if writing and op.abandoned:  # the caller gave up: drain the rest
-                        writing = False
-                        op.quiet.set()
-                    k = min(n - got, _RX_CHUNK)
-                    left -= k
-                    if writing:
-                        self._recv_into(view[got : got + k], left, total)
-                    else:
-                        self._drain(k, left, total)
-                    got += k
-        finally:
-            op.quiet.set()
+        error = self._receive(op.dests, op)
         self._pop(msg.op_id)
-        self._settle_from_thread(op, None)
+        self._settle_from_thread(op, error)
 
     def _serve_notify(self, msg: Notify) -> None:
         rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
@@ -820,6 +989,22 @@ class Peer:
     @property
     def plane_reason(self) -> str:
         return self._channel.plane_reason
+
+    @property
+    def gpu_plane(self) -> str:
+        """The data plane for ops touching GPU memory with this peer (today always ``staged``)."""
+        return self.gpu_plane_choice[0]
+
+    @property
+    def gpu_plane_reason(self) -> str:
+        return self.gpu_plane_choice[1]
+
+    @property
+    def gpu_plane_choice(self) -> tuple[str, str]:
+        ch = self._channel
+        if ch.gpu_plane is not None and ch.gpu_plane_reason is not None:
+            return ch.gpu_plane, ch.gpu_plane_reason
+        return choose_gpu_plane(local_host(), ch.host)
 
     @property
     def channel_id(self) -> str:

@@ -1,9 +1,10 @@
 """``python -m transport doctor``: what this machine can use, and why.
 
 Reports versions, host identity, each data plane's availability (with a real
-cross-process shared-memory check), CUDA and NCCL as far as they are
-visible, and the plane-choice rule. With ``--store URL --peer NAME`` it
-connects to a live peer and prints the plane chosen for it and the reason.
+cross-process shared-memory check), CUDA (availability, devices) and the
+plane GPU buffers would use and why, NCCL as far as it is visible, and the
+plane-choice rule. With ``--store URL --peer NAME`` it connects to a live
+peer and prints the planes chosen for it (CPU and GPU buffers) and the reasons.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def collect() -> dict[str, Any]:
 
     import transport
     from transport.hostinfo import local_host
-    from transport.planes import CPU_PLANES
+    from transport.planes import CPU_PLANES, choose_gpu_plane
+    from transport.wire import HostInfo
 
     host = local_host()
     planes = {}
@@ -89,10 +91,17 @@ def collect() -> dict[str, Any]:
     if planes["shm"]["available"]:
         ok, reason = _cross_process_shm()
         planes["shm"] = {"available": ok, "reason": reason}
-    cuda: dict[str, Any] = {"available": torch.cuda.is_available()}
-    if cuda["available"]:
-        cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    cuda["gpu_planes"] = "not in this build: CUDA tensors are rejected with InvalidTensorError"
+    cuda: dict[str, Any] = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
+    cuda["device_count"] = torch.cuda.device_count() if cuda["available"] else 0
+    cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(cuda["device_count"])]
+    # what a peer on this host and one on another host would get
+    other = HostInfo(hostname="another-host", boot_id="another-boot", pid_ns=host.pid_ns, pid=0)
+    cuda["gpu_planes"] = {
+        "same_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, host), strict=True)),
+        "other_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, other), strict=True)),
+    }
+    if not cuda["available"]:
+        cuda["note"] = "no CUDA here: CUDA tensors cannot be created, so only CPU buffers move in this process"
     return {
         "versions": {
             "python": platform.python_version(),
@@ -106,7 +115,9 @@ def collect() -> dict[str, Any]:
         "nccl": _nccl(),
         "choice": "CPU buffers: shm when both endpoints allow it and share a host (same boot id and pid "
         "namespace), otherwise tcp; Endpoint(planes=(...)) restricts the choice, and a peer no allowed "
-        "plane reaches raises PlaneUnavailableError",
+        "plane reaches raises PlaneUnavailableError. GPU buffers (either side): cuda_ipc (same host), then "
+        "nccl (other host), then staged (bounce buffers, inline on the channel's socket); only staged is "
+        "built, and it needs nothing but the channel's socket",
     }
 
 
@@ -116,7 +127,7 @@ async def _peer_choice(store: str, peer: str, planes: tuple[str, ...] | None, ti
     async with transport.Endpoint(f"doctor-{os.getpid()}", store=store, planes=planes, timeout=timeout) as ep:
         p = await ep.connect(peer, timeout=timeout)
         return {"peer": p.name, "incarnation": hex(p.incarnation), "plane": p.plane, "reason": p.plane_reason,
-                "buffers": len(p.buffers)}
+                "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason, "buffers": len(p.buffers)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, p in report["planes"].items():
         print(f"  {name:<5} {'yes' if p['available'] else 'NO ':<4} {p['reason']}")
     c = report["cuda"]
-    print(f"cuda: {'available ' + ', '.join(c.get('devices', [])) if c['available'] else 'not available'}; "
-          f"{c['gpu_planes']}")
+    if c["available"]:
+        print(f"cuda: available, {c['device_count']} device(s): {', '.join(c['devices'])} (torch CUDA {c['torch_cuda']})")
+    else:
+        print(f"cuda: not available ({c['note']})")
+    for where, g in c["gpu_planes"].items():
+        print(f"  GPU buffers, peer on {where.replace('_', ' ')}: {g['plane']} because {g['reason']}")
     n = report["nccl"]
     if n["found"]:
         print(f"nccl: {n['version']} at {n['path']} (via {n['source']})")
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"peer {p['peer']} (incarnation {p['incarnation']}, {p['buffers']} buffers): "
                   f"plane {p['plane']} because {p['reason']}")
+            print(f"  GPU buffers: plane {p['gpu_plane']} because {p['gpu_reason']}")
     return 0
 
 

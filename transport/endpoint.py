@@ -42,6 +42,7 @@ from .planes.shm import Segment, export_buffer
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
+from .staging import Staging, StagingConfig
 from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, Notify, Registry, WireBuffer
 
 __all__ = ["Endpoint"]
@@ -68,9 +69,12 @@ class Endpoint:
             port; read it back from :attr:`store_url`).
         timeout: default deadline, in seconds, of every operation that takes
             ``timeout=None``.
-        planes: allowed data planes, in any order, e.g. ``("tcp",)``; None
-            allows all. The plane per peer is chosen by
-            :func:`transport.planes.choose_cpu_plane` and logged.
+        planes: allowed data planes for CPU buffers, in any order, e.g.
+            ``("tcp",)``; None allows all. The plane per peer is chosen by
+            :func:`transport.planes.choose_cpu_plane` and logged. Ops on GPU
+            memory take the plane :func:`transport.planes.choose_gpu_plane`
+            picks (today always the staged path, which needs only the
+            channel's socket), whatever this says.
         listen_host: address to accept channels on; default: the local
             address that reaches the store's host (127.0.0.1 for a loopback store).
         heartbeat_interval / heartbeat_timeout: a channel sends a ping when
@@ -83,6 +87,9 @@ class Endpoint:
             recorder; None installs no handler.
         max_pending_notifications: notifications queued for the application
             before the channels delivering them are back-pressured.
+        staging: :class:`transport.StagingConfig` of the staged path
+            that moves CUDA tensors (bounce-buffer size and count, stall
+            bound); None uses the defaults (4 x 8 MiB per op).
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class Endpoint:
         dump_dir: str | Path | None = None,
         dump_signal: int | None = None,
         max_pending_notifications: int = 10000,
+        staging: StagingConfig | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
             raise ValueError(f"endpoint name must be a non-empty string of <= 200 chars without '/', got {name!r}")
@@ -109,6 +117,9 @@ class Endpoint:
         self.incarnation = secrets.randbits(63)
         self.timeout = float(timeout)
         self.planes = validate_planes(planes)
+        if staging is not None and not isinstance(staging, StagingConfig):
+            raise ValueError(f"staging must be a transport.StagingConfig, got {type(staging).__name__}")
+        self.staging = Staging(staging)
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
@@ -269,8 +280,10 @@ class Endpoint:
     def register(self, name: str, tensor: torch.Tensor) -> BufferSpec:
         """Make ``tensor`` reachable by peers as ``name``. Non-blocking.
 
-        The tensor must be contiguous and on the CPU. If the endpoint allows
-        the ``shm`` plane, the tensor's storage is moved into a shared-memory
+        The tensor must be contiguous, on the CPU or a CUDA device. A CUDA
+        tensor stays where it is: peers reach it through the staged path
+        (its spec's ``device`` says e.g. ``cuda:0``). If the endpoint allows
+        the ``shm`` plane, a CPU tensor's storage is moved into a shared-memory
         segment *in place*: the tensor object (and a Parameter wrapping it)
         keeps working, but other tensors that were views of its old storage no
         longer alias it. Registering the same tensor under the same name again
@@ -323,7 +336,7 @@ class Endpoint:
         return self._registry.specs()
 
     def _export(self, buf: LocalBuffer) -> None:
-        if "shm" in self.planes and "shm" not in buf.exports:
+        if "shm" in self.planes and "shm" not in buf.exports and buf.tensor.device.type == "cpu":
             buf.exports["shm"] = export_buffer(buf, self._segments)
         buf.ptr = buf.tensor.data_ptr()
 
@@ -592,9 +605,10 @@ class Endpoint:
         ch = await self._channel(peer, deadline)
         for retry in (False, True):
             pairs = await self._plan(ch, tensors, deadline)
-            op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
+            plane = ch.plane_for(pairs)
+            op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
             try:
-                await ch.run(op, lambda: ch.plane.put(op, pairs, notify), deadline)  # noqa: B023
+                await ch.run(op, lambda: plane.put(op, pairs, notify), deadline)  # noqa: B023
                 return
             except StaleBufferError:
                 if retry:
@@ -615,9 +629,10 @@ class Endpoint:
         ch = await self._channel(peer, deadline)
         for retry in (False, True):
             pairs = await self._plan(ch, tensors, deadline)
-            op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs))
+            plane = ch.plane_for(pairs)
+            op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
             try:
-                await ch.run(op, lambda: ch.plane.get(op, pairs), deadline)  # noqa: B023
+                await ch.run(op, lambda: plane.get(op, pairs), deadline)  # noqa: B023
                 return
             except StaleBufferError:
                 if retry:

@@ -17,6 +17,9 @@ caller what to do next:
 * :class:`ProtocolError`: a peer sent something malformed; its channel was
   closed.
 * :class:`PlaneUnavailableError`: no allowed data plane can reach the buffer.
+* :class:`StagingError`: a copy between a GPU buffer and a host bounce buffer
+  failed or stalled (the staged path for CUDA tensors); the op failed. If the
+  peer may have seen part of the payload, the channel was closed too.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "StaleBufferError",
+    "StagingError",
     "TransportError",
     "TransportTimeoutError",
     "UnknownBufferError",
@@ -95,6 +99,10 @@ class PlaneUnavailableError(TransportError, RuntimeError):
     """No allowed data plane can reach the buffer."""
 
 
+class StagingError(TransportError, RuntimeError):
+    """A device<->host copy of the staged path failed, or did not complete within its bound."""
+
+
 class RemoteError(TransportError):
     """The peer reported a failure that has no more specific class."""
 
@@ -114,6 +122,7 @@ ERROR_KINDS: dict[str, type[TransportError]] = {
     "stale": StaleBufferError,
     "protocol": ProtocolError,
     "remote": RemoteError,
+    "staging": StagingError,
 }
 
 

@@ -430,6 +430,10 @@ def _op_info(st: _Stream, seq: int) -> OpInfo:
     )
 
 
+# planes whose bytes follow the header in the channel's stream (a staged op is a tcp op on the wire)
+_INLINE = ("tcp", "staged")
+
+
 def _no_target_record_expected(rec: Record) -> bool:
     """Sync ops and shm gets never leave a record on the target."""
     return rec.kind == "sync" or (rec.kind == "get" and rec.plane == "shm")
@@ -461,7 +465,7 @@ def _initiator_story(i: _Side, target: str) -> str:
             how = f"the copy into {target}'s shared memory or the header send never finished"
         elif rec.kind == "get" and rec.plane == "shm":
             how = f"the copy out of {target}'s shared memory never finished"
-        elif rec.kind == "put" and rec.plane == "tcp":
+        elif rec.kind == "put" and rec.plane in _INLINE:
             how = "its send of the header and bytes never completed"
         else:
             how = "it stayed queued behind earlier sends in its writer"
@@ -527,7 +531,7 @@ def _explain(st: _Stream, seq: int, dumps_of: dict[str, list[Dump]]) -> tuple[st
     trec = t.rec
     if trec.state == "received":
         when = f"{_clock(trec.t_posted)} ({t.dump.dumped_at - trec.t_posted:.2f} s before {tgt}'s dump)"
-        if trec.kind == "put" and trec.plane == "tcp":
+        if trec.kind == "put" and trec.plane in _INLINE:
             text = f"{tgt} received the header at {when} but the bytes never landed"
             if i is not None:
                 r = i.rec
@@ -555,7 +559,7 @@ def _explain(st: _Stream, seq: int, dumps_of: dict[str, list[Dump]]) -> tuple[st
             text = f"{tgt} received it at {when} but never finished it"
         if i is None:
             text += "; " + _initiator_missing(st, seq, dumps_of)
-        elif trec.kind != "put" or trec.plane != "tcp":
+        elif trec.kind != "put" or trec.plane not in _INLINE:
             text += f"; {_initiator_story(i, tgt)}"
         return "target_received_not_done", text
 

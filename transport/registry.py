@@ -109,7 +109,7 @@ class LocalBuffer:
     ptr: int = 0  # data_ptr() after registration (and export)
 
     def byte_view(self) -> memoryview:
-        """A writable byte view of the whole buffer (CPU only)."""
+        """A writable byte view of the whole buffer (CPU only: GPU buffers are staged)."""
         return tensor_bytes(self.tensor)
 
 
@@ -129,9 +129,9 @@ def check_tensor(name: str, tensor: object) -> torch.Tensor:
         raise InvalidTensorError(
             f"{name!r}: tensor is not contiguous (stride {tensor.stride()}); pass .contiguous()"
         )
-    if tensor.device.type != "cpu":
+    if tensor.device.type not in ("cpu", "cuda"):
         raise InvalidTensorError(
-            f"{name!r}: tensor is on {tensor.device}; this build moves CPU tensors only"
+            f"{name!r}: tensor is on {tensor.device}; this build moves CPU and CUDA tensors only"
         )
     dtype_name(tensor.dtype)
     return tensor

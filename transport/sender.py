@@ -16,6 +16,16 @@ the writer only if there is something for it to do (a remainder, frames
 queued meanwhile) or someone waits in ``flush``: an idle writer woken for
 nothing costs a context switch on the other CPU, right when the peer's reader
 needs it.
+
+A submission may also be an *iterator* of buffers (the staged path's payload,
+produced chunk by chunk): it always goes to the writer, which asks for the
+next buffer only after sending the previous one, so nothing else can slip
+into the middle of it. If producing a buffer raises, the connection is
+unusable (the peer saw part of a payload): ``on_error`` gets the exception;
+unless it raised before its first buffer: then nothing of it went out, the
+job is dropped (the iterator reports its own failure) and sending goes on.
+An iterator that is dropped or stopped early is closed (so it can release
+what it holds).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import collections
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DIRECT_MAX", "Sender"]
@@ -42,8 +52,14 @@ _DIRECT_MAX_PARTS = 64  # and buffers
 
 @dataclass
 class _Job:
-    frames: list[bytes | memoryview]
+    frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
     on_sent: Callable[[], None] | None
+
+
+def _close(frames: object) -> None:
+    close = getattr(frames, "close", None)
+    if close is not None:
+        close()
 
 
 def _head(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
@@ -75,9 +91,10 @@ def _remainder(frames: Sequence[bytes | memoryview], sent: int) -> list[bytes | 
 
 
 class Sender:
-    """Sends frames on ``sock`` in submission order. ``on_error`` is called once on a socket error."""
+    """Sends frames on ``sock`` in submission order. ``on_error`` is called once on a socket error
+    (or the error of an iterator submission)."""
 
-    def __init__(self, sock: socket.socket, name: str, on_error: Callable[[OSError], None]) -> None:
+    def __init__(self, sock: socket.socket, name: str, on_error: Callable[[Exception], None]) -> None:
         self._sock = sock
         self._on_error = on_error
         self._cond = threading.Condition(threading.Lock())
@@ -91,20 +108,27 @@ class Sender:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, frames: list[bytes | memoryview], on_sent: Callable[[], None] | None = None, *,
-               direct: bool = True) -> bool:
+    def submit(self, frames: list[bytes | memoryview] | Iterator[bytes | memoryview],
+               on_sent: Callable[[], None] | None = None, *, direct: bool = True) -> bool:
         """Send ``frames`` after everything submitted before. Never blocks on the socket.
 
-        Returns False if the sender is closed (nothing is sent).
+        ``frames`` is a list, or an iterator that the writer thread drains (see the module
+        docstring). Returns False if the sender is closed (nothing is sent; an iterator is closed).
         """
+        lazy = not isinstance(frames, list)
         with self._cond:
-            if self._closed:
-                return False
-            if not direct or self._busy or self._jobs:
-                self._jobs.append(_Job(frames, on_sent))
-                self._cond.notify()
-                return True
-            self._busy = True
+            closed = self._closed
+            if not closed:
+                if lazy or not direct or self._busy or self._jobs:
+                    self._jobs.append(_Job(frames, on_sent))
+                    self._cond.notify()
+                    return True
+                self._busy = True
+        if closed:
+            if lazy:
+                _close(frames)
+            return False
+        assert isinstance(frames, list)
         try:
             sent = self._sock.sendmsg(_head(frames), (), socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -147,8 +171,11 @@ class Sender:
         """Drop queued frames and stop the writer (a send in progress ends when the socket is shut down)."""
         with self._cond:
             self._closed = True
+            dropped = list(self._jobs)
             self._jobs.clear()
             self._cond.notify_all()
+        for job in dropped:
+            _close(job.frames)
 
     def join(self, timeout: float) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -163,13 +190,18 @@ class Sender:
                     return
                 job = self._jobs.popleft()
                 self._busy = True
+            started = False
             try:
                 for f in job.frames:
+                    started = True
                     self._sock.sendall(f)
-            except OSError as exc:
+            except Exception as exc:  # OSError, or the error of an iterator submission
+                _close(job.frames)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+                if not started and not isinstance(exc, OSError):
+                    continue  # an iterator that failed before its first buffer: nothing went out
                 self._on_error(exc)
                 return
             with self._cond:

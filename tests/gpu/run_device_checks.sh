@@ -15,15 +15,18 @@
 # (.whl/ is git-ignored, hence carry=[".whl"]; a wheels/ folder is used the same way.) This script
 # installs every wheel it finds there with pip --no-index into a private folder on PYTHONPATH, and
 # reports the imports still missing. Without pytest-asyncio, pyproject's asyncio options are
-# unknown to pytest: that warning is ignored (none of these tests uses asyncio).
+# unknown to pytest: that warning is ignored (the GPU tests that need an event loop run it
+# themselves with asyncio.run, so none needs the plugin).
 #
 # Anywhere else: bash tests/gpu/run_device_checks.sh [OUTDIR]   (default $OUT, else /tmp/device-out)
 # On a machine without CUDA it runs end to end too: GPU tests and bench skipped, CPU tests run.
 #
 # Steps (each under `timeout`, all within a total budget of DEVICE_CHECKS_BUDGET_S = 480 s; a
 # failing step does not stop the next): nvidia-smi; python/torch/CUDA/NCCL versions;
-# `python -m transport doctor --json`; pytest tests/gpu; pytest tests/test_nccl_binding.py;
-# bench/bench_gpu.py. Exit status 0 when every check step passed, else 1.
+# `python -m transport doctor --json`; pytest tests/gpu (the NCCL binding on a GPU, and CUDA
+# tensors through the staged path between two processes: test_staged_gpu.py);
+# pytest tests/test_nccl_binding.py; bench/bench_gpu.py. Exit status 0 when every check step
+# passed, else 1.
 
 set -u
 
@@ -127,7 +130,7 @@ if [ -n "$MISSING" ]; then
     has tqdm || log "  tqdm: transport may fail to import; carry its wheel"
     has pytest || log "  pytest: the test steps cannot run"
     has pytest_timeout || log "  pytest_timeout: no per-test timeout inside pytest (each step's timeout still bounds it)"
-    has pytest_asyncio || log "  pytest_asyncio: pyproject's asyncio options are unknown to pytest; that warning is ignored (these tests use no asyncio)"
+    has pytest_asyncio || log "  pytest_asyncio: pyproject's asyncio options are unknown to pytest; that warning is ignored (the GPU tests run their own loops)"
     has hypothesis || log "  hypothesis: not used by these tests"
     has cuda.pathfinder || log "  cuda.pathfinder: one NCCL search step is skipped (torch's NCCL is used first anyway)"
 else

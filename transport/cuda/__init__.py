@@ -6,6 +6,9 @@ explains every place it looked if it cannot.
 
 * :mod:`transport.cuda.nccl_lib`: the ctypes binding for NCCL (library search, function tables,
   result codes, :class:`NcclError`, :class:`Communicator`).
+* :mod:`transport.cuda.staging`: the CUDA copy engine of the staged path (dedicated streams per
+  device, pinned bounce buffers, events polled with a bound). It imports torch, so it is not
+  imported here; :class:`transport.staging.Staging` imports it when a CUDA tensor is staged.
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
-"""Data planes and the one function that picks one per peer.
+"""Data planes and the functions that pick one per peer.
 
-Only CPU planes exist in this build: ``shm`` (same host) and ``tcp`` (any host).
+CPU buffers: ``shm`` (same host) or ``tcp`` (any host), chosen by
+:func:`choose_cpu_plane` when a channel is set up. GPU buffers: chosen by
+:func:`choose_gpu_plane`, in the order ``cuda_ipc`` (same host), ``nccl``
+(other host), ``staged`` (any host; GPU bytes through host bounce buffers,
+inline on the channel's socket). Only ``staged`` is built in this version.
+``planes=`` of an endpoint names CPU planes; the staged path needs nothing but
+the channel's socket and is always available.
 """
 
 from __future__ import annotations
@@ -10,18 +16,22 @@ import logging
 from collections.abc import Iterable
 
 from ..errors import PlaneUnavailableError
+from ..hostinfo import same_host
 from ..wire import HostInfo
 from .base import DataPlane
 from .shm import ShmPlane
 from .tcp import TcpPlane
 
-__all__ = ["CPU_PLANES", "PLANES", "DataPlane", "choose_cpu_plane", "validate_planes"]
+__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "DataPlane", "choose_cpu_plane", "choose_gpu_plane",
+           "validate_planes"]
 
 log = logging.getLogger(__name__)
 
 # In order of preference.
 CPU_PLANES: tuple[type[DataPlane], ...] = (ShmPlane, TcpPlane)
 PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
+# For GPU buffers, in order of preference; only "staged" is built.
+GPU_PLANES: tuple[str, ...] = ("cuda_ipc", "nccl", "staged")
 
 
 def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:
@@ -70,3 +80,20 @@ def choose_cpu_plane(
             continue
         return plane, "; ".join([*why, f"{plane.name}: {reason}"])
     raise PlaneUnavailableError("no data plane reaches the peer: " + "; ".join(why))
+
+
+def choose_gpu_plane(local: HostInfo, remote: HostInfo) -> tuple[str, str]:
+    """Pick the plane for ops that touch GPU memory with one peer; return its name and the reason.
+
+    Preference: ``cuda_ipc`` (same host: a device copy into the peer's IPC-mapped buffer),
+    ``nccl`` (another host), ``staged``. The first two are not built in this version, so the
+    answer is ``staged``, and the reason says why each other plane was passed over. Channels
+    log the choice once per peer; ``peer.gpu_plane_reason`` and the doctor show it.
+    """
+    same, where = same_host(local, remote)
+    why = [
+        f"cuda_ipc: not built in this version ({where})" if same else f"cuda_ipc: the peer is not on this host ({where})",
+        "nccl: not built in this version",
+        "staged: GPU bytes through host bounce buffers, inline on the channel's socket (tcp framing)",
+    ]
+    return "staged", "; ".join(why)

@@ -7,8 +7,10 @@ part in any of it):
    registry (:func:`transport.ranges.plan_items`) and asks the channel for an
    :class:`~transport.channel.Op` (op id, per-channel sequence number, future,
    flight-recorder record).
-2. It calls :meth:`DataPlane.put` or :meth:`DataPlane.get` with the op and the
-   ``(item, tensor)`` pairs. The plane moves the bytes and sends whatever
+2. It asks the channel for the op's plane (:meth:`~transport.channel.Channel.plane_for`:
+   the channel's CPU plane, or the staged plane when GPU memory is involved on
+   either side) and calls its :meth:`DataPlane.put` or :meth:`DataPlane.get` with
+   the op and the ``(item, tensor)`` pairs. The plane moves the bytes and sends whatever
    header the target needs, through ``channel.send``, in the channel's order.
    A plane whose bytes travel in the control stream (``tcp``) sends them right
    behind the header; a plane that writes the peer's memory directly (``shm``)

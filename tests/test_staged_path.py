@@ -1,0 +1,441 @@
+"""The staged path through real endpoints, on CPU.
+
+``StagingConfig(cpu_engine=...)`` makes an endpoint stage its CPU tensors exactly as it stages
+CUDA tensors (same plane choice, same wire, same reader/writer code, same pipeline); only the
+copy engine differs (a worker thread instead of a CUDA stream). So these tests drive the GPU
+code path end to end between real processes and sockets; what they cannot show is the CUDA
+engine itself (tests/gpu/ does, on a GPU). Fresh random data, destinations poisoned first,
+byte equality on the receiving side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from transport.errors import StagingError
+from transport.planes import choose_gpu_plane, validate_planes
+from transport.staging import StagingConfig, ThreadCopyEngine
+from transport.wire import HostInfo
+
+CHUNK = 4096
+STAGED = StagingConfig(chunk_bytes=CHUNK, buffers=3, cpu_engine=ThreadCopyEngine)
+# sizes around the chunk: one byte, not a multiple, exact multiples, many chunks
+SHAPES = [(), (0,), (1,), (1023,), (1024,), (1025,), (3, 1000), (40, 1031)]
+_seeds = itertools.count(5000)
+
+
+def seed() -> int:
+    return next(_seeds)
+
+
+# ---------------------------------------------------------------------------- between processes
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def plane(request):
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["both-stage", "init-stages", "target-stages"])
+def sides(request):
+    """Which side stages (each side decides alone; the wire is the same)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(store_url, plane, sides):
+    """A target process that stages its buffers (as if they were on a GPU), or not."""
+    staging = STAGED if sides != "init-stages" else None
+    t = RemoteEndpoint(f"stg-{sides}-{plane}-{uuid.uuid4().hex[:6]}", store=store_url, planes=(plane,),
+                       staging=staging)
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.fixture
+async def init(store_url, uname, plane, sides):
+    """The initiator, staging or not. (Over shm, a plain initiator copies straight into a staging
+    target's CPU buffers: only a GPU buffer, which no CPU test can have, forces those ops inline.)"""
+    staging = STAGED if sides != "target-stages" else None
+    async with transport.Endpoint(uname("init"), store=store_url, planes=(plane,), timeout=30,
+                                  staging=staging) as ep:
+        yield ep
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
+async def test_put_and_get_between_processes(init, target, dtype, uname):
+    for shape in SHAPES:
+        name = uname("w")
+        target.call("register", name, dtype, shape)
+        s = seed()
+        await init.put(target.name, {name: make_tensor(dtype, shape, s)})
+        assert target.call("check", name, s), f"put {dtype}{shape}: the target holds other bytes"
+        out = poisoned(dtype, shape)
+        await init.get(target.name, {name: out})
+        assert same_bytes(out, make_tensor(dtype, shape, s)), f"get {dtype}{shape}: other bytes came back"
+    await settle(init)
+    end = time.monotonic() + 10  # the target's writer returns a ring once it has sent the last chunk
+    while target.call("staging_stats")["in_use"]:
+        assert time.monotonic() < end, "the target still holds bounce buffers"
+        await asyncio.sleep(0.02)
+
+
+async def test_sub_ranges_and_several_buffers_in_one_op(init, target, uname):
+    a, b = uname("a"), uname("b")
+    target.call("register", a, "float32", (5000,))
+    target.call("register", b, "int32", (10, 300))
+    sa, sb = seed(), seed()
+    part = make_tensor("float32", (1500,), sa)
+    whole = make_tensor("int32", (10, 300), sb)
+    await init.put(target.name, {a: transport.At(part, 1234), b: whole})
+    assert target.call("check_range", a, sa, 1234, 1500)
+    assert target.call("check", b, sb)
+    back = {a: transport.At(poisoned("float32", (1500,)), 1234), b: poisoned("int32", (10, 300))}
+    await init.get(target.name, back)
+    assert same_bytes(back[a].tensor, part) and same_bytes(back[b], whole)
+
+
+async def test_the_target_puts_and_gets_back(init, target, uname):
+    """The other direction on the same channel: the target is the initiator."""
+    name = uname("back")
+    dst = poisoned("float16", (777, 9))
+    init.register(name, dst)
+    s = seed()
+    # the target dials us: our loop must keep running meanwhile
+    await asyncio.to_thread(target.call, "put", init.name, {name: ("float16", (777, 9), s)}, 30)
+    assert same_bytes(dst, make_tensor("float16", (777, 9), s))
+    got = await asyncio.to_thread(target.call, "get_check", init.name, {name: ("float16", (777, 9), s)}, 30)
+    assert got == {name: True}
+
+
+async def test_gpu_plane_choice_is_reported(init, target, plane):
+    peer = await init.connect(target.name)
+    assert peer.plane == plane  # CPU buffers keep their plane
+    assert peer.gpu_plane == "staged"
+    assert "cuda_ipc: not built in this version" in peer.gpu_plane_reason
+    assert "nccl: not built in this version" in peer.gpu_plane_reason
+
+
+# ---------------------------------------------------------------------------- failures, in one process
+class Counting(ThreadCopyEngine):
+    """Counts copies; copy number ``fail_at`` fails on the worker (as a device error would);
+    each copy may take ``delay`` seconds (a slow device)."""
+
+    def __init__(self, fail_at: int | None = None, delay: float = 0.0) -> None:
+        super().__init__()
+        self.fail_at, self.delay, self.calls = fail_at, delay, 0
+        self._mu = threading.Lock()
+
+    def _copy(self, dst, src):
+        with self._mu:
+            self.calls += 1
+            n = self.calls
+        if self.delay:
+            time.sleep(self.delay)
+        if n == self.fail_at:
+            raise RuntimeError(f"injected device error in copy {n}")
+        dst.copy_(src)
+
+
+def config(engine: ThreadCopyEngine) -> StagingConfig:
+    return StagingConfig(chunk_bytes=CHUNK, buffers=3, stall_timeout=5.0, cpu_engine=lambda: engine)
+
+
+@pytest.fixture(params=["tcp", "shm"])
+async def endpoints(request, store_url, uname):
+    """make(init_engine, target_engine): two endpoints in this process, staging through those engines."""
+    opened: list[transport.Endpoint] = []
+
+    async def make(ie: ThreadCopyEngine | None, te: ThreadCopyEngine | None):
+        for engine in (ie, te):
+            ep = transport.Endpoint(uname("f"), store=store_url, planes=(request.param,), timeout=10,
+                                    staging=config(engine) if engine is not None else None)
+            await ep.open()
+            opened.append(ep)
+        return opened[-2], opened[-1]
+
+    yield make
+    for ep in opened:
+        await ep.close()
+
+
+async def settle(*eps: transport.Endpoint, timeout: float = 10.0) -> None:
+    """Wait (bounded) until no endpoint holds bounce buffers."""
+    end = time.monotonic() + timeout
+    while any(ep.staging.statistics().in_use for ep in eps):
+        assert time.monotonic() < end, [ep.staging.statistics() for ep in eps]
+        await asyncio.sleep(0.02)
+
+
+async def test_bad_input_raises_before_any_copy(endpoints):
+    ie, te = Counting(), Counting()
+    a, b = await endpoints(ie, te)
+    w = torch.full((3000,), 7.0)
+    b.register("w", w)
+    for bad, exc in [({"w": torch.zeros(3000, dtype=torch.float64)}, transport.BufferMismatchError),
+                     ({"w": torch.zeros(2999)}, transport.BufferMismatchError),
+                     ({"w": transport.At(torch.zeros(10), 2995)}, transport.BufferMismatchError),
+                     ({"nope": torch.zeros(3)}, transport.UnknownBufferError),
+                     ({"w": torch.zeros(6000)[::2]}, transport.InvalidTensorError)]:
+        for op in ("put", "get"):
+            with pytest.raises(exc):
+                await getattr(a, op)(b.name, bad)
+    assert ie.calls == te.calls == 0, "a rejected op staged bytes"
+    assert torch.equal(w, torch.full((3000,), 7.0))
+    src = torch.randn(3000)
+    await a.put(b.name, {"w": src})
+    assert torch.equal(w, src) and ie.calls > 0 and te.calls > 0
+
+
+async def test_source_failure_before_the_first_chunk_keeps_the_channel(endpoints):
+    """Nothing was sent yet (the header waits for the first chunk): the op fails, the channel lives."""
+    a, b = await endpoints(Counting(fail_at=1), None)
+    w = torch.zeros(20 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    with pytest.raises(StagingError, match="injected device error in copy 1") as info:
+        await a.put(b.name, {"w": torch.randint(0, 256, w.shape, dtype=torch.uint8)})
+    assert "channel was closed" not in str(info.value)
+    assert peer.connected and bool((w == 0).all())
+    src = torch.randint(0, 256, w.shape, dtype=torch.uint8)
+    await a.put(b.name, {"w": src})
+    assert torch.equal(w, src) and peer.connected
+    await settle(a, b)
+
+
+async def test_source_failure_mid_put_fails_the_op_and_closes_the_channel(endpoints):
+    a, b = await endpoints(Counting(fail_at=4), None)
+    w = torch.zeros(20 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    with pytest.raises(StagingError, match="injected device error in copy 4.*channel was closed"):
+        await a.put(b.name, {"w": torch.randint(0, 256, (20 * CHUNK,), dtype=torch.uint8)})
+    assert not peer.connected
+    await settle(a, b)
+    src = torch.randint(0, 256, (20 * CHUNK,), dtype=torch.uint8)
+    await a.put(b.name, {"w": src})  # a new channel
+    assert torch.equal(w, src)
+
+
+async def test_destination_failure_mid_put_fails_the_op_and_keeps_the_channel(endpoints):
+    a, b = await endpoints(Counting(), Counting(fail_at=3))  # both stage: inline even on an shm channel
+    w = torch.zeros(10 * CHUNK + 1, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    with pytest.raises(StagingError, match="injected device error in copy 3"):
+        await a.put(b.name, {"w": torch.randint(0, 256, w.shape, dtype=torch.uint8)}, notify=b"not delivered")
+    assert peer.connected, "the payload was drained: the channel stays in sync"
+    src = torch.randint(0, 256, w.shape, dtype=torch.uint8)
+    await a.put(b.name, {"w": src}, notify=b"delivered")
+    assert torch.equal(w, src)
+    note = await b.next_notification(timeout=5)
+    assert note.payload == b"delivered"
+    await settle(a, b)
+
+
+async def test_get_reply_failure_on_the_initiator_keeps_the_channel(endpoints):
+    a, b = await endpoints(Counting(fail_at=2), None)
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    out = torch.zeros_like(w)
+    with pytest.raises(StagingError, match="injected device error in copy 2"):
+        await a.get(b.name, {"w": out})
+    assert peer.connected
+    out.fill_(0xA5)
+    await a.get(b.name, {"w": out})
+    assert torch.equal(out, w)
+    await settle(a, b)
+
+
+async def test_get_reply_failure_on_the_target_before_the_first_chunk_keeps_the_channel(endpoints):
+    a, b = await endpoints(Counting(), Counting(fail_at=1))
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    out = torch.full_like(w, 0xA5)
+    with pytest.raises(StagingError, match="injected device error in copy 1"):
+        await a.get(b.name, {"w": out})
+    assert peer.connected and bool((out == 0xA5).all())
+    await a.get(b.name, {"w": out})
+    assert torch.equal(out, w)
+    await settle(a, b)
+
+
+async def test_get_reply_failure_on_the_target_fails_the_op(endpoints):
+    a, b = await endpoints(Counting(), Counting(fail_at=2))
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    out = torch.zeros_like(w)
+    with pytest.raises(transport.PeerLostError, match="staged payload could not be completed|lost"):
+        await a.get(b.name, {"w": out})
+    await settle(a, b)
+    out.fill_(0xA5)
+    await a.get(b.name, {"w": out})  # a new channel; the target's engine works again
+    assert torch.equal(out, w)
+
+
+async def test_cancelled_put_finishes_in_the_background_and_the_channel_stays_usable(endpoints):
+    a, b = await endpoints(Counting(delay=0.005), None)
+    w = torch.zeros(60 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    task = asyncio.create_task(a.put(b.name, {"w": torch.randint(0, 256, w.shape, dtype=torch.uint8)}))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await settle(a, b)
+    assert peer.connected
+    src = torch.randint(0, 256, w.shape, dtype=torch.uint8)
+    await a.put(b.name, {"w": src})
+    assert torch.equal(w, src)
+
+
+async def test_timed_out_get_never_writes_after_returning(endpoints):
+    a, b = await endpoints(Counting(delay=0.01), None)
+    w = torch.randint(0, 256, (100 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    await a.connect(b.name)
+    out = torch.full_like(w, 0xA5)
+    with pytest.raises(transport.TransportTimeoutError):
+        await a.get(b.name, {"w": out}, timeout=0.2)
+    snapshot = out.clone()
+    await asyncio.sleep(0.5)
+    assert torch.equal(out, snapshot), "bytes landed in the caller's tensor after the get returned"
+    assert not torch.equal(out, w)
+    await settle(a, b)
+    out.fill_(0xA5)
+    await a.get(b.name, {"w": out})
+    assert torch.equal(out, w)
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_peer_killed_mid_staged_payload(store_url, uname, op):
+    """A socket failure in the middle of a staged payload (the peer process is killed): the op
+    fails with PeerLostError within moments, and every bounce buffer comes back."""
+    n = 32 << 20  # more than loopback socket buffers hold, so the payload is still moving at the kill
+    tgt = RemoteEndpoint(uname("victim"), store=store_url, planes=("tcp",))
+    try:
+        if op == "put":
+            tgt.call("register", "w", "uint8", (n,))
+        else:
+            tgt.call("register_data", "w", "uint8", (n,), seed())
+        engine = Counting(delay=0.01)
+        cfg = StagingConfig(chunk_bytes=256 << 10, buffers=3, cpu_engine=lambda: engine)
+        async with transport.Endpoint(uname("killer"), store=store_url, planes=("tcp",), timeout=60,
+                                      staging=cfg) as ep:
+            await ep.connect(tgt.name)
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            call = ep.put(tgt.name, {"w": data}) if op == "put" else ep.get(tgt.name, {"w": data})
+            task = asyncio.create_task(call)
+            while engine.calls < 10:  # the payload is under way
+                assert not task.done(), task
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            tgt.kill()
+            with pytest.raises(transport.PeerLostError):
+                await asyncio.wait_for(task, 20)
+            assert time.monotonic() - t0 < 10
+            await settle(ep)
+    finally:
+        tgt.stop()
+
+
+# ---------------------------------------------------------------------------- choice and checks
+def test_gpu_plane_choice_and_reasons():
+    here = HostInfo("h1", "boot-1", 1, 10)
+    same = HostInfo("h1", "boot-1", 1, 11)
+    other = HostInfo("h2", "boot-2", 1, 12)
+    plane, why = choose_gpu_plane(here, same)
+    assert plane == "staged"
+    assert why.startswith("cuda_ipc: not built in this version") and "nccl: not built in this version" in why
+    plane, why = choose_gpu_plane(here, other)
+    assert plane == "staged" and why.startswith("cuda_ipc: the peer is not on this host")
+
+
+def test_a_peer_buffer_on_an_unknown_device_is_a_protocol_error():
+    from transport.channel import specs_from_wire
+    from transport.wire import WireBuffer
+
+    assert specs_from_wire([WireBuffer("g", "float32", [2], "cuda:3", 8)])["g"].device == "cuda:3"
+    for device in ("tpu", "cuda:x", "meta", "", "cpu:0:1"):
+        with pytest.raises(transport.ProtocolError, match="unknown device"):
+            specs_from_wire([WireBuffer("g", "float32", [2], device, 8)])
+
+
+def test_planes_argument_names_cpu_planes_only():
+    assert validate_planes(("tcp",)) == ("tcp",)
+    with pytest.raises(ValueError, match="unknown planes"):
+        validate_planes(("staged",))
+
+
+async def test_other_devices_are_refused(pair):
+    _, b = pair
+    with pytest.raises(transport.InvalidTensorError, match="CPU and CUDA"):
+        b.register("m", torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="StagingConfig"):
+        transport.Endpoint("x", staging={"chunk_bytes": 1})
+
+
+def test_sender_iterator_submissions():
+    """An iterator is sent whole before anything submitted after it; one that fails before its
+    first buffer sends nothing and the sender goes on; one that fails later is a sender error."""
+    import socket
+
+    from transport.sender import Sender
+
+    a, b = socket.socketpair()
+    errors: list[Exception] = []
+    sent: list[str] = []
+    tx = Sender(a, "test", errors.append)
+    tx.start()
+    try:
+        release = threading.Event()
+
+        def slow():
+            yield b"<1"
+            release.wait(5)
+            yield b"2>"
+
+        def broken_at_once():
+            raise StagingError("injected before the first buffer")
+            yield b"never"  # pragma: no cover
+
+        assert tx.submit(slow(), lambda: sent.append("slow"))
+        assert tx.submit([b"[x]"], lambda: sent.append("x"))  # must not slip into the middle
+        assert tx.submit(broken_at_once(), lambda: sent.append("broken"))
+        assert tx.submit([b"[y]"], lambda: sent.append("y"))
+        time.sleep(0.1)
+        release.set()
+        assert tx.flush(5)
+        b.settimeout(5)
+        got = b""
+        while len(got) < len(b"<12>[x][y]"):
+            got += b.recv(100)
+        assert got == b"<12>[x][y]" and sent == ["slow", "x", "y"] and errors == []
+
+        def broken_later():
+            yield b"<half"
+            raise StagingError("injected after the first buffer")
+
+        assert tx.submit(broken_later())
+        end = time.monotonic() + 5
+        while not errors:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert isinstance(errors[0], StagingError)
+    finally:
+        tx.close()
+        a.close()
+        b.close()
+        tx.join(5)

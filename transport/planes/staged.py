@@ -1,0 +1,96 @@
+"""``staged``: GPU tensors through host bounce buffers, inline on the channel's socket.
+
+The GPU plane used today for every op that touches GPU memory on either side
+(see :func:`transport.planes.choose_gpu_plane`). On the wire it *is* the
+``tcp`` plane: the header says ``tcp`` and the payload follows it in the
+channel's stream, so the peer needs nothing special and decides on its own
+whether to stage what it receives or sends (by its buffer's device). Staging
+is local to each side (:mod:`transport.staging`):
+
+- put: the header is queued with a payload iterator; the channel's writer
+  thread drains it, so each chunk of a GPU tensor is copied device -> host
+  into a bounce buffer right before it is sent (CPU tensors of the same op go
+  straight from their memory). The target's reader receives each chunk into
+  a bounce buffer and copies it host -> device if its buffer is on a GPU.
+- get: the target's writer stages its GPU buffer out the same way; our reader
+  stages the reply into the caller's GPU tensors.
+
+It works over any channel, whatever its CPU plane (a peer's GPU buffer is
+never in shared memory). On the sending side the header goes out once the
+first chunk is staged: if that fails, nothing is sent, the op fails with
+:class:`~transport.errors.StagingError` and the channel stays usable; a later
+chunk that cannot be staged fails the op and closes the channel (the peer saw
+part of the payload). On the receiving side the rest of the payload is
+drained, the op fails with ``StagingError``, and the channel stays usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import PeerLostError, StagingError
+from ..registry import tensor_bytes
+from ..wire import Get, HostInfo, Item, Put
+from .base import DataPlane
+from .tcp import TcpPlane
+
+__all__ = ["StagedPlane"]
+
+
+class StagedPlane(DataPlane):
+    name = "staged"
+    inline_payload = True
+    wire_plane = TcpPlane.name  # what the header says: the framing is tcp's
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        return True, "needs only the channel's own socket"
+
+    @classmethod
+    def reaches(cls, local: HostInfo, remote: HostInfo) -> tuple[bool, str]:
+        return True, "the channel's socket reaches any host"
+
+    async def put(self, op: Any, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
+        staging = self.channel.staging
+        tensors = [t for _, t in pairs]
+        marks = staging.mark(tensors)  # here, in the caller's thread: the copies wait for its stream
+        op.keep = tensors
+        header = Put(op.op_id, op.seq, self.wire_plane, [it for it, _ in pairs], notify)
+        peer = self.channel.peer_name
+
+        def early(exc: StagingError) -> None:  # before the header went out: the channel is intact
+            self.channel.fail_op(op, StagingError(f"put #{op.op_id} to {peer!r}: {exc}"))
+
+        self.channel.send(header, self._payload(op, tensors, marks), op=op, early=early)
+
+    def _payload(self, op: Any, tensors: list[torch.Tensor], marks: dict[torch.device, Any]) -> Iterator[memoryview]:
+        started = False
+        try:
+            for view in self.channel.staging.payload(tensors, marks):
+                started = True
+                yield view
+        except StagingError as exc:
+            if not started:
+                raise  # the channel's _chain reports it: nothing was sent
+            # the peer saw part of the payload: the channel cannot go on
+            peer = self.channel.peer_name
+            self.channel.fail_op(
+                op,
+                StagingError(f"put #{op.op_id} to {peer!r}: {exc}; the channel was closed (the peer had seen "
+                             "part of the payload)"),
+                PeerLostError(f"channel to {peer!r} closed: a staged payload could not be completed and the peer "
+                              f"had seen part of it ({exc})"),
+            )
+            raise
+
+    async def get(self, op: Any, pairs: list[tuple[Item, torch.Tensor]]) -> None:
+        staging = self.channel.staging
+        tensors = [t for _, t in pairs]
+        op.marks = staging.mark(tensors)
+        op.dests = [t.detach().reshape(-1).view(torch.uint8) if staging.stages(t.device) else tensor_bytes(t)
+                    for t in tensors]
+        op.keep = tensors
+        self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.wire_plane), op=op)
