@@ -848,7 +848,7 @@ class Channel:
             self._done(rec)
             self.send(Ack(msg.op_id))
             return
-        if any(self.staging.stages(buf.tensor.device) for buf, _, n in ranges if n):
+        if any(self.staging.stages(buf.spec.device) for buf, _, n in ranges if n):
             rec.plane = "staged"
             parts = [_byte_slice(buf.tensor, off, n) for buf, off, n in ranges if n]
             op_id = msg.op_id
@@ -868,7 +868,7 @@ class Channel:
     def _dest(self, buf: Any, off: int, n: int) -> memoryview | torch.Tensor:
         """Target side: where bytes ``[off, off + n)`` of a registered buffer are written: a
         memoryview of CPU memory, or a byte view of the tensor when its device is staged."""
-        if self.staging.stages(buf.tensor.device):
+        if self.staging.stages(buf.spec.device):  # (the spec's string: cheaper than tensor.device)
             return _byte_slice(buf.tensor, off, n)
         return buf.byte_view()[off : off + n]
 
@@ -878,6 +878,13 @@ class Channel:
         sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
         drained (``op.quiet`` is set once nothing more will be written). After a staging error the
         rest is drained too; the error is returned."""
+        if op is None and all(type(d) is memoryview for d in dests):  # a put into CPU memory: the common case
+            total = left = sum(len(d) for d in dests)
+            for d in dests:
+                left -= len(d)
+                if len(d):
+                    self._recv_into(d, left, total)
+            return None
         sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
         total = left = sum(sizes)
         error: StagingError | None = None
