@@ -878,13 +878,15 @@ class Channel:
         sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
         drained (``op.quiet`` is set once nothing more will be written). After a staging error the
         rest is drained too; the error is returned."""
-        if op is None and all(type(d) is memoryview for d in dests):  # a put into CPU memory: the common case
-            total = left = sum(len(d) for d in dests)
-            for d in dests:
-                left -= len(d)
-                if len(d):
-                    self._recv_into(d, left, total)
-            return None
+        if op is None:  # a put into CPU memory (the common case): straight into the registered tensors
+            views = [d for d in dests if type(d) is memoryview]
+            if len(views) == len(dests):
+                total = left = sum(len(v) for v in views)
+                for v in views:
+                    left -= len(v)
+                    if len(v):
+                        self._recv_into(v, left, total)
+                return None
         sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
         total = left = sum(sizes)
         error: StagingError | None = None
