@@ -33,6 +33,7 @@ import transport
 from transport.errors import Phase
 
 from . import messages as m
+from .errors import RlSyncError
 from .plan import (
     MANIFEST_BUFFER,
     Bucket,
@@ -91,7 +92,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Push:
-    __slots__ = ("bank", "buckets", "done", "locked", "progress", "publisher", "push_id", "version")
+    __slots__ = ("bank", "buckets", "done", "dropped", "locked", "progress", "publisher", "pulled", "pulls", "push_id",
+                 "version")
 
     def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket], bank: int) -> None:
         self.bank = bank
@@ -101,7 +103,10 @@ class _Push:
         self.buckets = buckets
         self.done: set[int] = set()
         self.locked = False  # direct mode: this push holds the writer lock
+        self.dropped = False  # aborted, superseded or given up: it never commits
         self.progress = time.monotonic()  # direct mode: when it last moved (the watchdog's clock)
+        self.pulled = False  # a Pull of it arrived
+        self.pulls: set[asyncio.Task[Any]] = set()  # its pulls still running
 
 
 class WeightSubscriber:
@@ -174,6 +179,8 @@ class WeightSubscriber:
         self._version = 0
         self._version_cond = threading.Condition()
         self._push: _Push | None = None
+        self._beginning: _Push | None = None  # direct mode: a Begin waiting for the writer lock
+        self._draining: set[asyncio.Task[Any]] = set()  # pulls of dropped pushes, cancelled, not yet over
         self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -245,7 +252,9 @@ class WeightSubscriber:
         Many holders may overlap; a commit waits until all have left, and
         holders that arrive while a commit waits queue behind it. Raises
         :class:`transport.TransportTimeoutError` if the lock is not had
-        within ``timeout``.
+        within ``timeout``. Direct mode: while the weights are torn (a push
+        failed after writing them) it waits for the next commit, and raises
+        :class:`rl_sync.RlSyncError` if the subscriber is closed meanwhile.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -255,6 +264,8 @@ class WeightSubscriber:
             if not self._torn:
                 break
             self._lock.release_read()  # torn weights: wait for a push to commit
+            if self._closed:
+                raise RlSyncError("the subscriber is closed and its weights are torn by a failed direct push")
             if deadline is not None and time.monotonic() >= deadline:
                 raise transport.TransportTimeoutError(
                     f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
@@ -275,12 +286,14 @@ class WeightSubscriber:
             if not self._torn:
                 break
             self._lock.release_read()  # torn weights: wait for a push to commit
+            if self._closed:
+                raise RlSyncError("the subscriber is closed and its weights are torn by a failed direct push")
             with self._version_cond:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise transport.TransportTimeoutError(
                         f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
-                if self._torn:
+                if self._torn and not self._closed:
                     self._version_cond.wait(left)
         try:
             yield self._version
@@ -292,9 +305,12 @@ class WeightSubscriber:
         if self._closed:
             return
         self._closed = True
+        with self._version_cond:  # blocking holders waiting for torn weights to heal: they now raise
+            self._version_cond.notify_all()
         self.endpoint.on_notification(None, prefix=m.TO_SUBSCRIBER)
-        if self._push is not None:
-            self._drop(self._push, "the subscriber was closed")
+        for push in (self._push, self._beginning):
+            if push is not None:
+                self._drop(push, "the subscriber was closed")
         for t in list(self._tasks):
             t.cancel()
         if self.endpoint.is_open:
@@ -329,9 +345,15 @@ class WeightSubscriber:
             elif not 0 <= msg.bucket < len(push.buckets):
                 self._reply(note.peer, m.Reply(msg.push_id, "pull", msg.bucket, f"bucket {msg.bucket} is out of range", "plan"))
             else:
-                self._spawn(self._pull(push, msg))
+                push.pulled = True
+                push.progress = time.monotonic()
+                task = self._spawn(self._pull(push, msg))
+                push.pulls.add(task)
+                task.add_done_callback(push.pulls.discard)
         elif isinstance(msg, m.Commit):
             push = self._current(note.peer, msg.push_id)
+            if push is not None:
+                push.progress = time.monotonic()
             if push is None or push.version != msg.version:
                 self._reply(note.peer, m.Reply(msg.push_id, "commit", -1, "no such push in progress", "other"))
             elif len(push.done) != len(push.buckets):
@@ -341,6 +363,9 @@ class WeightSubscriber:
                 self._spawn(self._commit(push))
         elif isinstance(msg, m.Abort):
             push = self._current(note.peer, msg.push_id)
+            pending = self._beginning
+            if push is None and pending is not None and (pending.publisher, pending.push_id) == (note.peer, msg.push_id):
+                push = pending  # its Begin still waits for the readers: it will not take the lock
             if push is not None:
                 log.info("subscriber %s: push %d aborted by %s: %s", self.endpoint.name, msg.push_id, note.peer, msg.reason)
                 self._drop(push, f"aborted by {note.peer}: {msg.reason}")
@@ -372,54 +397,96 @@ class WeightSubscriber:
                                       f"plan hash {msg.plan_hash} differs from the subscriber's {digest}", "plan",
                                       self._version))
             return
-        bank = 0 if self._live_bank is None or len(self._banks) == 1 else 1 - self._live_bank
-        push = _Push(peer, msg.push_id, msg.version, buckets, bank)
+        push = _Push(peer, msg.push_id, msg.version, buckets, 0)
+        for old in (self._push, self._beginning):  # a later Begin supersedes what has not committed
+            if old is not None:
+                self._drop(old, f"superseded by push {msg.push_id} of {peer}")
+        if self._draining:  # the superseded pushes' pulls were cancelled: none may write once this one begins
+            _, late = await asyncio.wait(set(self._draining), timeout=self.commit_timeout)
+            if late:
+                self._reply(peer, m.Reply(msg.push_id, "begin", -1,
+                                          f"{len(late)} pulls of an abandoned push are still running", "other",
+                                          self._version))
+                return
+        if push.dropped or msg.version <= self._version:  # superseded or overtaken meanwhile
+            self._reply(peer, m.Reply(msg.push_id, "begin", -1, "superseded by a later push" if push.dropped else
+                                      f"version {msg.version} is not newer than the committed {self._version}",
+                                      "other" if push.dropped else "stale", self._version))
+            return
         if self.mode == "direct" and not await self._begin_direct(push):
             return
-        if self._push is not None and self._push is not push:
-            self._drop(self._push, f"superseded by push {msg.push_id} of {peer}")
+        push.bank = 0 if self._live_bank is None or len(self._banks) == 1 else 1 - self._live_bank
         self._push = push
-        self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version, bank))
+        self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version, push.bank))
 
     async def _begin_direct(self, push: _Push) -> bool:
-        """Take the writer lock for the whole push (direct mode); False (and a reply) if not had."""
-        if self._push is not None:  # a push that never finished holds the lock: this one supersedes it
-            self._drop(self._push, f"superseded by push {push.push_id} of {push.publisher}")
-        if not await self._lock.acquire_write_async(self.commit_timeout):
-            self._reply(push.publisher, m.Reply(push.push_id, "begin", -1,
-                                                f"readers held the weights for more than {self.commit_timeout} s",
-                                                "timeout", self._version))
+        """Take the writer lock for the whole push (direct mode); False (and a reply) if not had.
+
+        While it waits for readers to leave, the push is :attr:`_beginning`: an Abort of it, or a
+        later Begin, drops it, and it then gives the lock back as soon as it gets it."""
+        self._beginning = push
+        try:
+            got = await self._lock.acquire_write_async(self.commit_timeout)
+        finally:
+            if self._beginning is push:
+                self._beginning = None
+        if not got:
+            if not push.dropped:
+                self._reply(push.publisher, m.Reply(push.push_id, "begin", -1,
+                                                    f"readers held the weights for more than {self.commit_timeout} s",
+                                                    "timeout", self._version))
             return False
         push.locked = True
+        if push.dropped or push.version <= self._version:  # aborted, superseded, or overtaken while it waited
+            why = "the push was aborted" if push.dropped else f"version {push.version} is not newer than the committed {self._version}"
+            self._drop(push, why)
+            self._reply(push.publisher, m.Reply(push.push_id, "begin", -1, why, "other" if push.dropped else "stale",
+                                                self._version))
+            return False
         try:
             if self._live_bank is None:  # first push: the live tensors move into the arena, once
                 await asyncio.to_thread(self._adopt)
-        except Exception as exc:
-            self._lock.release_write()
-            push.locked = False
+        except BaseException as exc:  # including a cancellation by close(): never keep the lock
+            self._drop(push, f"moving the weights into the arena failed: {exc!r}")
+            if not isinstance(exc, Exception):
+                raise
             log.exception("subscriber %s: moving the weights into the arena failed", self.endpoint.name)
             self._reply(push.publisher, m.Reply(push.push_id, "begin", -1, f"{type(exc).__name__}: {exc}", "other",
                                                 self._version))
+            return False
+        if push.dropped:  # close() or an Abort during the move
             return False
         push.progress = time.monotonic()
         self._spawn(self._watch_direct(push))
         return True
 
     async def _watch_direct(self, push: _Push) -> None:
-        """Direct mode: give up a push that stops moving, so that readers are not locked out forever."""
+        """Direct mode: give up a push that stops moving, so that readers are not locked out forever.
+
+        Progress is any Pull or Commit of the push arriving, or a pull finishing; a pull in flight
+        is bounded by the endpoint's own timeout. Before the first Pull the allowance is twice
+        ``commit_timeout``: the publisher sends pulls only once every subscriber has begun, and
+        another subscriber's Begin may itself wait ``commit_timeout`` for its readers."""
         period = max(0.05, min(1.0, self.commit_timeout / 4))
         while push.locked:
             await asyncio.sleep(period)
-            if push.locked and time.monotonic() - push.progress > self.commit_timeout:
+            allowed = self.commit_timeout if push.pulled else 2 * self.commit_timeout
+            if push.locked and not push.pulls and time.monotonic() - push.progress > allowed:
                 log.warning("subscriber %s: push %d of %s made no progress for %.1f s; given up%s", self.endpoint.name,
-                            push.push_id, push.publisher, self.commit_timeout,
+                            push.push_id, push.publisher, allowed,
                             ", the weights are torn until the next push commits" if self._torn else "")
                 self._drop(push, "no progress")
 
     def _drop(self, push: _Push, why: str) -> None:
-        """Forget ``push`` (aborted, superseded, stalled); direct mode: let readers back in."""
+        """Forget ``push`` (aborted, superseded, stalled): cancel its pulls (the next Begin waits for
+        them to be over, so that none writes late); direct mode: let readers back in."""
+        push.dropped = True
         if self._push is push:
             self._push = None
+        for task in list(push.pulls):
+            task.cancel()
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
         if push.locked:
             push.locked = False
             self._lock.release_write()
@@ -428,6 +495,8 @@ class WeightSubscriber:
     async def _pull(self, push: _Push, msg: m.Pull) -> None:
         b = push.buckets[msg.bucket]
         dest = self._banks[push.bank][b.arena][b.offset:b.offset + b.nbytes]
+        if push.dropped:
+            return
         if self.mode == "direct":
             if not push.locked:  # given up meanwhile: the live weights are no longer ours to write
                 self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, "the push was given up", "other"))
@@ -529,10 +598,11 @@ class WeightSubscriber:
 
         self._spawn(send())
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def __repr__(self) -> str:
         return f"<WeightSubscriber {self.endpoint.name!r} version={self._version} pid={os.getpid()}>"

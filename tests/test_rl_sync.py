@@ -345,6 +345,74 @@ async def test_direct_mode_gives_up_a_push_that_stops_and_lets_readers_back(stor
             assert v == 2 and torch.equal(spec["w"], want) and not sub.torn
 
 
+async def test_direct_mode_abort_or_close_while_begin_waits_never_keeps_the_lock(store_url, uname):
+    """A Begin waiting for readers is aborted: it must not take the lock afterwards. close() while
+    the first push moves the weights into the arena must give the lock back."""
+    msgs = rl_sync.messages
+    async with trainer(store_url, uname) as ep, transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, {"w": torch.zeros(4096)}, mode="direct", commit_timeout=5.0)
+        _, digest = sub.plan(1 << 20)
+        reader_in, reader_out = asyncio.Event(), asyncio.Event()
+
+        async def reader() -> None:
+            async with sub.hold():
+                reader_in.set()
+                await reader_out.wait()
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.wait_for(reader_in.wait(), 5)
+        await ep.notify(gep.name, msgs.encode(msgs.Begin(1, 1, digest, 1 << 20)))
+        deadline = time.monotonic() + 5
+        while sub._beginning is None:  # the Begin waits for the reader
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await ep.notify(gep.name, msgs.encode(msgs.Abort(1, "the publisher gave up")))
+        reader_out.set()
+        await asyncio.wait_for(task, 5)
+        await asyncio.sleep(0.2)
+        async with sub.hold(timeout=1.0) as v:  # the aborted Begin let go of the lock at once
+            assert v == 0 and sub._push is None
+
+        real_adopt = sub._adopt
+
+        def slow_adopt() -> None:  # the first push's one-time move of the weights, made slow
+            time.sleep(0.5)
+            real_adopt()
+
+        sub._adopt = slow_adopt
+        await ep.notify(gep.name, msgs.encode(msgs.Begin(2, 1, digest, 1 << 20)))
+        deadline = time.monotonic() + 5
+        while not (sub._lock._writer and sub._beginning is None):  # the lock is taken: the weights are moving
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        sub.close()
+        async with sub.hold(timeout=1.0):  # close() gave the lock back
+            pass
+
+
+async def test_direct_mode_waits_longer_for_the_first_pull(store_url, uname):
+    """The publisher sends pulls only once every subscriber has begun (others may wait for their
+    readers), so before the first Pull a direct push gets twice commit_timeout."""
+    msgs = rl_sync.messages
+    async with trainer(store_url, uname) as ep, transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, {"w": torch.zeros(4096)}, mode="direct", commit_timeout=0.6)
+        _, digest = sub.plan(1 << 20)
+        await ep.notify(gep.name, msgs.encode(msgs.Begin(1, 1, digest, 1 << 20)))
+        deadline = time.monotonic() + 5
+        while sub._push is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await asyncio.sleep(0.9)  # past commit_timeout, within twice it
+        assert sub._push is not None, "given up before twice commit_timeout without a Pull"
+        while sub._push is not None:
+            assert time.monotonic() < deadline, "never given up"
+            await asyncio.sleep(0.02)
+        assert time.monotonic() - t0 >= 1.0
+        async with sub.hold(timeout=1.0):
+            assert not sub.torn
+
+
 # ---------------------------------------------------------------------------- failures
 async def test_cancelled_push_is_never_committed(store_url, uname):
     with generators(store_url, uname, 2) as gens:
