@@ -439,3 +439,102 @@ def test_sender_iterator_submissions():
         a.close()
         b.close()
         tx.join(5)
+
+
+class _BrokenWait:
+    """A copy handle whose first wait raises a plain RuntimeError (an engine breaking the
+    CopyEngine contract, which says StagingError)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.broken = inner, True
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout: float) -> None:
+        self.inner.wait(timeout)
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("injected engine bug: not a StagingError")
+
+
+class BrokenWaitOnce(Counting):
+    """The first copy's wait raises RuntimeError; everything else works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def copy(self, dst, src, after=None):
+        h = super().copy(dst, src, after)
+        if self.armed:
+            self.armed = False
+            return _BrokenWait(h)
+        return h
+
+
+async def test_lazy_views_are_refused_before_any_copy(endpoints):
+    """A lazy negative view's memory does not hold its values (and cannot be viewed as bytes):
+    refused with InvalidTensorError before anything is staged or sent."""
+    ie, te = Counting(), Counting()
+    a, b = await endpoints(ie, te)
+    w = torch.zeros(1024)
+    b.register("w", w)
+    for bad in ({"w": torch._neg_view(torch.randn(1024))},
+                {"w": transport.At(torch._neg_view(torch.randn(10)), 3)}):
+        for op in ("put", "get"):
+            t0 = time.monotonic()
+            with pytest.raises(transport.InvalidTensorError, match="lazy"):
+                await getattr(a, op)(b.name, bad, timeout=5)
+            assert time.monotonic() - t0 < 2
+    with pytest.raises(transport.InvalidTensorError, match="lazy"):
+        b.register("n", torch._neg_view(torch.randn(4)))
+    assert ie.calls == te.calls == 0, "a refused op staged bytes"
+    assert not a._channels[b.name]._pending
+    src = torch.randn(1024)
+    await a.put(b.name, {"w": src})
+    assert torch.equal(w, src)
+
+
+async def test_a_non_staging_error_before_the_first_chunk_fails_the_put_at_once(endpoints, caplog):
+    """Any error producing a put's first chunk (here an engine raising RuntimeError) fails the op
+    at once with StagingError (the error as its cause), not at its deadline; the op leaves the
+    table, the writer logs the dropped payload, and the channel stays usable."""
+    ie = BrokenWaitOnce()
+    a, b = await endpoints(ie, None)
+    w = torch.zeros(9 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    src = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="transport.sender"):
+        with pytest.raises(StagingError, match="injected engine bug") as ei:
+            await a.put(b.name, {"w": src}, timeout=10)
+    assert time.monotonic() - t0 < 5, "the op waited for its deadline"
+    assert isinstance(ei.value.__cause__, RuntimeError) or isinstance(ei.value.__cause__.__cause__, RuntimeError)
+    assert not a._channels[b.name]._pending, "the failed op stayed in the channel's table"
+    assert any("dropped" in r.getMessage() for r in caplog.records)
+    assert peer.connected and bool((w == 0).all())
+    await a.put(b.name, {"w": src}, timeout=10)
+    assert torch.equal(w, src)
+    await settle(a, b)
+
+
+async def test_a_non_staging_error_before_the_first_chunk_of_a_get_reply_is_answered(endpoints):
+    """The target's writer fails to produce a get reply's first chunk with a non-StagingError:
+    the target answers Fail (the initiator does not wait for its deadline), its flight
+    recorder says FAILED, and the channel stays usable."""
+    a, b = await endpoints(Counting(), BrokenWaitOnce())
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    out = torch.full_like(w, 0xA5)
+    t0 = time.monotonic()
+    with pytest.raises(StagingError, match="injected engine bug"):
+        await a.get(b.name, {"w": out}, timeout=10)
+    assert time.monotonic() - t0 < 5, "the op waited for its deadline"
+    assert peer.connected and bool((out == 0xA5).all())
+    assert not a._channels[b.name]._pending
+    await a.get(b.name, {"w": out}, timeout=10)
+    assert torch.equal(out, w)
+    await settle(a, b)

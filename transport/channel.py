@@ -186,13 +186,21 @@ def _chain(head: bytes, payload: Iterator[memoryview],
            early: Callable[[StagingError], None] | None = None) -> Iterator[bytes | memoryview]:
     """A header frame and a lazily produced payload, as one iterator submission (closing it
     closes ``payload``). The payload's first buffer is produced *before* the header goes out:
-    if that fails (``early`` is told), nothing was sent and the channel stays in sync."""
+    if that fails (``early`` is told), nothing was sent and the channel stays in sync. Any
+    error there is reported, as a :class:`StagingError` (the original as its cause): one that
+    reached the writer unreported would leave the op waiting for its deadline."""
     try:
         first = next(payload, None)
-    except StagingError as exc:
+    except Exception as exc:
+        if isinstance(exc, StagingError):
+            if early is not None:
+                early(exc)
+            raise
+        err = StagingError(f"cannot produce the payload: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
         if early is not None:
-            early(exc)
-        raise
+            early(err)
+        raise err from exc
     yield head
     if first is not None:
         yield first

@@ -62,7 +62,9 @@ class StagedPlane(DataPlane):
         peer = self.channel.peer_name
 
         def early(exc: StagingError) -> None:  # before the header went out: the channel is intact
-            self.channel.fail_op(op, StagingError(f"put #{op.op_id} to {peer!r}: {exc}"))
+            err = StagingError(f"put #{op.op_id} to {peer!r}: {exc}")
+            err.__cause__ = exc
+            self.channel.fail_op(op, err)
 
         self.channel.send(header, self._payload(op, tensors, marks), op=op, early=early)
 
