@@ -506,14 +506,17 @@ async def test_a_non_staging_error_before_the_first_chunk_fails_the_put_at_once(
     b.register("w", w)
     peer = await a.connect(b.name)
     src = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    caplog.set_level("WARNING", logger="transport.sender")
     t0 = time.monotonic()
-    with caplog.at_level("WARNING", logger="transport.sender"):
-        with pytest.raises(StagingError, match="injected engine bug") as ei:
-            await a.put(b.name, {"w": src}, timeout=10)
+    with pytest.raises(StagingError, match="injected engine bug") as ei:
+        await a.put(b.name, {"w": src}, timeout=10)
     assert time.monotonic() - t0 < 5, "the op waited for its deadline"
     assert isinstance(ei.value.__cause__, RuntimeError) or isinstance(ei.value.__cause__.__cause__, RuntimeError)
     assert not a._channels[b.name]._pending, "the failed op stayed in the channel's table"
-    assert any("dropped" in r.getMessage() for r in caplog.records)
+    end = time.monotonic() + 5  # the writer logs after the op was failed
+    while not any("dropped" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < end, "the writer did not log the dropped payload"
+        await asyncio.sleep(0.01)
     assert peer.connected and bool((w == 0).all())
     await a.put(b.name, {"w": src}, timeout=10)
     assert torch.equal(w, src)
