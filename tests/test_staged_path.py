@@ -541,3 +541,32 @@ async def test_a_non_staging_error_before_the_first_chunk_of_a_get_reply_is_answ
     await a.get(b.name, {"w": out}, timeout=10)
     assert torch.equal(out, w)
     await settle(a, b)
+
+
+async def _target_get_states(ep: transport.Endpoint, n: int, timeout: float = 5.0) -> list[str]:
+    """The states of the target's get records, once ``n`` of them are final (bounded wait)."""
+    end = time.monotonic() + timeout
+    while True:
+        recs = [r for r in ep.recorder.snapshot() if r["role"] == "target" and r["kind"] == "get"]
+        states = [r["state"] for r in recs]
+        if len(states) >= n and all(s in ("done", "failed", "rejected") for s in states):
+            return states
+        assert time.monotonic() < end, states
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+async def test_a_failed_staged_get_reply_is_recorded_failed_on_the_target(endpoints, fail_at):
+    """The target's writer settles a staged get reply's record: FAILED when staging failed (before
+    the header, or mid-payload), DONE only once the whole payload was sent."""
+    a, b = await endpoints(Counting(), Counting(fail_at=fail_at))
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    out = torch.zeros_like(w)
+    with pytest.raises((StagingError, transport.PeerLostError)):
+        await a.get(b.name, {"w": out}, timeout=10)
+    assert await _target_get_states(b, 1) == ["failed"]
+    await settle(a, b)
+    await a.get(b.name, {"w": out}, timeout=10)
+    assert torch.equal(out, w)
+    assert await _target_get_states(b, 2) == ["failed", "done"]

@@ -328,6 +328,7 @@ class Channel:
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self.last_rx = time.monotonic()
         self._serving: Record | None = None  # target record the reader is working on
+        self._replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
         self._lowat = 1  # the socket's SO_RCVLOWAT (reader thread only)
         self._rx_cap = 0  # the largest SO_RCVLOWAT for the payload being received (reader thread only)
         self._poll = select.poll()
@@ -564,6 +565,10 @@ class Channel:
             self.error = exc
             pending = list(self._pending.values())
             self._pending.clear()
+            replies = list(self._replies.values())
+            self._replies.clear()
+        for rec in replies:  # staged get replies the writer will not finish (one it is sending fails anyway)
+            self.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {exc}")
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -862,16 +867,38 @@ class Channel:
             op_id = msg.op_id
 
             def early(exc: StagingError) -> None:  # nothing was sent: answer with the error instead
-                self.recorder.update(rec, OpState.FAILED, exc)
                 if self.is_open:
                     self.send(Fail(op_id, error_kind(exc), str(exc)))
 
-            # the writer copies each staged part out chunk by chunk; a later failure breaks the channel
-            self.send(Data(msg.op_id), self.staging.payload(parts), early=early)
-        else:
-            views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
-            self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
+            # the writer copies each staged part out chunk by chunk (a later failure breaks the
+            # channel) and settles the record: the reader is long gone by then
+            self._serving = None
+            with self._lock:
+                self._replies[id(rec)] = rec
+            self.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
+            return
+        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
+        self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
         self._done(rec)  # queued for the writer; the initiator's record says when it arrived
+
+    def _staged_reply(self, rec: Record, parts: list[torch.Tensor]) -> Iterator[memoryview]:
+        """Writer thread: a staged get reply's payload. Its record says DONE once the last byte
+        was sent, FAILED if staging failed (before or after the header went out) or the channel
+        closed before the payload was out."""
+        ok = False
+        try:
+            yield from self.staging.payload(parts)
+            ok = True  # asked for more after the last chunk: that one was sent
+        except Exception as exc:
+            self.recorder.update(rec, OpState.FAILED, exc)
+            raise
+        finally:
+            with self._lock:
+                self._replies.pop(id(rec), None)
+            if ok:
+                self.recorder.update(rec, OpState.DONE)
+            else:  # closed early (a no-op if it failed above)
+                self.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {self.error}")
 
     def _dest(self, buf: Any, off: int, n: int) -> memoryview | torch.Tensor:
         """Target side: where bytes ``[off, off + n)`` of a registered buffer are written: a
