@@ -570,3 +570,108 @@ async def test_a_failed_staged_get_reply_is_recorded_failed_on_the_target(endpoi
     await a.get(b.name, {"w": out}, timeout=10)
     assert torch.equal(out, w)
     assert await _target_get_states(b, 2) == ["failed", "done"]
+
+
+class _GapProbe:
+    """The longest the event loop went without running a 10 ms ticker (a blocked loop shows)."""
+
+    def __init__(self) -> None:
+        self.gap = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.gap, last = max(self.gap, now - last), now
+
+    def __enter__(self) -> _GapProbe:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def slow_config(engine: ThreadCopyEngine, stall_timeout: float) -> StagingConfig:
+    return StagingConfig(chunk_bytes=CHUNK, buffers=3, stall_timeout=stall_timeout, cpu_engine=lambda: engine)
+
+
+async def test_abandoned_staged_get_waits_for_slow_copies_off_the_loop(store_url, uname):
+    """A get abandoned while its copies into the caller's tensor are slow (each longer than the
+    old 1 s wait, well within stall_timeout): the timeout is raised only once no copy will write
+    any more, and the event loop keeps running meanwhile."""
+    engine = Counting(delay=0.8)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10,
+                                  staging=slow_config(engine, 10.0)) as a, \
+            transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10) as b:
+        w = torch.randint(0, 256, (40 * CHUNK,), dtype=torch.uint8)
+        b.register("w", w)
+        await a.connect(b.name)
+        out = torch.full_like(w, 0xA5)
+        with _GapProbe() as probe:
+            t0 = time.monotonic()
+            with pytest.raises(transport.TransportTimeoutError) as ei:
+                await a.get(b.name, {"w": out}, timeout=0.3)
+            took = time.monotonic() - t0
+        assert "pending" not in str(ei.value) and "outlived" not in str(ei.value)
+        assert took > 1.2, "the get returned while copies into its tensor were still queued"
+        assert took < 10
+        assert probe.gap < 0.5, f"the event loop was blocked for {probe.gap:.2f} s"
+        snapshot = out.clone()
+        await asyncio.sleep(1.0)
+        assert torch.equal(out, snapshot), "bytes landed in the caller's tensor after the get returned"
+        assert a.staging.parked() == 0
+        await settle(a, b)
+        engine.delay = 0.0
+        out.fill_(0xA5)
+        await a.get(b.name, {"w": out}, timeout=30)
+        assert torch.equal(out, w)
+
+
+class HeldCopies(Counting):
+    """Copies wait until ``release`` is set (bounded): a stalled device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def _copy(self, dst, src):
+        self.release.wait(20)
+        dst.copy_(src)
+
+
+async def test_abandoned_staged_get_with_a_stuck_copy_says_so(store_url, uname):
+    """A get abandoned while a copy into the caller's tensor is stuck past stall_timeout: the
+    error says the tensor may still be written, the tensor is held (parked) until the copy
+    ends, then let go; the loop is never blocked."""
+    engine = HeldCopies()
+    try:
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10,
+                                      staging=slow_config(engine, 0.5)) as a, \
+                transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10) as b:
+            w = torch.randint(0, 256, (40 * CHUNK,), dtype=torch.uint8)
+            b.register("w", w)
+            await a.connect(b.name)
+            out = torch.full_like(w, 0xA5)
+            with _GapProbe() as probe:
+                with pytest.raises(transport.TransportTimeoutError, match="outlived its bound") as ei:
+                    await a.get(b.name, {"w": out}, timeout=0.2)
+            assert "held" in str(ei.value)
+            assert probe.gap < 0.5, f"the event loop was blocked for {probe.gap:.2f} s"
+            assert a.staging.parked() >= 1
+            held = [t for _, ts in a.staging._parked for t in ts]
+            assert any(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for t in held)
+            engine.release.set()
+            end = time.monotonic() + 10
+            while a.staging.parked():
+                assert time.monotonic() < end, "parked memory was not let go once the copies ended"
+                await asyncio.sleep(0.02)
+            await settle(a, b)
+            out.fill_(0xA5)
+            await a.get(b.name, {"w": out}, timeout=30)
+            assert torch.equal(out, w)
+    finally:
+        engine.release.set()

@@ -142,7 +142,7 @@ class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
     __slots__ = ("abandoned", "busy", "channel", "dests", "future", "inline", "keep", "kind", "lock", "marks",
-                 "on_wire", "op_id", "quiet", "record", "seq")
+                 "on_wire", "op_id", "quiet", "record", "seq", "stuck")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
                  inline: bool = True) -> None:
@@ -165,6 +165,7 @@ class Op:
         self.lock = threading.Lock()
         self.busy = False
         self.quiet = threading.Event()
+        self.stuck = False  # a staged copy into the caller's tensor outlived its bound (may still write)
 
 
 class CoreProtocol(Protocol):
@@ -464,21 +465,28 @@ class Channel:
                 await op.future
         except TimeoutError:
             was = op.record.state
-            self._abandon(op)
+            note = await self._abandon(op)
             self.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.peer_name!r} did not complete before "
-                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})",
+                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else ""),
                 Phase.NOTIFY if op.kind is OpKind.NOTIFY else Phase.TRANSFER,
             )
             self.core.on_timeout(self, op, exc)
             raise exc from None
         except asyncio.CancelledError:
-            self._abandon(op)
+            await self._abandon(op)
             self.recorder.update(op.record, OpState.CANCELLED)
             raise
-        except BaseException as exc:
-            self._abandon(op)
+        except Exception as exc:
+            await self._abandon(op)
+            self.recorder.update(op.record, OpState.FAILED, exc)
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, GeneratorExit...: no await here
+            bound = self._abandon_now(op)
+            if bound:
+                op.quiet.wait(min(bound, 1.0))
+            self._forget(op)
             self.recorder.update(op.record, OpState.FAILED, exc)
             raise
 
@@ -491,25 +499,80 @@ class Channel:
 
         await self.run(op, _send, deadline)
 
-    def _abandon(self, op: Op) -> None:
-        """The caller stopped waiting. An op whose header went out stays in the table until its
-        reply arrives (a get's payload must still be consumed); one that never reached the
-        wire is forgotten now. No byte is written into the caller's tensors after this returns:
-        a writer that is busy stops at its next chunk (a local copy, or bytes arriving fast);
-        bytes that trickle in are cut off by closing the channel."""
+    async def _abandon(self, op: Op) -> str | None:
+        """The caller stopped waiting (event loop). An op whose header went out stays in the table
+        until its reply arrives (a get's payload must still be consumed); one that never reached
+        the wire is forgotten now. No byte is written into the caller's tensors after this
+        returns: a writer that is busy stops at its next chunk (a local copy, or bytes arriving
+        fast); bytes that trickle in are cut off by closing the channel.
+
+        A staged get's copies into the caller's tensor cannot be called back: they are waited
+        for until the op is quiet, up to the staging stall bound (``stall_timeout`` plus the
+        time to give up on the copies behind a stuck one and on the socket), off the event
+        loop (this coroutine awaits a worker thread; cancelling it again does not cut that
+        wait short, the cancellation is re-raised after it). Returns None once nothing more
+        will be written, else a sentence saying what may still be (also logged): a copy stuck
+        past its bound (its tensor is then held until it ends, see :func:`~transport.staging.stage_in`)."""
+        try:
+            bound = self._abandon_now(op)
+            if bound and not await self._wait_quiet(op, bound):
+                note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors were still pending {bound:.1f} s "
+                        "after the op was abandoned; they may still land there")
+                log.error("channel %s: %s", self.id, note)
+                return note
+            if op.stuck:
+                note = (f"{op.kind.value} #{op.op_id}: a staged copy into the caller's tensor outlived its bound "
+                        f"({self.staging.config.stall_timeout:g} s) and may still write into it (the tensor is held "
+                        "until it ends)")
+                log.error("channel %s: %s", self.id, note)
+                return note
+            return None
+        finally:
+            self._forget(op)
+
+    def _abandon_now(self, op: Op) -> float:
+        """The non-blocking part of :meth:`_abandon` (event loop); returns how long to wait for
+        ``op.quiet`` (0: nothing is being written)."""
         with op.lock:
             op.abandoned = True
             busy = op.busy
         if not op.future.done():  # nobody will retrieve what the op ends with
             op.future.cancel()
-        if busy and not op.quiet.wait(0.05):
-            if op.inline:  # bytes trickling in from the socket: cut them off
-                self.lose(PeerLostError(
-                    f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
-                    f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
-            op.quiet.wait(1.0)  # a local copy stops at its next chunk
+        if not busy or op.quiet.wait(0.05):
+            return 0.0
+        if op.inline:  # bytes trickling in from the socket: cut them off
+            self.lose(PeerLostError(
+                f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
+                f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
+        if op.marks is not None:  # staged: the reader may be waiting for a copy, up to stall_timeout
+            cfg = self.staging.config
+            return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
+        return 1.0  # a local copy stops at its next chunk; the reader at its next poll
+
+    def _forget(self, op: Op) -> None:
         if not op.on_wire:
             self._pop(op.op_id)
+
+    @staticmethod
+    async def _wait_quiet(op: Op, bound: float) -> bool:
+        """Wait (bounded, off the event loop) until ``op`` writes no more; True if it is quiet."""
+        try:
+            fut = asyncio.ensure_future(asyncio.to_thread(op.quiet.wait, bound))
+        except RuntimeError:  # no executor (the loop is shutting down): a short wait here
+            return op.quiet.wait(min(bound, 1.0))
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if fut.cancelled():
+                    break
+                cancelled = True  # the wait protects the caller's memory: finish it first
+            except Exception:
+                break
+        if cancelled:
+            raise asyncio.CancelledError
+        return op.quiet.is_set()
 
     def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:
         """Any thread: fail ``op`` with ``exc``; with ``lost``, break the channel first (its other
@@ -911,8 +974,9 @@ class Channel:
         """Reader thread: receive a payload into ``dests`` in order (memoryviews straight, tensors
         through the staged path). Every byte is consumed whatever happens, so the stream stays in
         sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
-        drained (``op.quiet`` is set once nothing more will be written). After a staging error the
-        rest is drained too; the error is returned."""
+        drained (``op.quiet`` is set once nothing more will be written, except by a staged copy
+        that outlived its bound: then ``op.stuck`` is set first, and the tensor is held until the
+        copy ends). After a staging error the rest is drained too; the error is returned."""
         if op is None:  # a put into CPU memory (the common case): straight into the registered tensors
             views = [d for d in dests if type(d) is memoryview]
             if len(views) == len(dests):
@@ -964,8 +1028,13 @@ class Channel:
                     def fill(view: memoryview, more: int, rest: int = left) -> None:
                         self._recv_into(view, more + rest, total)
 
+                    def stuck() -> None:  # (before quiet is set)
+                        if op is not None:
+                            op.stuck = True
+
                     try:
-                        if not self.staging.receive(dest, fill, after=after, stop=stopped, on_stop=stop_writing):
+                        if not self.staging.receive(dest, fill, after=after, stop=stopped, on_stop=stop_writing,
+                                                    on_stuck=stuck):
                             stop_writing()
                     except StagingError as exc:
                         error = exc

@@ -261,11 +261,13 @@ class BounceRing:
 
 def _wait_quietly(handles: Iterable[tuple[int, CopyHandle]], timeout: float) -> list[tuple[int, CopyHandle]]:
     """Wait for copies still in flight (errors are already being reported); return those
-    that did not complete in time."""
-    stuck = []
+    that did not complete in time. Once one is stuck, the others get ``min(timeout, 0.1)`` s
+    each (copies complete in issue order: those behind a stuck one are stuck too), so the
+    whole wait stays within about one ``timeout``."""
+    stuck: list[tuple[int, CopyHandle]] = []
     for slot, h in handles:
         try:
-            h.wait(timeout)
+            h.wait(min(timeout, 0.1) if stuck else timeout)
         except StagingError:
             if not h.done():
                 stuck.append((slot, h))
@@ -323,6 +325,7 @@ def stage_in(
     after: Any = None,
     stop: Callable[[], bool] | None = None,
     on_stop: Callable[[], None] | None = None,
+    on_stuck: Callable[[], None] | None = None,
 ) -> bool:
     """Receive ``dst.numel()`` bytes into ``dst`` (a flat ``uint8`` tensor on the engine's device).
 
@@ -340,8 +343,9 @@ def stage_in(
     A copy that is still running past ``stall_timeout`` (*stuck*) cannot be called back: its
     bounce buffer is never refilled (the rest is drained through scratch memory) and, with
     ``dst``, is parked (:meth:`BounceRing.release`) until the copy ends, so neither memory is
-    reused meanwhile. ``on_stop`` is then *not* called (something may still be written to
-    ``dst``), and the :class:`StagingError` raised says so. Once one copy is stuck, the others
+    reused meanwhile. ``on_stuck()`` is called when the first copy is found stuck (or, after
+    an error of ``fill``, when a copy in flight is), ``on_stop`` is then *not* called
+    (something may still be written to ``dst``), and the :class:`StagingError` raised says so. Once one copy is stuck, the others
     still in flight are given ``min(stall_timeout, 0.1)`` s each (copies complete in issue
     order on an engine's stream: those behind a stuck one are stuck too).
     """
@@ -362,6 +366,8 @@ def stage_in(
         except StagingError as exc:
             error = error or exc
             if not h.done():  # still running: keep it, never reuse its buffer
+                if not stuck and on_stuck is not None:
+                    on_stuck()
                 stuck.add(slot)
                 return
         handles[slot] = None
@@ -406,13 +412,16 @@ def stage_in(
         left = [(s, h) for s, h in enumerate(handles) if h is not None and s in stuck]
         busy = [(s, h) for s, h in enumerate(handles) if h is not None and s not in stuck]
         if busy:
-            left += _wait_quietly(busy, stall_timeout)
+            late = _wait_quietly(busy, stall_timeout)
+            if late and not stuck and on_stuck is not None:
+                on_stuck()
+            left += late
         if left:
             ring.release(left, keep=dst)
     if error is not None:
         if stuck:
-            raise StagingError(f"{error}; {len(stuck)} copy(ies) into the destination are still outstanding and may "
-                               "write into it later (it is held until they end)") from error
+            raise StagingError(f"{error}; {len(stuck)} copy(ies) into the destination are still outstanding and "
+                               "may write into it later (it is held until they end)") from error
         raise error
     return writing
 
@@ -495,7 +504,8 @@ class Staging:
                 ring.release()
 
     def receive(self, dst: torch.Tensor, fill: Callable[[memoryview, int], None], *, after: Any = None,
-                stop: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None) -> bool:
+                stop: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None,
+                on_stuck: Callable[[], None] | None = None) -> bool:
         """Receive into ``dst`` (any contiguous tensor on a staged device) through a ring;
         see :func:`stage_in`."""
         flat = dst.detach().reshape(-1).view(torch.uint8)
@@ -511,7 +521,8 @@ class Staging:
             raise
         ring = self.ring(engine, flat.numel())
         try:
-            return stage_in(flat, ring, self.config.stall_timeout, fill, after=after, stop=stop, on_stop=on_stop)
+            return stage_in(flat, ring, self.config.stall_timeout, fill, after=after, stop=stop, on_stop=on_stop,
+                            on_stuck=on_stuck)
         finally:
             ring.release()
 
