@@ -675,3 +675,116 @@ async def test_abandoned_staged_get_with_a_stuck_copy_says_so(store_url, uname):
             assert torch.equal(out, w)
     finally:
         engine.release.set()
+
+
+class Gate:
+    """A waitable (like a CUDA event on the caller's stream) that completes when opened."""
+
+    def __init__(self, opened: bool = False, fails: bool = False) -> None:
+        self.ev = threading.Event()
+        self.fails = fails
+        if opened:
+            self.ev.set()
+
+    def query(self) -> bool:
+        if self.fails and self.ev.is_set():
+            raise RuntimeError("injected failure of the caller's work")
+        return self.ev.is_set()
+
+    def synchronize(self) -> None:
+        if not self.ev.wait(20):
+            raise RuntimeError("the gate was never opened")
+        if self.fails:
+            raise RuntimeError("injected failure of the caller's work")
+
+
+class GatedMarks(Counting):
+    """mark() returns a Gate (the caller's pending work); records what each copy was told to wait for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[Gate] = []
+        self.afters: list[object] = []
+        self.open_next = False
+        self.fail_next = False
+
+    def mark(self):
+        g = Gate(opened=self.open_next, fails=self.fail_next)
+        self.gates.append(g)
+        return g
+
+    def copy(self, dst, src, after=None):
+        self.afters.append(after)
+        return super().copy(dst, src, after)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_staged_ops_await_the_callers_work_before_the_channel_sees_them(endpoints, op):
+    """The caller's pending work (its mark) is awaited on the event loop before the op reaches the
+    channel: meanwhile nothing is staged or sent, the channel and the loop keep serving other
+    traffic, and the copies are then issued waiting for nothing."""
+    ie = GatedMarks()
+    a, b = await endpoints(ie, None)
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    b.register("v", torch.zeros(16))
+    a.register("mine", torch.zeros(16))
+    peer = await a.connect(b.name)
+    mine = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    local = mine.clone() if op == "put" else torch.full_like(w, 0xA5)
+    task = asyncio.create_task(getattr(a, op)(b.name, {"w": local}, timeout=20))
+    try:
+        await _until(lambda: len(ie.gates) == 1)
+        await asyncio.sleep(0.2)
+        assert ie.calls == 0, "bytes were staged before the caller's work was done"
+        assert not task.done()
+        rec = [r for r in a.recorder.snapshot() if r["role"] == "initiator" and r["kind"] == op][-1]
+        assert rec["state"] == "posted"
+        # the channel is not held by the waiting op: traffic both ways goes on
+        await a.notify(b.name, b"meanwhile", timeout=5)
+        await b.put(a.name, {"mine": torch.ones(16)}, timeout=5)
+        assert peer.connected and not task.done()
+        ie.gates[0].ev.set()
+        await asyncio.wait_for(task, 20)
+    finally:
+        for g in ie.gates:
+            g.ev.set()
+    if op == "put":
+        assert torch.equal(w, mine)
+    else:
+        assert torch.equal(local, w)
+    assert ie.calls > 0 and all(x is None for x in ie.afters), "a copy was told to wait for the caller's stream"
+    await settle(a, b)
+
+
+async def test_a_staged_op_times_out_while_the_callers_work_is_pending(endpoints):
+    ie = GatedMarks()
+    a, b = await endpoints(ie, None)
+    w = torch.zeros(9 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    try:
+        with pytest.raises(transport.TransportTimeoutError, match="posted"):
+            await a.put(b.name, {"w": torch.ones_like(w)}, timeout=0.3)
+        assert ie.calls == 0 and bool((w == 0).all()) and peer.connected
+        assert not a._channels[b.name]._pending
+        ie.gates[0].ev.set()  # the caller's work ends late; later marks of that device queue behind it
+        await _until(lambda: all(br.pending == 0 for br in a.staging._bridges.values()))
+        ie.fail_next = True
+        with pytest.raises(StagingError, match="injected failure of the caller's work"):
+            ie.open_next = True
+            await a.put(b.name, {"w": torch.ones_like(w)}, timeout=5)
+        assert ie.calls == 0 and bool((w == 0).all()) and peer.connected
+    finally:
+        for g in ie.gates:
+            g.ev.set()
+    ie.fail_next = False
+    await a.put(b.name, {"w": torch.ones_like(w)}, timeout=10)
+    assert bool((w == 1).all())

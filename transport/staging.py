@@ -44,6 +44,7 @@ peer that saw part of a payload cannot be resynchronised).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -54,6 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .completion import CompletionBridge
 from .errors import InvalidTensorError, StagingError
 from .registry import tensor_bytes
 
@@ -92,8 +94,11 @@ class CopyEngine(Protocol):
     """Asynchronous copies between a device and host bounce buffers.
 
     ``mark()`` is called in the thread that issued the op (the caller's) and
-    returns what later copies must wait for (e.g. a CUDA event on the caller's
-    current stream), or None. ``copy`` issues ``dst.copy_(src)`` without
+    returns what the op must wait for (e.g. a blocking-sync CUDA event on the
+    caller's current stream), or None: a :class:`~transport.completion.Waitable`
+    (``query``/``synchronize``), which the staged plane awaits on the event loop
+    before the op reaches the channel; ``copy(after=...)`` can also order one
+    copy after it, for direct users of the pipeline. ``copy`` issues ``dst.copy_(src)`` without
     waiting for it (it may raise :class:`StagingError` if it cannot issue it).
     ``host_buffer`` allocates one bounce buffer (a ``uint8`` CPU tensor).
     """
@@ -439,6 +444,7 @@ class Staging:
         self._allocated = 0
         # copies that outlived their bound, with the memory they may still touch (held until they end)
         self._parked: list[tuple[CopyHandle, tuple[torch.Tensor, ...]]] = []
+        self._bridges: dict[torch.device, CompletionBridge] = {}  # awaiting callers' marks, per device
 
     def stages(self, device: str | torch.device) -> bool:
         """Whether bytes of a tensor on ``device`` go through bounce buffers."""
@@ -475,7 +481,8 @@ class Staging:
         return BounceRing(self, engine, count, size)
 
     def mark(self, tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
-        """Call in the caller's thread: per staged device, what the copies must wait for."""
+        """Call in the caller's thread: per staged device, what the op must wait for (see
+        :class:`CopyEngine`)."""
         out: dict[torch.device, Any] = {}
         for t in tensors:
             if self.stages(t.device) and t.device not in out:
@@ -525,6 +532,23 @@ class Staging:
                             on_stuck=on_stuck)
         finally:
             ring.release()
+
+    def bridge(self, device: torch.device) -> CompletionBridge:
+        """The bridge that awaits callers' marks on ``device`` (event loop thread; created on
+        first use). One per device: marks of one device's current stream complete in order."""
+        loop = asyncio.get_running_loop()
+        b = self._bridges.get(device)
+        if b is None or b.loop is not loop:
+            if b is not None:
+                b.close(0.0)
+            b = self._bridges[device] = CompletionBridge(loop, f"transport-mark-{device}")
+        return b
+
+    def close(self) -> None:
+        """Stop the bridges (any thread): waits still pending fail with EndpointClosedError."""
+        bridges, self._bridges = list(self._bridges.values()), {}
+        for b in bridges:
+            b.close(0.5)
 
     def statistics(self) -> StagingStats:
         with self._lock:
