@@ -439,3 +439,352 @@ def test_sender_iterator_submissions():
         a.close()
         b.close()
         tx.join(5)
+
+
+class _BrokenWait:
+    """A copy handle whose first wait raises a plain RuntimeError (an engine breaking the
+    CopyEngine contract, which says StagingError)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.broken = inner, True
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout: float) -> None:
+        self.inner.wait(timeout)
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("injected engine bug: not a StagingError")
+
+
+class BrokenWaitOnce(Counting):
+    """The first copy's wait raises RuntimeError; everything else works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def copy(self, dst, src, after=None):
+        h = super().copy(dst, src, after)
+        if self.armed:
+            self.armed = False
+            return _BrokenWait(h)
+        return h
+
+
+async def test_lazy_views_are_refused_before_any_copy(endpoints):
+    """A lazy negative view's memory does not hold its values (and cannot be viewed as bytes):
+    refused with InvalidTensorError before anything is staged or sent."""
+    ie, te = Counting(), Counting()
+    a, b = await endpoints(ie, te)
+    w = torch.zeros(1024)
+    b.register("w", w)
+    for bad in ({"w": torch._neg_view(torch.randn(1024))},
+                {"w": transport.At(torch._neg_view(torch.randn(10)), 3)}):
+        for op in ("put", "get"):
+            t0 = time.monotonic()
+            with pytest.raises(transport.InvalidTensorError, match="lazy"):
+                await getattr(a, op)(b.name, bad, timeout=5)
+            assert time.monotonic() - t0 < 2
+    with pytest.raises(transport.InvalidTensorError, match="lazy"):
+        b.register("n", torch._neg_view(torch.randn(4)))
+    assert ie.calls == te.calls == 0, "a refused op staged bytes"
+    assert not a._channels[b.name]._pending
+    src = torch.randn(1024)
+    await a.put(b.name, {"w": src})
+    assert torch.equal(w, src)
+
+
+async def test_a_non_staging_error_before_the_first_chunk_fails_the_put_at_once(endpoints, caplog):
+    """Any error producing a put's first chunk (here an engine raising RuntimeError) fails the op
+    at once with StagingError (the error as its cause), not at its deadline; the op leaves the
+    table, the writer logs the dropped payload, and the channel stays usable."""
+    ie = BrokenWaitOnce()
+    a, b = await endpoints(ie, None)
+    w = torch.zeros(9 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    src = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    caplog.set_level("WARNING", logger="transport.sender")
+    t0 = time.monotonic()
+    with pytest.raises(StagingError, match="injected engine bug") as ei:
+        await a.put(b.name, {"w": src}, timeout=10)
+    assert time.monotonic() - t0 < 5, "the op waited for its deadline"
+    assert isinstance(ei.value.__cause__, RuntimeError) or isinstance(ei.value.__cause__.__cause__, RuntimeError)
+    assert not a._channels[b.name]._pending, "the failed op stayed in the channel's table"
+    end = time.monotonic() + 5  # the writer logs after the op was failed
+    while not any("dropped" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < end, "the writer did not log the dropped payload"
+        await asyncio.sleep(0.01)
+    assert peer.connected and bool((w == 0).all())
+    await a.put(b.name, {"w": src}, timeout=10)
+    assert torch.equal(w, src)
+    await settle(a, b)
+
+
+async def test_a_non_staging_error_before_the_first_chunk_of_a_get_reply_is_answered(endpoints):
+    """The target's writer fails to produce a get reply's first chunk with a non-StagingError:
+    the target answers Fail (the initiator does not wait for its deadline), its flight
+    recorder says FAILED, and the channel stays usable."""
+    a, b = await endpoints(Counting(), BrokenWaitOnce())
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    out = torch.full_like(w, 0xA5)
+    t0 = time.monotonic()
+    with pytest.raises(StagingError, match="injected engine bug"):
+        await a.get(b.name, {"w": out}, timeout=10)
+    assert time.monotonic() - t0 < 5, "the op waited for its deadline"
+    assert peer.connected and bool((out == 0xA5).all())
+    assert not a._channels[b.name]._pending
+    await a.get(b.name, {"w": out}, timeout=10)
+    assert torch.equal(out, w)
+    await settle(a, b)
+
+
+async def _target_get_states(ep: transport.Endpoint, n: int, timeout: float = 5.0) -> list[str]:
+    """The states of the target's get records, once ``n`` of them are final (bounded wait)."""
+    end = time.monotonic() + timeout
+    while True:
+        recs = [r for r in ep.recorder.snapshot() if r["role"] == "target" and r["kind"] == "get"]
+        states = [r["state"] for r in recs]
+        if len(states) >= n and all(s in ("done", "failed", "rejected") for s in states):
+            return states
+        assert time.monotonic() < end, states
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+async def test_a_failed_staged_get_reply_is_recorded_failed_on_the_target(endpoints, fail_at):
+    """The target's writer settles a staged get reply's record: FAILED when staging failed (before
+    the header, or mid-payload), DONE only once the whole payload was sent."""
+    a, b = await endpoints(Counting(), Counting(fail_at=fail_at))
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    out = torch.zeros_like(w)
+    with pytest.raises((StagingError, transport.PeerLostError)):
+        await a.get(b.name, {"w": out}, timeout=10)
+    assert await _target_get_states(b, 1) == ["failed"]
+    await settle(a, b)
+    await a.get(b.name, {"w": out}, timeout=10)
+    assert torch.equal(out, w)
+    assert await _target_get_states(b, 2) == ["failed", "done"]
+
+
+class _GapProbe:
+    """The longest the event loop went without running a 10 ms ticker (a blocked loop shows)."""
+
+    def __init__(self) -> None:
+        self.gap = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.gap, last = max(self.gap, now - last), now
+
+    def __enter__(self) -> _GapProbe:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def slow_config(engine: ThreadCopyEngine, stall_timeout: float) -> StagingConfig:
+    return StagingConfig(chunk_bytes=CHUNK, buffers=3, stall_timeout=stall_timeout, cpu_engine=lambda: engine)
+
+
+async def test_abandoned_staged_get_waits_for_slow_copies_off_the_loop(store_url, uname):
+    """A get abandoned while its copies into the caller's tensor are slow (each longer than the
+    old 1 s wait, well within stall_timeout): the timeout is raised only once no copy will write
+    any more, and the event loop keeps running meanwhile."""
+    engine = Counting(delay=0.8)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10,
+                                  staging=slow_config(engine, 10.0)) as a, \
+            transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10) as b:
+        w = torch.randint(0, 256, (40 * CHUNK,), dtype=torch.uint8)
+        b.register("w", w)
+        await a.connect(b.name)
+        out = torch.full_like(w, 0xA5)
+        with _GapProbe() as probe:
+            t0 = time.monotonic()
+            with pytest.raises(transport.TransportTimeoutError) as ei:
+                await a.get(b.name, {"w": out}, timeout=0.3)
+            took = time.monotonic() - t0
+        assert "pending" not in str(ei.value) and "outlived" not in str(ei.value)
+        assert took > 1.2, "the get returned while copies into its tensor were still queued"
+        assert took < 10
+        assert probe.gap < 0.5, f"the event loop was blocked for {probe.gap:.2f} s"
+        snapshot = out.clone()
+        await asyncio.sleep(1.0)
+        assert torch.equal(out, snapshot), "bytes landed in the caller's tensor after the get returned"
+        assert a.staging.parked() == 0
+        await settle(a, b)
+        engine.delay = 0.0
+        out.fill_(0xA5)
+        await a.get(b.name, {"w": out}, timeout=30)
+        assert torch.equal(out, w)
+
+
+class HeldCopies(Counting):
+    """Copies wait until ``release`` is set (bounded): a stalled device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def _copy(self, dst, src):
+        self.release.wait(20)
+        dst.copy_(src)
+
+
+async def test_abandoned_staged_get_with_a_stuck_copy_says_so(store_url, uname):
+    """A get abandoned while a copy into the caller's tensor is stuck past stall_timeout: the
+    error says the tensor may still be written, the tensor is held (parked) until the copy
+    ends, then let go; the loop is never blocked."""
+    engine = HeldCopies()
+    try:
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10,
+                                      staging=slow_config(engine, 0.5)) as a, \
+                transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10) as b:
+            w = torch.randint(0, 256, (40 * CHUNK,), dtype=torch.uint8)
+            b.register("w", w)
+            await a.connect(b.name)
+            out = torch.full_like(w, 0xA5)
+            with _GapProbe() as probe:
+                with pytest.raises(transport.TransportTimeoutError, match="outlived its bound") as ei:
+                    await a.get(b.name, {"w": out}, timeout=0.2)
+            assert "held" in str(ei.value)
+            assert probe.gap < 0.5, f"the event loop was blocked for {probe.gap:.2f} s"
+            assert a.staging.parked() >= 1
+            held = [t for _, ts in a.staging._parked for t in ts]
+            assert any(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for t in held)
+            engine.release.set()
+            end = time.monotonic() + 10
+            while a.staging.parked():
+                assert time.monotonic() < end, "parked memory was not let go once the copies ended"
+                await asyncio.sleep(0.02)
+            await settle(a, b)
+            out.fill_(0xA5)
+            await a.get(b.name, {"w": out}, timeout=30)
+            assert torch.equal(out, w)
+    finally:
+        engine.release.set()
+
+
+class Gate:
+    """A waitable (like a CUDA event on the caller's stream) that completes when opened."""
+
+    def __init__(self, opened: bool = False, fails: bool = False) -> None:
+        self.ev = threading.Event()
+        self.fails = fails
+        if opened:
+            self.ev.set()
+
+    def query(self) -> bool:
+        if self.fails and self.ev.is_set():
+            raise RuntimeError("injected failure of the caller's work")
+        return self.ev.is_set()
+
+    def synchronize(self) -> None:
+        if not self.ev.wait(20):
+            raise RuntimeError("the gate was never opened")
+        if self.fails:
+            raise RuntimeError("injected failure of the caller's work")
+
+
+class GatedMarks(Counting):
+    """mark() returns a Gate (the caller's pending work); records what each copy was told to wait for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[Gate] = []
+        self.afters: list[object] = []
+        self.open_next = False
+        self.fail_next = False
+
+    def mark(self):
+        g = Gate(opened=self.open_next, fails=self.fail_next)
+        self.gates.append(g)
+        return g
+
+    def copy(self, dst, src, after=None):
+        self.afters.append(after)
+        return super().copy(dst, src, after)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_staged_ops_await_the_callers_work_before_the_channel_sees_them(endpoints, op):
+    """The caller's pending work (its mark) is awaited on the event loop before the op reaches the
+    channel: meanwhile nothing is staged or sent, the channel and the loop keep serving other
+    traffic, and the copies are then issued waiting for nothing."""
+    ie = GatedMarks()
+    a, b = await endpoints(ie, None)
+    w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    b.register("v", torch.zeros(16))
+    a.register("mine", torch.zeros(16))
+    peer = await a.connect(b.name)
+    mine = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
+    local = mine.clone() if op == "put" else torch.full_like(w, 0xA5)
+    task = asyncio.create_task(getattr(a, op)(b.name, {"w": local}, timeout=20))
+    try:
+        await _until(lambda: len(ie.gates) == 1)
+        await asyncio.sleep(0.2)
+        assert ie.calls == 0, "bytes were staged before the caller's work was done"
+        assert not task.done()
+        rec = [r for r in a.recorder.snapshot() if r["role"] == "initiator" and r["kind"] == op][-1]
+        assert rec["state"] == "posted"
+        # the channel is not held by the waiting op: traffic both ways goes on
+        await a.notify(b.name, b"meanwhile", timeout=5)
+        await b.put(a.name, {"mine": torch.ones(16)}, timeout=5)
+        assert peer.connected and not task.done()
+        ie.gates[0].ev.set()
+        await asyncio.wait_for(task, 20)
+    finally:
+        for g in ie.gates:
+            g.ev.set()
+    if op == "put":
+        assert torch.equal(w, mine)
+    else:
+        assert torch.equal(local, w)
+    assert ie.calls > 0 and all(x is None for x in ie.afters), "a copy was told to wait for the caller's stream"
+    await settle(a, b)
+
+
+async def test_a_staged_op_times_out_while_the_callers_work_is_pending(endpoints):
+    ie = GatedMarks()
+    a, b = await endpoints(ie, None)
+    w = torch.zeros(9 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    try:
+        with pytest.raises(transport.TransportTimeoutError, match="posted"):
+            await a.put(b.name, {"w": torch.ones_like(w)}, timeout=0.3)
+        assert ie.calls == 0 and bool((w == 0).all()) and peer.connected
+        assert not a._channels[b.name]._pending
+        ie.gates[0].ev.set()  # the caller's work ends late; later marks of that device queue behind it
+        await _until(lambda: all(br.pending == 0 for br in a.staging._bridges.values()))
+        ie.fail_next = True
+        with pytest.raises(StagingError, match="injected failure of the caller's work"):
+            ie.open_next = True
+            await a.put(b.name, {"w": torch.ones_like(w)}, timeout=5)
+        assert ie.calls == 0 and bool((w == 0).all()) and peer.connected
+    finally:
+        for g in ie.gates:
+            g.ev.set()
+    ie.fail_next = False
+    await a.put(b.name, {"w": torch.ones_like(w)}, timeout=10)
+    assert bool((w == 1).all())

@@ -277,6 +277,38 @@ def test_a_stalled_copy_is_bounded_and_its_buffer_never_reused():
     engine.release.set()
 
 
+def test_stage_in_stalled_copy_keeps_its_buffer_and_destination_until_it_ends():
+    """A receive copy that outlives stall_timeout: the op fails in bounded time, every byte is
+    consumed, the stuck copy's bounce buffer is never refilled (so when it ends it writes the
+    right bytes), on_stop is not called (something may still be written), and the bounce
+    buffers and the destination are held until the stuck copies end."""
+    chunk = 4096
+    staging = Staging(StagingConfig(chunk_bytes=chunk, buffers=2, stall_timeout=0.3))
+    engine = Held()
+    data = random_bytes(chunk * 5)
+    dst = poisoned(data.numel())
+    stopped: list[float] = []
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StagingError, match="did not complete.*still outstanding"):
+            feed_in(dst, data, staging, engine, on_stop=lambda: stopped.append(time.monotonic()))
+        assert time.monotonic() - t0 < 3
+        assert stopped == [], "on_stop came while a stuck copy could still write into the destination"
+        assert staging.statistics().in_use == 0
+        assert staging.parked() == 2  # chunks 0 and 1: issued, never completed
+        held = [t for _, ts in staging._parked for t in ts]
+        assert any(t.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr() for t in held)
+    finally:
+        engine.release.set()
+    deadline = time.monotonic() + 5
+    while staging.parked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.parked() == 0, "parked memory was not let go once the stuck copies ended"
+    # the late copies wrote what they were given: their bounce buffers were not refilled
+    assert torch.equal(dst[: 2 * chunk], data[: 2 * chunk])
+    assert bool((dst[2 * chunk :] == POISON).all()), "bytes drained after the error reached the destination"
+
+
 def test_stage_in_stop_waits_for_copies_then_drains():
     """stop(): no copy after it, on_stop once the ones in flight are done, every byte consumed."""
     chunk = 4096

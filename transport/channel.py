@@ -142,7 +142,7 @@ class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
     __slots__ = ("abandoned", "busy", "channel", "dests", "future", "inline", "keep", "kind", "lock", "marks",
-                 "on_wire", "op_id", "quiet", "record", "seq")
+                 "on_wire", "op_id", "quiet", "record", "seq", "stuck")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
                  inline: bool = True) -> None:
@@ -165,6 +165,7 @@ class Op:
         self.lock = threading.Lock()
         self.busy = False
         self.quiet = threading.Event()
+        self.stuck = False  # a staged copy into the caller's tensor outlived its bound (may still write)
 
 
 class CoreProtocol(Protocol):
@@ -186,13 +187,21 @@ def _chain(head: bytes, payload: Iterator[memoryview],
            early: Callable[[StagingError], None] | None = None) -> Iterator[bytes | memoryview]:
     """A header frame and a lazily produced payload, as one iterator submission (closing it
     closes ``payload``). The payload's first buffer is produced *before* the header goes out:
-    if that fails (``early`` is told), nothing was sent and the channel stays in sync."""
+    if that fails (``early`` is told), nothing was sent and the channel stays in sync. Any
+    error there is reported, as a :class:`StagingError` (the original as its cause): one that
+    reached the writer unreported would leave the op waiting for its deadline."""
     try:
         first = next(payload, None)
-    except StagingError as exc:
+    except Exception as exc:
+        if isinstance(exc, StagingError):
+            if early is not None:
+                early(exc)
+            raise
+        err = StagingError(f"cannot produce the payload: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
         if early is not None:
-            early(exc)
-        raise
+            early(err)
+        raise err from exc
     yield head
     if first is not None:
         yield first
@@ -320,6 +329,7 @@ class Channel:
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self.last_rx = time.monotonic()
         self._serving: Record | None = None  # target record the reader is working on
+        self._replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
         self._lowat = 1  # the socket's SO_RCVLOWAT (reader thread only)
         self._rx_cap = 0  # the largest SO_RCVLOWAT for the payload being received (reader thread only)
         self._poll = select.poll()
@@ -455,21 +465,28 @@ class Channel:
                 await op.future
         except TimeoutError:
             was = op.record.state
-            self._abandon(op)
+            note = await self._abandon(op)
             self.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.peer_name!r} did not complete before "
-                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})",
+                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else ""),
                 Phase.NOTIFY if op.kind is OpKind.NOTIFY else Phase.TRANSFER,
             )
             self.core.on_timeout(self, op, exc)
             raise exc from None
         except asyncio.CancelledError:
-            self._abandon(op)
+            await self._abandon(op)
             self.recorder.update(op.record, OpState.CANCELLED)
             raise
-        except BaseException as exc:
-            self._abandon(op)
+        except Exception as exc:
+            await self._abandon(op)
+            self.recorder.update(op.record, OpState.FAILED, exc)
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, GeneratorExit...: no await here
+            bound = self._abandon_now(op)
+            if bound:
+                op.quiet.wait(min(bound, 1.0))
+            self._forget(op)
             self.recorder.update(op.record, OpState.FAILED, exc)
             raise
 
@@ -482,25 +499,80 @@ class Channel:
 
         await self.run(op, _send, deadline)
 
-    def _abandon(self, op: Op) -> None:
-        """The caller stopped waiting. An op whose header went out stays in the table until its
-        reply arrives (a get's payload must still be consumed); one that never reached the
-        wire is forgotten now. No byte is written into the caller's tensors after this returns:
-        a writer that is busy stops at its next chunk (a local copy, or bytes arriving fast);
-        bytes that trickle in are cut off by closing the channel."""
+    async def _abandon(self, op: Op) -> str | None:
+        """The caller stopped waiting (event loop). An op whose header went out stays in the table
+        until its reply arrives (a get's payload must still be consumed); one that never reached
+        the wire is forgotten now. No byte is written into the caller's tensors after this
+        returns: a writer that is busy stops at its next chunk (a local copy, or bytes arriving
+        fast); bytes that trickle in are cut off by closing the channel.
+
+        A staged get's copies into the caller's tensor cannot be called back: they are waited
+        for until the op is quiet, up to the staging stall bound (``stall_timeout`` plus the
+        time to give up on the copies behind a stuck one and on the socket), off the event
+        loop (this coroutine awaits a worker thread; cancelling it again does not cut that
+        wait short, the cancellation is re-raised after it). Returns None once nothing more
+        will be written, else a sentence saying what may still be (also logged): a copy stuck
+        past its bound (its tensor is then held until it ends, see :func:`~transport.staging.stage_in`)."""
+        try:
+            bound = self._abandon_now(op)
+            if bound and not await self._wait_quiet(op, bound):
+                note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors were still pending {bound:.1f} s "
+                        "after the op was abandoned; they may still land there")
+                log.error("channel %s: %s", self.id, note)
+                return note
+            if op.stuck:
+                note = (f"{op.kind.value} #{op.op_id}: a staged copy into the caller's tensor outlived its bound "
+                        f"({self.staging.config.stall_timeout:g} s) and may still write into it (the tensor is held "
+                        "until it ends)")
+                log.error("channel %s: %s", self.id, note)
+                return note
+            return None
+        finally:
+            self._forget(op)
+
+    def _abandon_now(self, op: Op) -> float:
+        """The non-blocking part of :meth:`_abandon` (event loop); returns how long to wait for
+        ``op.quiet`` (0: nothing is being written)."""
         with op.lock:
             op.abandoned = True
             busy = op.busy
         if not op.future.done():  # nobody will retrieve what the op ends with
             op.future.cancel()
-        if busy and not op.quiet.wait(0.05):
-            if op.inline:  # bytes trickling in from the socket: cut them off
-                self.lose(PeerLostError(
-                    f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
-                    f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
-            op.quiet.wait(1.0)  # a local copy stops at its next chunk
+        if not busy or op.quiet.wait(0.05):
+            return 0.0
+        if op.inline:  # bytes trickling in from the socket: cut them off
+            self.lose(PeerLostError(
+                f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
+                f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
+        if op.marks is not None:  # staged: the reader may be waiting for a copy, up to stall_timeout
+            cfg = self.staging.config
+            return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
+        return 1.0  # a local copy stops at its next chunk; the reader at its next poll
+
+    def _forget(self, op: Op) -> None:
         if not op.on_wire:
             self._pop(op.op_id)
+
+    @staticmethod
+    async def _wait_quiet(op: Op, bound: float) -> bool:
+        """Wait (bounded, off the event loop) until ``op`` writes no more; True if it is quiet."""
+        try:
+            fut = asyncio.ensure_future(asyncio.to_thread(op.quiet.wait, bound))
+        except RuntimeError:  # no executor (the loop is shutting down): a short wait here
+            return op.quiet.wait(min(bound, 1.0))
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if fut.cancelled():
+                    break
+                cancelled = True  # the wait protects the caller's memory: finish it first
+            except Exception:
+                break
+        if cancelled:
+            raise asyncio.CancelledError
+        return op.quiet.is_set()
 
     def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:
         """Any thread: fail ``op`` with ``exc``; with ``lost``, break the channel first (its other
@@ -556,6 +628,10 @@ class Channel:
             self.error = exc
             pending = list(self._pending.values())
             self._pending.clear()
+            replies = list(self._replies.values())
+            self._replies.clear()
+        for rec in replies:  # staged get replies the writer will not finish (one it is sending fails anyway)
+            self.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {exc}")
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -854,16 +930,38 @@ class Channel:
             op_id = msg.op_id
 
             def early(exc: StagingError) -> None:  # nothing was sent: answer with the error instead
-                self.recorder.update(rec, OpState.FAILED, exc)
                 if self.is_open:
                     self.send(Fail(op_id, error_kind(exc), str(exc)))
 
-            # the writer copies each staged part out chunk by chunk; a later failure breaks the channel
-            self.send(Data(msg.op_id), self.staging.payload(parts), early=early)
-        else:
-            views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
-            self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
+            # the writer copies each staged part out chunk by chunk (a later failure breaks the
+            # channel) and settles the record: the reader is long gone by then
+            self._serving = None
+            with self._lock:
+                self._replies[id(rec)] = rec
+            self.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
+            return
+        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
+        self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
         self._done(rec)  # queued for the writer; the initiator's record says when it arrived
+
+    def _staged_reply(self, rec: Record, parts: list[torch.Tensor]) -> Iterator[memoryview]:
+        """Writer thread: a staged get reply's payload. Its record says DONE once the last byte
+        was sent, FAILED if staging failed (before or after the header went out) or the channel
+        closed before the payload was out."""
+        ok = False
+        try:
+            yield from self.staging.payload(parts)
+            ok = True  # asked for more after the last chunk: that one was sent
+        except Exception as exc:
+            self.recorder.update(rec, OpState.FAILED, exc)
+            raise
+        finally:
+            with self._lock:
+                self._replies.pop(id(rec), None)
+            if ok:
+                self.recorder.update(rec, OpState.DONE)
+            else:  # closed early (a no-op if it failed above)
+                self.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {self.error}")
 
     def _dest(self, buf: Any, off: int, n: int) -> memoryview | torch.Tensor:
         """Target side: where bytes ``[off, off + n)`` of a registered buffer are written: a
@@ -876,8 +974,9 @@ class Channel:
         """Reader thread: receive a payload into ``dests`` in order (memoryviews straight, tensors
         through the staged path). Every byte is consumed whatever happens, so the stream stays in
         sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
-        drained (``op.quiet`` is set once nothing more will be written). After a staging error the
-        rest is drained too; the error is returned."""
+        drained (``op.quiet`` is set once nothing more will be written, except by a staged copy
+        that outlived its bound: then ``op.stuck`` is set first, and the tensor is held until the
+        copy ends). After a staging error the rest is drained too; the error is returned."""
         if op is None:  # a put into CPU memory (the common case): straight into the registered tensors
             views = [d for d in dests if type(d) is memoryview]
             if len(views) == len(dests):
@@ -929,8 +1028,13 @@ class Channel:
                     def fill(view: memoryview, more: int, rest: int = left) -> None:
                         self._recv_into(view, more + rest, total)
 
+                    def stuck() -> None:  # (before quiet is set)
+                        if op is not None:
+                            op.stuck = True
+
                     try:
-                        if not self.staging.receive(dest, fill, after=after, stop=stopped, on_stop=stop_writing):
+                        if not self.staging.receive(dest, fill, after=after, stop=stopped, on_stop=stop_writing,
+                                                    on_stuck=stuck):
                             stop_writing()
                     except StagingError as exc:
                         error = exc

@@ -64,6 +64,10 @@ class CompletionBridge:
         self._thread.start()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
     def pending(self) -> int:
         """Waits submitted and not yet returned by the thread (including the one it is in)."""
         with self._cond:

@@ -254,6 +254,7 @@ class Endpoint:
             ch.join(max(0.0, end - time.monotonic()))
 
     def _teardown_sync(self) -> None:
+        self.staging.close()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -129,6 +129,11 @@ def check_tensor(name: str, tensor: object) -> torch.Tensor:
         raise InvalidTensorError(
             f"{name!r}: tensor is not contiguous (stride {tensor.stride()}); pass .contiguous()"
         )
+    if tensor.is_conj() or tensor.is_neg():
+        raise InvalidTensorError(
+            f"{name!r}: tensor is a lazy {'conjugate' if tensor.is_conj() else 'negative'} view (its memory does "
+            "not hold its values); pass .resolve_conj().resolve_neg()"
+        )
     if tensor.device.type not in ("cpu", "cuda"):
         raise InvalidTensorError(
             f"{name!r}: tensor is on {tensor.device}; this build moves CPU and CUDA tensors only"

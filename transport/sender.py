@@ -23,7 +23,8 @@ next buffer only after sending the previous one, so nothing else can slip
 into the middle of it. If producing a buffer raises, the connection is
 unusable (the peer saw part of a payload): ``on_error`` gets the exception;
 unless it raised before its first buffer: then nothing of it went out, the
-job is dropped (the iterator reports its own failure) and sending goes on.
+job is dropped (the iterator reports its own failure; the channel's ``_chain``
+reports any error there to the op), a warning is logged and sending goes on.
 An iterator that is dropped or stopped early is closed (so it can release
 what it holds).
 """
@@ -31,6 +32,7 @@ what it holds).
 from __future__ import annotations
 
 import collections
+import logging
 import socket
 import threading
 import time
@@ -38,6 +40,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DIRECT_MAX", "Sender"]
+
+log = logging.getLogger(__name__)
 
 # Bytes one fast-path sendmsg may carry. A larger submission sends its first DIRECT_MAX bytes
 # (header included) from the calling thread and leaves the rest to the writer thread. Measured on
@@ -201,7 +205,11 @@ class Sender:
                     self._busy = False
                     self._cond.notify_all()
                 if not started and not isinstance(exc, OSError):
-                    continue  # an iterator that failed before its first buffer: nothing went out
+                    # an iterator that failed before its first buffer: nothing went out, the
+                    # stream is intact; its producer reports the failure to the op
+                    log.warning("%s: a payload failed before its first buffer and was dropped (nothing was sent): "
+                                "%s: %s", self._thread.name, type(exc).__name__, exc)
+                    continue
                 self._on_error(exc)
                 return
             with self._cond:

@@ -35,13 +35,16 @@ chunk's copy must complete within it); past it,
 here is cancelled from outside. Cancelling ``await ep.put()`` stops the
 caller's wait only; the writer still stages and sends the whole payload
 (the source stays referenced). The channel stops a receive through ``stop``
-(copies already issued are waited for, the rest of the bytes is drained),
+(copies already issued are waited for, the rest of the bytes is drained;
+a copy that outlives ``stall_timeout`` is parked with its memory, see
+:func:`stage_in`),
 and a send that cannot finish after its first chunk breaks its channel (a
 peer that saw part of a payload cannot be resynchronised).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -52,6 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .completion import CompletionBridge
 from .errors import InvalidTensorError, StagingError
 from .registry import tensor_bytes
 
@@ -90,8 +94,11 @@ class CopyEngine(Protocol):
     """Asynchronous copies between a device and host bounce buffers.
 
     ``mark()`` is called in the thread that issued the op (the caller's) and
-    returns what later copies must wait for (e.g. a CUDA event on the caller's
-    current stream), or None. ``copy`` issues ``dst.copy_(src)`` without
+    returns what the op must wait for (e.g. a blocking-sync CUDA event on the
+    caller's current stream), or None: a :class:`~transport.completion.Waitable`
+    (``query``/``synchronize``), which the staged plane awaits on the event loop
+    before the op reaches the channel; ``copy(after=...)`` can also order one
+    copy after it, for direct users of the pipeline. ``copy`` issues ``dst.copy_(src)`` without
     waiting for it (it may raise :class:`StagingError` if it cannot issue it).
     ``host_buffer`` allocates one bounce buffer (a ``uint8`` CPU tensor).
     """
@@ -242,31 +249,33 @@ class BounceRing:
     def allocated(self) -> int:
         return sum(b is not None for b in self._bufs)
 
-    def release(self, busy: Iterable[int] = ()) -> None:
-        """Give the buffers back. ``busy`` slots may still be written by a copy that did not
-        complete in time: they are parked for good rather than handed to the allocator."""
+    def release(self, stuck: Iterable[tuple[int, CopyHandle]] = (), keep: torch.Tensor | None = None) -> None:
+        """Give the buffers back. A slot in ``stuck`` is still read or written by a copy that did
+        not complete in time: its buffer, and ``keep`` (the tensor at the copy's other end), are
+        parked (held, never handed back to an allocator) until that copy is over."""
         if self._released:
             return
         self._released = True
         n = self.allocated
-        for slot in set(busy):
+        for slot, handle in stuck:
             buf = self._bufs[slot]
-            if buf is not None:
-                self._staging._park(buf)
+            self._staging._park(handle, buf, keep)
         self._bufs = [None] * self.count
         self._staging._gave(n)
 
 
-def _wait_quietly(handles: Iterable[tuple[int, CopyHandle]], timeout: float) -> list[int]:
-    """Wait for copies still in flight (errors are already being reported); return the
-    slots whose copy did not complete in time."""
-    stuck = []
+def _wait_quietly(handles: Iterable[tuple[int, CopyHandle]], timeout: float) -> list[tuple[int, CopyHandle]]:
+    """Wait for copies still in flight (errors are already being reported); return those
+    that did not complete in time. Once one is stuck, the others get ``min(timeout, 0.1)`` s
+    each (copies complete in issue order: those behind a stuck one are stuck too), so the
+    whole wait stays within about one ``timeout``."""
+    stuck: list[tuple[int, CopyHandle]] = []
     for slot, h in handles:
         try:
-            h.wait(timeout)
+            h.wait(min(timeout, 0.1) if stuck else timeout)
         except StagingError:
             if not h.done():
-                stuck.append(slot)
+                stuck.append((slot, h))
     return stuck
 
 
@@ -309,7 +318,7 @@ def stage_out(src: torch.Tensor, ring: BounceRing, stall_timeout: float, after: 
         if pending:
             stuck = _wait_quietly([(s, h) for s, _, h in pending], stall_timeout)
             if stuck:
-                ring.release(stuck)
+                ring.release(stuck, keep=src)
 
 
 def stage_in(
@@ -321,6 +330,7 @@ def stage_in(
     after: Any = None,
     stop: Callable[[], bool] | None = None,
     on_stop: Callable[[], None] | None = None,
+    on_stuck: Callable[[], None] | None = None,
 ) -> bool:
     """Receive ``dst.numel()`` bytes into ``dst`` (a flat ``uint8`` tensor on the engine's device).
 
@@ -330,31 +340,49 @@ def stage_in(
     consumed from the source, so the stream stays in sync: if a copy fails, or ``stop()``
     turns True (checked before each chunk), no further copy is issued, the ones in flight
     are waited for, ``on_stop()`` is called (once nothing more will be written to ``dst``)
-    and the remaining bytes are received and dropped. Returns True if every byte reached
-    ``dst``, False if stopped; raises :class:`StagingError` (after consuming every byte) if
-    a copy failed or stalled. An error of ``fill`` propagates at once (the source is
-    broken), after the copies in flight were waited for (bounded).
+    and the remaining bytes are received into scratch memory and dropped. Returns True if
+    every byte reached ``dst``, False if stopped; raises :class:`StagingError` (after
+    consuming every byte) if a copy failed or stalled. An error of ``fill`` propagates at
+    once (the source is broken), after the copies in flight were waited for (bounded).
+
+    A copy that is still running past ``stall_timeout`` (*stuck*) cannot be called back: its
+    bounce buffer is never refilled (the rest is drained through scratch memory) and, with
+    ``dst``, is parked (:meth:`BounceRing.release`) until the copy ends, so neither memory is
+    reused meanwhile. ``on_stuck()`` is called when the first copy is found stuck (or, after
+    an error of ``fill``, when a copy in flight is), ``on_stop`` is then *not* called
+    (something may still be written to ``dst``), and the :class:`StagingError` raised says so. Once one copy is stuck, the others
+    still in flight are given ``min(stall_timeout, 0.1)`` s each (copies complete in issue
+    order on an engine's stream: those behind a stuck one are stuck too).
     """
     engine, size, count, n = ring.engine, ring.chunk_bytes, ring.count, dst.numel()
-    handles: list[CopyHandle | None] = [None] * count
+    handles: list[CopyHandle | None] = [None] * count  # copies not yet known to be over
+    stuck: set[int] = set()  # slots whose copy outlived its bound (handles kept)
     error: StagingError | None = None
     writing = True
+    scratch: memoryview | None = None
 
     def settle(slot: int) -> None:
         nonlocal error
-        h, handles[slot] = handles[slot], None
-        if h is not None:
-            try:
-                h.wait(stall_timeout)
-            except StagingError as exc:
-                error = error or exc
+        h = handles[slot]
+        if h is None or slot in stuck:
+            return
+        try:
+            h.wait(min(stall_timeout, 0.1) if stuck else stall_timeout)
+        except StagingError as exc:
+            error = error or exc
+            if not h.done():  # still running: keep it, never reuse its buffer
+                if not stuck and on_stuck is not None:
+                    on_stuck()
+                stuck.add(slot)
+                return
+        handles[slot] = None
 
     def halt() -> None:  # no copy from here on; the ones in flight end first
         nonlocal writing
         writing = False
         for s in range(count):
             settle(s)
-        if on_stop is not None:
+        if on_stop is not None and not stuck:
             on_stop()
 
     pos, i = 0, 0
@@ -365,31 +393,40 @@ def stage_in(
             settle(slot)
             if writing and (error is not None or (stop is not None and stop())):
                 halt()
-            try:
-                buf = ring.buffer(slot)[:k]
-            except StagingError as exc:  # no bounce buffer: drain through scratch memory instead
-                error = error or exc
-                if writing:
+            if writing:
+                try:
+                    buf = ring.buffer(slot)[:k]
+                except StagingError as exc:  # no bounce buffer: drain through scratch memory instead
+                    error = error or exc
                     halt()
-                fill(memoryview(bytearray(k)), n - pos - k)
+            if not writing:  # drained through scratch: a bounce buffer may still be read by a stuck copy
+                if scratch is None:
+                    scratch = memoryview(bytearray(size))
+                fill(scratch[:k], n - pos - k)
                 pos += k
                 continue
             fill(tensor_bytes(buf), n - pos - k)
-            if writing:
-                try:
-                    handles[slot] = _issue(engine, dst[pos : pos + k], buf, after)
-                except StagingError as exc:
-                    error = exc
+            try:
+                handles[slot] = _issue(engine, dst[pos : pos + k], buf, after)
+            except StagingError as exc:
+                error = exc
             pos += k
         for s in range(count):
             settle(s)
     finally:
-        busy = [(s, h) for s, h in enumerate(handles) if h is not None]
+        left = [(s, h) for s, h in enumerate(handles) if h is not None and s in stuck]
+        busy = [(s, h) for s, h in enumerate(handles) if h is not None and s not in stuck]
         if busy:
-            stuck = _wait_quietly(busy, stall_timeout)
-            if stuck:
-                ring.release(stuck)
+            late = _wait_quietly(busy, stall_timeout)
+            if late and not stuck and on_stuck is not None:
+                on_stuck()
+            left += late
+        if left:
+            ring.release(left, keep=dst)
     if error is not None:
+        if stuck:
+            raise StagingError(f"{error}; {len(stuck)} copy(ies) into the destination are still outstanding and "
+                               "may write into it later (it is held until they end)") from error
         raise error
     return writing
 
@@ -405,7 +442,9 @@ class Staging:
         self._in_use = 0
         self._peak = 0
         self._allocated = 0
-        self._parked: list[torch.Tensor] = []  # written by copies that never completed: never reused
+        # copies that outlived their bound, with the memory they may still touch (held until they end)
+        self._parked: list[tuple[CopyHandle, tuple[torch.Tensor, ...]]] = []
+        self._bridges: dict[torch.device, CompletionBridge] = {}  # awaiting callers' marks, per device
 
     def stages(self, device: str | torch.device) -> bool:
         """Whether bytes of a tensor on ``device`` go through bounce buffers."""
@@ -442,7 +481,8 @@ class Staging:
         return BounceRing(self, engine, count, size)
 
     def mark(self, tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
-        """Call in the caller's thread: per staged device, what the copies must wait for."""
+        """Call in the caller's thread: per staged device, what the op must wait for (see
+        :class:`CopyEngine`)."""
         out: dict[torch.device, Any] = {}
         for t in tensors:
             if self.stages(t.device) and t.device not in out:
@@ -471,7 +511,8 @@ class Staging:
                 ring.release()
 
     def receive(self, dst: torch.Tensor, fill: Callable[[memoryview, int], None], *, after: Any = None,
-                stop: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None) -> bool:
+                stop: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None,
+                on_stuck: Callable[[], None] | None = None) -> bool:
         """Receive into ``dst`` (any contiguous tensor on a staged device) through a ring;
         see :func:`stage_in`."""
         flat = dst.detach().reshape(-1).view(torch.uint8)
@@ -487,9 +528,27 @@ class Staging:
             raise
         ring = self.ring(engine, flat.numel())
         try:
-            return stage_in(flat, ring, self.config.stall_timeout, fill, after=after, stop=stop, on_stop=on_stop)
+            return stage_in(flat, ring, self.config.stall_timeout, fill, after=after, stop=stop, on_stop=on_stop,
+                            on_stuck=on_stuck)
         finally:
             ring.release()
+
+    def bridge(self, device: torch.device) -> CompletionBridge:
+        """The bridge that awaits callers' marks on ``device`` (event loop thread; created on
+        first use). One per device: marks of one device's current stream complete in order."""
+        loop = asyncio.get_running_loop()
+        b = self._bridges.get(device)
+        if b is None or b.loop is not loop:
+            if b is not None:
+                b.close(0.0)
+            b = self._bridges[device] = CompletionBridge(loop, f"transport-mark-{device}")
+        return b
+
+    def close(self) -> None:
+        """Stop the bridges (any thread): waits still pending fail with EndpointClosedError."""
+        bridges, self._bridges = list(self._bridges.values()), {}
+        for b in bridges:
+            b.close(0.5)
 
     def statistics(self) -> StagingStats:
         with self._lock:
@@ -505,8 +564,19 @@ class Staging:
         with self._lock:
             self._in_use -= n
 
-    def _park(self, buf: torch.Tensor) -> None:
+    def _park(self, handle: CopyHandle, *tensors: torch.Tensor | None) -> None:
+        """Hold ``tensors`` (a bounce buffer, the tensor at the copy's other end) until ``handle``'s
+        copy is over: it may still read or write them, so their memory must not be reused."""
+        held = tuple(t for t in tensors if t is not None)
         with self._lock:
-            self._parked.append(buf)
-        log.error("a staged copy into a %d-byte bounce buffer never completed; the buffer is parked for good",
-                  buf.numel())
+            self._parked = [p for p in self._parked if not p[0].done()]
+            self._parked.append((handle, held))
+        log.error("a staged copy did not complete within its bound; its bounce buffer and the tensor it %s are held "
+                  "until it does (%s)", "copies", ", ".join(f"{t.numel() * t.element_size()} bytes on {t.device}"
+                                                            for t in held))
+
+    def parked(self) -> int:
+        """Copies that outlived their bound and have not ended yet (their memory is held)."""
+        with self._lock:
+            self._parked = [p for p in self._parked if not p[0].done()]
+            return len(self._parked)

@@ -172,3 +172,39 @@ def test_bad_input_with_gpu_tensors_raises_before_any_byte_moves(store_url, targ
         assert await asyncio.to_thread(target.call, "is_poisoned", name)
 
     with_init(store_url, plane, body)
+
+
+def test_a_callers_long_kernel_delays_only_its_own_op(store_url, target, plane):
+    """A put issued behind a long kernel on the caller's stream waits for it on the event loop
+    before reaching the channel (and sends the bytes that stream leaves), while another op on the
+    same channel completes meanwhile: no channel thread and no shared copy stream waits on the
+    application's stream."""
+
+    async def body(init: transport.Endpoint) -> None:
+        slow_name, fast_name = f"slow-{uuid.uuid4().hex[:8]}", f"fast-{uuid.uuid4().hex[:8]}"
+        shape = (MiB,)
+        for name in (slow_name, fast_name):
+            await asyncio.to_thread(target.call, "register", name, "float32", shape, DEV)
+            await peer_has(init, target.name, name)
+        s_slow, s_fast = seed(), seed()
+        want = make_tensor("float32", shape, s_slow).to(DEV)
+        src = torch.zeros(shape, device=DEV)
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+
+        async def slow_put() -> None:
+            # (the current stream is per thread, not per task: only this task marks while it is set)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(3_000_000_000)  # a second or more of GPU time, then src is written
+                src.copy_(want)
+                await init.put(target.name, {slow_name: src}, timeout=120)
+
+        slow = asyncio.ensure_future(slow_put())
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(init.put(target.name, {fast_name: make_tensor("float32", shape, s_fast)}), 30)
+        assert not slow.done(), "the kernel ended before the other op; the check proves nothing (raise the sleep)"
+        await asyncio.wait_for(slow, 120)
+        assert await asyncio.to_thread(target.call, "check", slow_name, s_slow)
+        assert await asyncio.to_thread(target.call, "check", fast_name, s_fast)
+
+    with_init(store_url, plane, body)

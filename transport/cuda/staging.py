@@ -6,10 +6,13 @@ CUDA events.
 Only this module touches CUDA for staging; the pipeline's logic (chunking, ordering, bounded
 memory, errors) is :mod:`transport.staging`'s and is tested on CPU with a thread engine.
 
-Ordering: :meth:`CudaCopyEngine.mark` records an event on the *caller's* current stream when the
-op is issued (in the caller's thread); every copy of that op waits for it on its dedicated stream,
-so a put sees the tensor as the caller's stream had it at the call, and a get never writes into
-memory the caller's stream is still using. Work on other streams must be synchronized by the
+Ordering: :meth:`CudaCopyEngine.mark` records a blocking-sync event on the *caller's* current
+stream when the op is issued (in the caller's thread); the staged plane awaits it on the event loop
+(a :class:`~transport.completion.CompletionBridge`) before the op reaches the channel, so a put sees
+the tensor as the caller's stream had it at the call, and a get never writes into memory the
+caller's stream is still using. Its copies are then issued with ``after=None``: the dedicated
+streams, shared by every channel, never wait on an application's stream (``copy(after=...)`` still
+orders a copy after an event, for direct users of the pipeline). Work on other streams must be synchronized by the
 caller before the call. (The caller's thread is the one running the event loop; with a
 ``BlockingEndpoint`` that is not the application's thread.)
 
@@ -72,7 +75,7 @@ class CudaCopyEngine:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def mark(self) -> Any:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # awaited by a CompletionBridge thread: sleeps, no spin
         event.record(torch.cuda.current_stream(self.device))
         return event
 

@@ -15,6 +15,13 @@ is local to each side (:mod:`transport.staging`):
 - get: the target's writer stages its GPU buffer out the same way; our reader
   stages the reply into the caller's GPU tensors.
 
+Ordering with the caller's GPU work: before the op is handed to the channel
+(a put's header and payload, a get's request), the plane awaits, on the
+event loop, an event recorded on the caller's current stream at the call
+(:meth:`StagedPlane._after_callers_work`); the copies are then issued
+waiting for nothing, so no channel thread, and no copy stream shared by all
+channels, ever waits on an application's stream.
+
 It works over any channel, whatever its CPU plane (a peer's GPU buffer is
 never in shared memory). On the sending side the header goes out once the
 first chunk is staged: if that fails, nothing is sent, the op fails with
@@ -31,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..completion import CompletionError
 from ..errors import PeerLostError, StagingError
 from ..registry import tensor_bytes
 from ..wire import Get, HostInfo, Item, Put
@@ -53,23 +61,44 @@ class StagedPlane(DataPlane):
     def reaches(cls, local: HostInfo, remote: HostInfo) -> tuple[bool, str]:
         return True, "the channel's socket reaches any host"
 
-    async def put(self, op: Any, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
+    async def _after_callers_work(self, op: Any, tensors: list[torch.Tensor]) -> None:
+        """Await, on the event loop, the work the caller queued on its current stream(s) before
+        the call (per staged device, an event the engine records there): the op's copies must
+        see the tensors as that work leaves them. Only then is the op handed to the channel,
+        and its copies are issued waiting for nothing, so the channel's reader and writer (and
+        the engine's streams, shared by every channel) never wait on an application's stream.
+        The wait runs on a :class:`~transport.completion.CompletionBridge` thread (blocking-sync
+        events: no spinning), bounded by the op's deadline; it fails the op with
+        :class:`StagingError` if that work failed."""
         staging = self.channel.staging
+        marks = staging.mark(tensors)  # here, in the caller's thread: on its current streams
+        for device, mark in marks.items():
+            if mark is None:
+                continue
+            try:
+                await staging.bridge(device).wait(mark)
+            except CompletionError as exc:
+                raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
+                                   f"failed: {exc}") from exc
+
+    async def put(self, op: Any, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
         tensors = [t for _, t in pairs]
-        marks = staging.mark(tensors)  # here, in the caller's thread: the copies wait for its stream
         op.keep = tensors
+        await self._after_callers_work(op, tensors)
         header = Put(op.op_id, op.seq, self.wire_plane, [it for it, _ in pairs], notify)
         peer = self.channel.peer_name
 
         def early(exc: StagingError) -> None:  # before the header went out: the channel is intact
-            self.channel.fail_op(op, StagingError(f"put #{op.op_id} to {peer!r}: {exc}"))
+            err = StagingError(f"put #{op.op_id} to {peer!r}: {exc}")
+            err.__cause__ = exc
+            self.channel.fail_op(op, err)
 
-        self.channel.send(header, self._payload(op, tensors, marks), op=op, early=early)
+        self.channel.send(header, self._payload(op, tensors), op=op, early=early)
 
-    def _payload(self, op: Any, tensors: list[torch.Tensor], marks: dict[torch.device, Any]) -> Iterator[memoryview]:
+    def _payload(self, op: Any, tensors: list[torch.Tensor]) -> Iterator[memoryview]:
         started = False
         try:
-            for view in self.channel.staging.payload(tensors, marks):
+            for view in self.channel.staging.payload(tensors):
                 started = True
                 yield view
         except StagingError as exc:
@@ -89,7 +118,9 @@ class StagedPlane(DataPlane):
     async def get(self, op: Any, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         staging = self.channel.staging
         tensors = [t for _, t in pairs]
-        op.marks = staging.mark(tensors)
+        op.keep = tensors
+        await self._after_callers_work(op, tensors)  # before the request: the reply lands after that work
+        op.marks = {}  # (staged: its copies wait for nothing more)
         op.dests = [t.detach().reshape(-1).view(torch.uint8) if staging.stages(t.device) else tensor_bytes(t)
                     for t in tensors]
         op.keep = tensors
