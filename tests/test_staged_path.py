@@ -728,8 +728,9 @@ async def _until(cond, timeout: float = 5.0) -> None:
 @pytest.mark.parametrize("op", ["put", "get"])
 async def test_staged_ops_await_the_callers_work_before_the_channel_sees_them(endpoints, op):
     """The caller's pending work (its mark) is awaited on the event loop before the op reaches the
-    channel: meanwhile nothing is staged or sent, the channel and the loop keep serving other
-    traffic, and the copies are then issued waiting for nothing."""
+    channel: meanwhile nothing is staged or sent, the loop and the other direction keep serving,
+    a later op of the same caller waits its turn (call order holds), and the copies are then
+    issued waiting for nothing."""
     ie = GatedMarks()
     a, b = await endpoints(ie, None)
     w = torch.randint(0, 256, (9 * CHUNK,), dtype=torch.uint8)
@@ -747,12 +748,20 @@ async def test_staged_ops_await_the_callers_work_before_the_channel_sees_them(en
         assert not task.done()
         rec = [r for r in a.recorder.snapshot() if r["role"] == "initiator" and r["kind"] == op][-1]
         assert rec["state"] == "posted"
-        # the channel is not held by the waiting op: traffic both ways goes on
-        await a.notify(b.name, b"meanwhile", timeout=5)
+        # the channel is not held by the waiting op: the other direction goes on ...
         await b.put(a.name, {"mine": torch.ones(16)}, timeout=5)
+        # ... and a's later ops keep their order: a notify called now reaches b after the op
+        note_task = asyncio.create_task(a.notify(b.name, b"after", timeout=20))
+        await asyncio.sleep(0.2)
+        assert not note_task.done(), "a notify overtook a staged op still waiting for the caller's work"
         assert peer.connected and not task.done()
         ie.gates[0].ev.set()
         await asyncio.wait_for(task, 20)
+        await asyncio.wait_for(note_task, 20)
+        note = await b.next_notification(timeout=5)
+        assert note.payload == b"after"
+        if op == "put":
+            assert torch.equal(w, mine), "the notification arrived before the put's bytes"
     finally:
         for g in ie.gates:
             g.ev.set()

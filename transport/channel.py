@@ -141,7 +141,7 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "inline", "keep", "kind", "lock", "marks",
+    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock", "marks",
                  "on_wire", "op_id", "quiet", "record", "seq", "stuck")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
@@ -157,6 +157,7 @@ class Op:
         self.marks: dict[torch.device, Any] | None = None  # staged get: what the copies wait for (per device)
         self.keep: Any = None  # tensors referenced until the op is over
         self.inline = inline  # the op's bytes travel in the channel's stream (tcp framing)
+        self.gated = False  # its plane may wait before sending: later ops are kept behind it (Channel.run)
         self.abandoned = False
         self.on_wire = False  # its header was handed to the sender
         # Writing into the caller's tensors (a get's payload, a local copy): ``busy`` is set under
@@ -325,6 +326,9 @@ class Channel:
         self._sock = sock
         self._seq = itertools.count(1)
         self._pending: dict[int, Op] = {}
+        # the hand-over to the sender of the latest op that had to be ordered behind, or could wait
+        # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
+        self._order_tail: asyncio.Future[None] | None = None
         self._lock = threading.Lock()
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self.last_rx = time.monotonic()
@@ -368,6 +372,7 @@ class Channel:
             state=OpState.POSTED,
         )
         op = Op(self, op_id, seq, kind, rec, plane.inline_payload)
+        op.gated = not plane.sends_at_once
         with self._lock:
             self._pending[op_id] = op
         return op
@@ -461,7 +466,11 @@ class Channel:
         """
         try:
             async with asyncio.timeout_at(deadline):
-                await start()
+                prev = self._order_tail
+                if not op.gated and (prev is None or prev.done()):
+                    await start()  # the common case: the op is handed to the sender at once, in call order
+                else:
+                    await self._in_order(prev, start)
                 await op.future
         except TimeoutError:
             was = op.record.state
@@ -489,6 +498,21 @@ class Channel:
             self._forget(op)
             self.recorder.update(op.record, OpState.FAILED, exc)
             raise
+
+    async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any]) -> None:
+        """Hand an op to the sender only after ``prev`` (the op called before it that could wait)
+        did, whatever became of it: a notify, put or get called after a staged op that still
+        awaits the caller's CUDA work reaches the peer after it, as on every other plane."""
+        mine: asyncio.Future[None] = self.loop.create_future()
+        self._order_tail = mine
+        try:
+            if prev is not None and not prev.done():
+                await asyncio.shield(prev)
+            await start()
+        finally:
+            mine.set_result(None)
+            if self._order_tail is mine:
+                self._order_tail = None
 
     async def sync_registry(self, deadline: float) -> None:
         """Fetch the peer's current registry (one round trip); bounded by ``deadline``."""

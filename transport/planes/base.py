@@ -53,6 +53,9 @@ class DataPlane(abc.ABC):
 
     name: ClassVar[str]
     inline_payload: ClassVar[bool]
+    #: False for a plane whose ``put``/``get`` may wait before handing the op to the channel (the
+    #: staged path awaits the caller's CUDA work): the channel then keeps later ops behind it
+    sends_at_once: ClassVar[bool] = True
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel

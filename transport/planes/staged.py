@@ -51,6 +51,7 @@ __all__ = ["StagedPlane"]
 class StagedPlane(DataPlane):
     name = "staged"
     inline_payload = True
+    sends_at_once = False  # it awaits the caller's CUDA work first (see _after_callers_work)
     wire_plane = TcpPlane.name  # what the header says: the framing is tcp's
 
     @classmethod
