@@ -91,6 +91,7 @@ class _Target:
         self.source: str | None = None
         self.dependents: list[_Target] = []
         self.begun = False
+        self.begin_sent = False  # an Abort is owed from here on (a Begin may be waiting for readers)
         self.bank = 0  # the subscriber's arena bank this push fills
         self.have: set[int] = set()
         self.inflight: dict[int, str | None] = {}  # bucket -> source of the outstanding pull (None: a slot)
@@ -423,6 +424,7 @@ class _Run:
         watchdog = asyncio.ensure_future(self._watchdog())
         try:
             for t in self.targets.values():
+                t.begin_sent = True
                 self._send(t, m.Begin(self.push_id, self.version, t.layout.digest, self.pub.bucket_bytes))
             await self._until(lambda: all(t.begun or t.error for t in self.targets.values()))
             await asyncio.gather(*(self._run_group(g) for g in groups))
@@ -532,7 +534,7 @@ class _Run:
                 d.source = None
                 nxt = d.group.next_bucket if d.group is not None else 0
                 d.orphaned |= {k for k in range(nxt) if k not in d.have and k not in d.inflight}
-        if t.begun:
+        if t.begun or t.begin_sent:  # a direct-mode Begin may still be waiting for the subscriber's readers
             self._send(t, m.Abort(self.push_id, f"{type(exc).__name__}: {exc}"), best_effort=True)
         self.changed.set()
 

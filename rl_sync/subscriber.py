@@ -179,7 +179,7 @@ class WeightSubscriber:
         self._version = 0
         self._version_cond = threading.Condition()
         self._push: _Push | None = None
-        self._beginning: _Push | None = None  # direct mode: a Begin waiting for the writer lock
+        self._starting: set[_Push] = set()  # pushes whose Begin is being served (waiting for a commit, pulls, readers)
         self._draining: set[asyncio.Task[Any]] = set()  # pulls of dropped pushes, cancelled, not yet over
         self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -308,7 +308,7 @@ class WeightSubscriber:
         with self._version_cond:  # blocking holders waiting for torn weights to heal: they now raise
             self._version_cond.notify_all()
         self.endpoint.on_notification(None, prefix=m.TO_SUBSCRIBER)
-        for push in (self._push, self._beginning):
+        for push in (self._push, *self._starting):
             if push is not None:
                 self._drop(push, "the subscriber was closed")
         for t in list(self._tasks):
@@ -363,9 +363,8 @@ class WeightSubscriber:
                 self._spawn(self._commit(push))
         elif isinstance(msg, m.Abort):
             push = self._current(note.peer, msg.push_id)
-            pending = self._beginning
-            if push is None and pending is not None and (pending.publisher, pending.push_id) == (note.peer, msg.push_id):
-                push = pending  # its Begin still waits for the readers: it will not take the lock
+            if push is None:  # its Begin may still be waiting (for a commit, old pulls, readers): it will not begin
+                push = next((p for p in self._starting if (p.publisher, p.push_id) == (note.peer, msg.push_id)), None)
             if push is not None:
                 log.info("subscriber %s: push %d aborted by %s: %s", self.endpoint.name, msg.push_id, note.peer, msg.reason)
                 self._drop(push, f"aborted by {note.peer}: {msg.reason}")
@@ -379,9 +378,6 @@ class WeightSubscriber:
         return push
 
     async def _begin(self, peer: str, msg: m.Begin) -> None:
-        # a commit still applying reads the staging arenas: the next push may write them only after it
-        async with self._applying:
-            pass
         if msg.version <= self._version:
             self._reply(peer, m.Reply(msg.push_id, "begin", -1,
                                       f"version {msg.version} is not newer than the committed {self._version}", "stale",
@@ -398,38 +394,48 @@ class WeightSubscriber:
                                       self._version))
             return
         push = _Push(peer, msg.push_id, msg.version, buckets, 0)
-        for old in (self._push, self._beginning):  # a later Begin supersedes what has not committed
+        # a later Begin supersedes what has not committed; from here on this one can be aborted or
+        # superseded in turn (it is in _starting) through every wait below
+        for old in (self._push, *self._starting):
             if old is not None:
                 self._drop(old, f"superseded by push {msg.push_id} of {peer}")
+        self._starting.add(push)
+        try:
+            await self._start(push)
+        finally:
+            self._starting.discard(push)
+
+    async def _start(self, push: _Push) -> None:
+        peer, push_id = push.publisher, push.push_id
+        # a commit still applying reads the staging arenas: the next push may write them only after it
+        async with self._applying:
+            pass
         if self._draining:  # the superseded pushes' pulls were cancelled: none may write once this one begins
             _, late = await asyncio.wait(set(self._draining), timeout=self.commit_timeout)
-            if late:
-                self._reply(peer, m.Reply(msg.push_id, "begin", -1,
+            if late and not push.dropped:
+                self._reply(peer, m.Reply(push_id, "begin", -1,
                                           f"{len(late)} pulls of an abandoned push are still running", "other",
                                           self._version))
                 return
-        if push.dropped or msg.version <= self._version:  # superseded or overtaken meanwhile
-            self._reply(peer, m.Reply(msg.push_id, "begin", -1, "superseded by a later push" if push.dropped else
-                                      f"version {msg.version} is not newer than the committed {self._version}",
+        if push.dropped or push.version <= self._version:  # aborted, superseded or overtaken meanwhile
+            self._reply(peer, m.Reply(push_id, "begin", -1, "the push was aborted or superseded" if push.dropped else
+                                      f"version {push.version} is not newer than the committed {self._version}",
                                       "other" if push.dropped else "stale", self._version))
             return
         if self.mode == "direct" and not await self._begin_direct(push):
             return
         push.bank = 0 if self._live_bank is None or len(self._banks) == 1 else 1 - self._live_bank
+        if self._push is not None:  # (cannot be: every Begin drops it; kept as a guard)
+            self._drop(self._push, f"superseded by push {push_id} of {peer}")
         self._push = push
-        self._reply(peer, m.Reply(msg.push_id, "begin", -1, None, None, self._version, push.bank))
+        self._reply(peer, m.Reply(push_id, "begin", -1, None, None, self._version, push.bank))
 
     async def _begin_direct(self, push: _Push) -> bool:
         """Take the writer lock for the whole push (direct mode); False (and a reply) if not had.
 
-        While it waits for readers to leave, the push is :attr:`_beginning`: an Abort of it, or a
-        later Begin, drops it, and it then gives the lock back as soon as it gets it."""
-        self._beginning = push
-        try:
-            got = await self._lock.acquire_write_async(self.commit_timeout)
-        finally:
-            if self._beginning is push:
-                self._beginning = None
+        While it waits for readers to leave, an Abort of it, or a later Begin, drops it (it is in
+        ``_starting``), and it then gives the lock back as soon as it gets it."""
+        got = await self._lock.acquire_write_async(self.commit_timeout)
         if not got:
             if not push.dropped:
                 self._reply(push.publisher, m.Reply(push.push_id, "begin", -1,
@@ -507,7 +513,8 @@ class WeightSubscriber:
         except Exception as exc:
             self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other"))
             return
-        push.progress = time.monotonic()
+        finally:
+            push.progress = time.monotonic()  # finished either way: the publisher may now repair it
         push.done.add(msg.bucket)
         self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket))
 
