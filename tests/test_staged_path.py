@@ -797,3 +797,29 @@ async def test_a_staged_op_times_out_while_the_callers_work_is_pending(endpoints
     ie.fail_next = False
     await a.put(b.name, {"w": torch.ones_like(w)}, timeout=10)
     assert bool((w == 1).all())
+
+
+async def test_a_finished_mark_does_not_queue_behind_another_callers_pending_one(endpoints):
+    """Marks are awaited in order per device, but one that is already complete is not queued:
+    an op whose caller's work is done goes ahead of another op (to another peer) still waiting."""
+    ie = GatedMarks()
+    a, b = await endpoints(ie, None)
+    _, c = await endpoints(None, None)
+    wb, wc = torch.zeros(9 * CHUNK, dtype=torch.uint8), torch.zeros(9 * CHUNK, dtype=torch.uint8)
+    b.register("w", wb)
+    c.register("w", wc)
+    await a.connect(b.name)
+    await a.connect(c.name)
+    waiting = asyncio.create_task(a.put(b.name, {"w": torch.ones_like(wb)}, timeout=20))
+    try:
+        await _until(lambda: len(ie.gates) == 1)
+        ie.open_next = True  # the next caller's work is already done when it calls
+        await asyncio.wait_for(a.put(c.name, {"w": torch.full_like(wc, 2)}, timeout=20), 5)
+        assert bool((wc == 2).all()) and not waiting.done()
+        ie.gates[0].ev.set()
+        await asyncio.wait_for(waiting, 20)
+        assert bool((wb == 1).all())
+    finally:
+        for g in ie.gates:
+            g.ev.set()
+    await settle(a, b, c)

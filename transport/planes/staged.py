@@ -77,6 +77,13 @@ class StagedPlane(DataPlane):
             if mark is None:
                 continue
             try:
+                done = mark.query()  # done already: no need to queue behind other callers' marks
+            except Exception as exc:  # the work it tracks failed
+                raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
+                                   f"failed: {exc}") from exc
+            if done:
+                continue
+            try:
                 await staging.bridge(device).wait(mark)
             except CompletionError as exc:
                 raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
