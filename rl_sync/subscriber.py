@@ -261,11 +261,8 @@ class WeightSubscriber:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not await self._lock.acquire_read_async(left):
                 raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
-            if not self._torn:
+            if self._readable():
                 break
-            self._lock.release_read()  # torn weights: wait for a push to commit
-            if self._closed:
-                raise RlSyncError("the subscriber is closed and its weights are torn by a failed direct push")
             if deadline is not None and time.monotonic() >= deadline:
                 raise transport.TransportTimeoutError(
                     f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
@@ -275,6 +272,16 @@ class WeightSubscriber:
         finally:
             self._lock.release_read()
 
+    def _readable(self) -> bool:
+        """With the read lock had: True if the weights may be read (keep the lock); else (torn by a
+        failed direct push) give the lock back and return False, or raise if closed."""
+        if not self._torn:
+            return True
+        self._lock.release_read()
+        if self._closed:
+            raise RlSyncError("the subscriber is closed and its weights are torn by a failed direct push")
+        return False
+
     @contextlib.contextmanager
     def hold_blocking(self, timeout: float | None = None) -> Any:
         """:meth:`hold` for a thread that is not the event loop's."""
@@ -283,11 +290,8 @@ class WeightSubscriber:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._lock.acquire_read(left):
                 raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
-            if not self._torn:
+            if self._readable():
                 break
-            self._lock.release_read()  # torn weights: wait for a push to commit
-            if self._closed:
-                raise RlSyncError("the subscriber is closed and its weights are torn by a failed direct push")
             with self._version_cond:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

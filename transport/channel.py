@@ -141,8 +141,8 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock", "marks",
-                 "on_wire", "op_id", "quiet", "record", "seq", "stuck")
+    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock",
+                 "on_wire", "op_id", "quiet", "record", "seq", "staged", "stuck")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
                  inline: bool = True) -> None:
@@ -154,7 +154,7 @@ class Op:
         self.future: asyncio.Future[None] = channel.loop.create_future()
         # tcp/staged get: where the reply's bytes go (a memoryview of CPU memory, or a tensor to stage into)
         self.dests: list[memoryview | torch.Tensor] | None = None
-        self.marks: dict[torch.device, Any] | None = None  # staged get: what the copies wait for (per device)
+        self.staged = False  # a get whose reply is staged into the caller's tensors (copies may lag the socket)
         self.keep: Any = None  # tensors referenced until the op is over
         self.inline = inline  # the op's bytes travel in the channel's stream (tcp framing)
         self.gated = False  # its plane may wait before sending: later ops are kept behind it (Channel.run)
@@ -568,7 +568,7 @@ class Channel:
             self.lose(PeerLostError(
                 f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                 f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
-        if op.marks is not None:  # staged: the reader may be waiting for a copy, up to stall_timeout
+        if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
             return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
         return 1.0  # a local copy stops at its next chunk; the reader at its next poll
@@ -1047,8 +1047,6 @@ class Channel:
                             self._drain(k, more, total)
                         got += k
                 else:
-                    after = None if op is None or op.marks is None else op.marks.get(dest.device)
-
                     def fill(view: memoryview, more: int, rest: int = left) -> None:
                         self._recv_into(view, more + rest, total)
 
@@ -1057,7 +1055,7 @@ class Channel:
                             op.stuck = True
 
                     try:
-                        if not self.staging.receive(dest, fill, after=after, stop=stopped, on_stop=stop_writing,
+                        if not self.staging.receive(dest, fill, stop=stopped, on_stop=stop_writing,
                                                     on_stuck=stuck):
                             stop_writing()
                     except StagingError as exc:

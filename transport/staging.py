@@ -493,8 +493,7 @@ class Staging:
                     raise StagingError(f"{engine.name}: cannot order the op after the caller's work: {exc}") from exc
         return out
 
-    def payload(self, tensors: Iterable[torch.Tensor], marks: dict[torch.device, Any] | None = None
-                ) -> Iterator[memoryview]:
+    def payload(self, tensors: Iterable[torch.Tensor]) -> Iterator[memoryview]:
         """The bytes of ``tensors`` in order, for a sender: CPU tensors straight from their memory,
         staged ones chunk by chunk through a ring (see :func:`stage_out`)."""
         for t in tensors:
@@ -506,7 +505,7 @@ class Staging:
             flat = t.detach().reshape(-1).view(torch.uint8)
             ring = self.ring(self.engine(t.device), flat.numel())
             try:
-                yield from stage_out(flat, ring, self.config.stall_timeout, (marks or {}).get(t.device))
+                yield from stage_out(flat, ring, self.config.stall_timeout)
             finally:
                 ring.release()
 

@@ -128,7 +128,7 @@ class StagedPlane(DataPlane):
         tensors = [t for _, t in pairs]
         op.keep = tensors
         await self._after_callers_work(op, tensors)  # before the request: the reply lands after that work
-        op.marks = {}  # (staged: its copies wait for nothing more)
+        op.staged = True  # (its copies wait for nothing more: the caller's work is done)
         op.dests = [t.detach().reshape(-1).view(torch.uint8) if staging.stages(t.device) else tensor_bytes(t)
                     for t in tensors]
         op.keep = tensors
