@@ -33,14 +33,19 @@ def test_doctor_reports_planes_and_choice():
     cuda = rep["cuda"]
     assert cuda["available"] is torch.cuda.is_available()
     assert cuda["device_count"] == len(cuda["devices"]) == (torch.cuda.device_count() if cuda["available"] else 0)
-    for where in ("same_host", "other_host"):
-        g = cuda["gpu_planes"][where]
-        assert g["plane"] == "staged" and "nccl: not built in this version" in g["reason"]
-    assert "cuda_ipc: not built in this version" in cuda["gpu_planes"]["same_host"]["reason"]
-    assert "cuda_ipc: the peer is not on this host" in cuda["gpu_planes"]["other_host"]["reason"]
+    ipc = cuda["ipc"]
+    assert ipc["available"] is cuda["available"] and ipc["reason"]  # a CUDA machine has its driver
+    same, other = cuda["gpu_planes"]["same_host"], cuda["gpu_planes"]["other_host"]
+    assert other["plane"] == "staged" and "nccl: not built in this version" in other["reason"]
+    assert "cuda_ipc: the peer is not on this host" in other["reason"]
+    if ipc["available"]:
+        assert same["plane"] == "cuda_ipc"
+    else:
+        assert same["plane"] == "staged" and f"cuda_ipc: {ipc['reason']}" in same["reason"]
     human = _run("-m", "transport", "doctor")
     assert human.returncode == 0 and "planes:" in human.stdout and "choice:" in human.stdout
-    assert "cuda: " in human.stdout and "GPU buffers, peer on same host: staged because" in human.stdout
+    assert "cuda: " in human.stdout and "cuda_ipc: " in human.stdout
+    assert f"GPU buffers, peer on same host: {same['plane']} because" in human.stdout
 
 
 def test_doctor_names_the_plane_for_a_live_peer(store_url):
@@ -51,7 +56,7 @@ def test_doctor_names_the_plane_for_a_live_peer(store_url):
         r = _run("-m", "transport", "doctor", "--store", store_url, "--peer", "doctor-peer", "--planes", "tcp")
     assert r.returncode == 0, r.stderr
     assert "peer doctor-peer" in r.stdout and "plane tcp" in r.stdout
-    assert "GPU buffers: plane staged because cuda_ipc: not built" in r.stdout
+    assert "GPU buffers: plane staged because cuda_ipc: not allowed here" in r.stdout
 
 
 def test_cli_usage():

@@ -121,7 +121,7 @@ async def test_gpu_plane_choice_is_reported(init, target, plane):
     peer = await init.connect(target.name)
     assert peer.plane == plane  # CPU buffers keep their plane
     assert peer.gpu_plane == "staged"
-    assert "cuda_ipc: not built in this version" in peer.gpu_plane_reason
+    assert "cuda_ipc: not allowed here" in peer.gpu_plane_reason  # planes=(plane,)
     assert "nccl: not built in this version" in peer.gpu_plane_reason
 
 
@@ -356,9 +356,9 @@ def test_gpu_plane_choice_and_reasons():
     here = HostInfo("h1", "boot-1", 1, 10)
     same = HostInfo("h1", "boot-1", 1, 11)
     other = HostInfo("h2", "boot-2", 1, 12)
-    plane, why = choose_gpu_plane(here, same)
+    plane, why = choose_gpu_plane(here, same)  # no IPC engine given
     assert plane == "staged"
-    assert why.startswith("cuda_ipc: not built in this version") and "nccl: not built in this version" in why
+    assert why.startswith("cuda_ipc: no IPC engine") and "nccl: not built in this version" in why
     plane, why = choose_gpu_plane(here, other)
     assert plane == "staged" and why.startswith("cuda_ipc: the peer is not on this host")
 
@@ -373,7 +373,7 @@ def test_a_peer_buffer_on_an_unknown_device_is_a_protocol_error():
             specs_from_wire([WireBuffer("g", "float32", [2], device, 8)])
 
 
-def test_planes_argument_names_cpu_planes_only():
+def test_planes_argument_names_planes_that_can_be_allowed():
     assert validate_planes(("tcp",)) == ("tcp",)
     with pytest.raises(ValueError, match="unknown planes"):
         validate_planes(("staged",))

@@ -85,6 +85,7 @@ from .wire import (
     Put,
     Registry,
     Sync,
+    Unmapped,
     WireBuffer,
     decode,
     encode_frame,
@@ -92,7 +93,9 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
+    from .ipc import IpcEngine
     from .planes.base import DataPlane
+    from .planes.cuda_ipc import CudaIpcPlane
     from .planes.staged import StagedPlane
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake", "specs_from_wire"]
@@ -177,7 +180,14 @@ class CoreProtocol(Protocol):
     loop: asyncio.AbstractEventLoop
 
     staging: Staging
+    planes: tuple[str, ...]  # the planes this endpoint allows
 
+    @property
+    def ipc_engine(self) -> IpcEngine | None: ...  # the cuda_ipc plane's engine (None: no cuda_ipc here)
+    @property
+    def ipc_reason(self) -> str: ...  # why there is (or is not) an engine
+
+    def ipc_unmapped(self, ch: Channel, export_ids: list[int]) -> None: ...  # reader thread
     def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
@@ -307,6 +317,7 @@ class Channel:
         self.peer_name = remote.name
         self.incarnation = remote.incarnation
         self.host: HostInfo = remote.host
+        self.remote_planes: tuple[str, ...] = tuple(remote.planes)
         self.remote_epoch = remote.epoch
         self.remote_wire: dict[str, WireBuffer] = {b.name: b for b in remote.buffers}
         self.peer_specs: dict[str, BufferSpec] = specs_from_wire(remote.buffers)
@@ -321,6 +332,9 @@ class Channel:
         self._staged: StagedPlane | None = None  # ops touching GPU memory (created on the first)
         self._staged_of: dict[str, BufferSpec] | None = None  # the peer_specs _staged_names was computed from
         self._staged_names: frozenset[str] = frozenset()  # the peer's buffers on staged devices
+        self._ipc_names: frozenset[str] = frozenset()  # the peer's buffers with a cuda_ipc export
+        self._ipc: CudaIpcPlane | None = None  # ops over cuda_ipc (created on the first)
+        self._ipc_refused: set[str] = set()  # reasons already logged for ops that could not use cuda_ipc
         self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
         self.gpu_plane_reason: str | None = None
         self._sock = sock
@@ -379,20 +393,28 @@ class Channel:
 
     def plane_for(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> DataPlane:
         """The plane for one op (event loop). CPU memory on both sides: the channel's plane.
-        GPU memory on either side: the GPU plane (today always the staged path, see
-        :func:`~transport.planes.choose_gpu_plane`), except that a GPU tensor of ours meeting
-        the peer's CPU buffers over ``shm`` is copied straight between the device and the
-        mapped segment. A peer's GPU buffer is never in shared memory, so ops on one always
-        travel inline on this channel's socket, whatever the channel's CPU plane."""
+        GPU memory on either side: the GPU plane of this peer (see :meth:`gpu_plane_choice`):
+        ``cuda_ipc`` when it was chosen and every buffer of the op has an export this process
+        can map (else the reason is logged once and the op is staged), otherwise the staged
+        path, except that a GPU tensor of ours meeting the peer's CPU buffers over ``shm`` is
+        copied straight between the device and the mapped segment. A peer's GPU buffer is never
+        in shared memory, so staged ops on one travel inline on this channel's socket."""
         specs = self.peer_specs  # replaced whole by the reader on a registry update
         if specs is not self._staged_of:
+            wire = self.remote_wire
             self._staged_names = frozenset(n for n, sp in specs.items() if self.staging.stages(sp.device))
+            self._ipc_names = frozenset(n for n, wb in wire.items() if wb.ipc is not None)
             self._staged_of = specs
-        remote = local = False
+        remote = local = ipc = False
         if self._staged_names:  # plain loops: this runs for every op
             for it, _ in pairs:
                 if it.name in self._staged_names:
                     remote = True
+                    break
+        if self._ipc_names:
+            for it, _ in pairs:
+                if it.name in self._ipc_names:
+                    ipc = True
                     break
         if self.staging.config.cpu_engine is not None:
             local = True
@@ -401,16 +423,30 @@ class Channel:
                 if t.is_cuda:
                     local = True
                     break
-        if not (remote or local):
+        if not (remote or local or ipc):
             return self.plane
         if self.gpu_plane is None:
-            self.gpu_plane, self.gpu_plane_reason = choose_gpu_plane(local_host(), self.host)
+            self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
             log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
                      self.gpu_plane_reason,
-                     "" if self.plane.inline_payload else
+                     "" if self.plane.inline_payload or self.gpu_plane == "cuda_ipc" else
                      f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
                      "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
                      f"read from a CPU buffer of the peer is copied straight over {self.plane.name})")
+        if self.gpu_plane == "cuda_ipc" and (remote or ipc):
+            why = self._ipc_refusal(pairs)
+            if why is None:
+                if self._ipc is None:
+                    from .planes.cuda_ipc import CudaIpcPlane
+
+                    self._ipc = CudaIpcPlane(self)
+                return self._ipc
+            if why not in self._ipc_refused:
+                self._ipc_refused.add(why)
+                log.warning("channel %s: an op with %r cannot use cuda_ipc (%s); it goes through the staged path",
+                            self.id, self.peer_name, why)
+        if not (remote or local):
+            return self.plane
         if not remote and not self.plane.inline_payload:
             return self.plane
         if self._staged is None:
@@ -418,6 +454,28 @@ class Channel:
 
             self._staged = StagedPlane(self)
         return self._staged
+
+    def gpu_plane_choice(self) -> tuple[str, str]:
+        """This peer's plane for GPU buffers and why (:func:`~transport.planes.choose_gpu_plane`)."""
+        return choose_gpu_plane(local_host(), self.host, self.core.planes, self.remote_planes,
+                                (self.core.ipc_engine is not None, self.core.ipc_reason))
+
+    def _ipc_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
+        """Why this op cannot go over cuda_ipc (None if it can): a buffer without an export
+        (a CPU buffer of the peer, or one its engine could not export) or one not mappable here."""
+        engine = self.core.ipc_engine
+        wire = self.remote_wire
+        for it, _ in pairs:
+            if not it.count:
+                continue
+            wb = wire.get(it.name)
+            if wb is None or wb.ipc is None:
+                where = "a CPU buffer" if wb is not None and wb.device == "cpu" else "not exported by the peer"
+                return f"{it.name!r} has no cuda_ipc export ({where})"
+            why = engine.reachable(wb.ipc) if engine is not None else "no IPC engine here"
+            if why is not None:
+                return f"{it.name!r}: {why}"
+        return None
 
     def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
              op: Op | None = None, direct: bool = True,
@@ -670,6 +728,8 @@ class Channel:
 
     def _closed(self, exc: BaseException) -> None:
         self.plane.close()
+        if self._ipc is not None:
+            self._ipc.close()
         self.core.channel_closed(self, exc)
 
     def say_bye(self, reason: str) -> None:
@@ -818,6 +878,8 @@ class Channel:
             epoch, bufs = self.core.wire_registry()
             self.send(Registry(epoch, bufs))
             self.send(Ack(msg.op_id))
+        elif isinstance(msg, Unmapped):
+            self.core.ipc_unmapped(self, msg.export_ids)
         elif isinstance(msg, Ping):
             pass
         elif isinstance(msg, Bye):
@@ -855,11 +917,13 @@ class Channel:
             raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
         return it.count * size
 
-    def _resolve(self, items: list[Item], segments: list[int] | None = None) -> list[tuple[Any, int, int]]:
+    def _resolve(self, items: list[Item], segments: list[int] | None = None,
+                 plane: str = "shm") -> list[tuple[Any, int, int]]:
         """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise.
 
-        ``segments`` (shm ops) are the segment inodes the initiator copied into or out of;
-        a buffer that now lives elsewhere raises :class:`StaleBufferError`.
+        ``segments`` (ops of a plane that copies directly: ``shm``, ``cuda_ipc``) are the export
+        ids of ``plane`` the initiator copied into or out of; a buffer that is no longer that
+        export raises :class:`StaleBufferError`.
         """
         if segments is not None and len(segments) != len(items):
             raise ProtocolError(f"op names {len(items)} items but {len(segments)} segments")
@@ -876,7 +940,7 @@ class Channel:
             if why is not None:
                 raise BufferMismatchError(why)
             if segments is not None and n:
-                exp = buf.exports.get("shm")
+                exp = buf.exports.get(plane)
                 if exp is None or exp.handle.export_id != segments[i]:
                     raise StaleBufferError(
                         f"buffer {it.name!r} was re-registered: the op used export {segments[i]}, the buffer is now "
@@ -886,8 +950,11 @@ class Channel:
         return out
 
     def _check_plane(self, plane: str) -> bool:
-        """An op's plane must be this channel's, or one whose bytes travel in the stream
-        (any channel can carry those). Returns whether the payload follows the header."""
+        """An op's plane must be this channel's, one whose bytes travel in the stream (any
+        channel can carry those), or ``cuda_ipc`` (checked per buffer against its export).
+        Returns whether the payload follows the header."""
+        if plane == "cuda_ipc":
+            return False
         cls = PLANES.get(plane)
         if cls is None or (not cls.inline_payload and plane != self.plane.name):
             raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
@@ -900,8 +967,10 @@ class Channel:
         inline = self._check_plane(msg.plane)
         shm = not inline
         error: TransportError | None = None
+        if shm and msg.segments is None:
+            raise ProtocolError(f"{msg.plane} put without segments")
         try:
-            ranges = self._resolve(msg.items, msg.segments if shm else None)
+            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
         except ProtocolError:
             raise
         except TransportError as exc:
@@ -936,9 +1005,9 @@ class Channel:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
         shm = not self._check_plane(msg.plane)
         if shm and msg.segments is None:
-            raise ProtocolError("shm get without segments")
+            raise ProtocolError(f"{msg.plane} get without segments")
         try:
-            ranges = self._resolve(msg.items, msg.segments if shm else None)
+            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
         except ProtocolError:
             raise
         except TransportError as exc:
@@ -1090,8 +1159,16 @@ class Channel:
         if msg.epoch < self.remote_epoch:  # overtaken by a newer one (a Sync reply races flushes)
             return
         wire = {b.name: b for b in msg.buffers}
+        old = self.remote_wire
         self.remote_wire, self.peer_specs, self.remote_epoch = wire, specs, msg.epoch
         self.plane.registry_changed()
+        gone = [wb.ipc for name, wb in old.items()
+                if wb.ipc is not None and ((nb := wire.get(name)) is None or nb.ipc != wb.ipc)]
+        if gone:  # cuda_ipc exports that left the peer's registry: unmap them, then say so
+            if self._ipc is not None:
+                self._ipc.retire(gone)
+            else:  # nothing of ours ever mapped them
+                self.send(Unmapped([h.export_id for h in gone]))
 
 
 class Peer:
@@ -1127,7 +1204,7 @@ class Peer:
 
     @property
     def gpu_plane(self) -> str:
-        """The data plane for ops touching GPU memory with this peer (today always ``staged``)."""
+        """The data plane for ops touching GPU memory with this peer: ``cuda_ipc`` or ``staged``."""
         return self.gpu_plane_choice[0]
 
     @property
@@ -1139,7 +1216,7 @@ class Peer:
         ch = self._channel
         if ch.gpu_plane is not None and ch.gpu_plane_reason is not None:
             return ch.gpu_plane, ch.gpu_plane_reason
-        return choose_gpu_plane(local_host(), ch.host)
+        return ch.gpu_plane_choice()
 
     @property
     def channel_id(self) -> str:

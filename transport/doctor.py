@@ -73,6 +73,22 @@ def _nccl() -> dict[str, Any]:
     }
 
 
+def _ipc() -> dict[str, Any]:
+    """Whether this process can export and map CUDA IPC handles (the cuda_ipc plane's engine)."""
+    try:
+        from transport.cuda.ipc import cuda_ipc_engine
+
+        engine, reason = cuda_ipc_engine()
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+        return {"available": False, "reason": f"the CUDA IPC engine cannot be loaded: {exc}"}
+    out: dict[str, Any] = {"available": engine is not None, "reason": reason}
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        out["warning"] = ("PYTORCH_CUDA_ALLOC_CONF enables expandable segments: their memory cannot be exported "
+                          "with cudaIpc handles, so registered GPU buffers go through the staged path")
+    return out
+
+
 def collect() -> dict[str, Any]:
     """Everything the doctor reports, as a dict."""
     import msgspec
@@ -94,11 +110,14 @@ def collect() -> dict[str, Any]:
     cuda: dict[str, Any] = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
     cuda["device_count"] = torch.cuda.device_count() if cuda["available"] else 0
     cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(cuda["device_count"])]
-    # what a peer on this host and one on another host would get
+    cuda["ipc"] = _ipc()
+    ipc = (cuda["ipc"]["available"], cuda["ipc"]["reason"])
+    # what a peer process on this host and one on another host would get
+    neighbour = HostInfo(hostname=host.hostname, boot_id=host.boot_id, pid_ns=host.pid_ns, pid=0)
     other = HostInfo(hostname="another-host", boot_id="another-boot", pid_ns=host.pid_ns, pid=0)
     cuda["gpu_planes"] = {
-        "same_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, host), strict=True)),
-        "other_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, other), strict=True)),
+        "same_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, neighbour, ipc_engine=ipc), strict=True)),
+        "other_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, other, ipc_engine=ipc), strict=True)),
     }
     if not cuda["available"]:
         cuda["note"] = "no CUDA here: CUDA tensors cannot be created, so only CPU buffers move in this process"
@@ -115,9 +134,9 @@ def collect() -> dict[str, Any]:
         "nccl": _nccl(),
         "choice": "CPU buffers: shm when both endpoints allow it and share a host (same boot id and pid "
         "namespace), otherwise tcp; Endpoint(planes=(...)) restricts the choice, and a peer no allowed "
-        "plane reaches raises PlaneUnavailableError. GPU buffers (either side): cuda_ipc (same host), then "
-        "nccl (other host), then staged (bounce buffers, inline on the channel's socket); only staged is "
-        "built, and it needs nothing but the channel's socket",
+        "plane reaches raises PlaneUnavailableError. GPU buffers (either side): cuda_ipc (same host, another "
+        "process, both allow it, CUDA IPC available), then nccl (other host; not built in this version), then "
+        "staged (bounce buffers, inline on the channel's socket, needs nothing but the channel's socket)",
     }
 
 
@@ -162,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cuda: available, {c['device_count']} device(s): {', '.join(c['devices'])} (torch CUDA {c['torch_cuda']})")
     else:
         print(f"cuda: not available ({c['note']})")
+    ipc = c["ipc"]
+    print(f"  cuda_ipc: {'yes' if ipc['available'] else 'no'}: {ipc['reason']}")
+    if "warning" in ipc:
+        print(f"  WARNING: {ipc['warning']}")
     for where, g in c["gpu_planes"].items():
         print(f"  GPU buffers, peer on {where.replace('_', ' ')}: {g['plane']} because {g['reason']}")
     n = report["nccl"]

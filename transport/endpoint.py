@@ -36,14 +36,15 @@ from .errors import (
     UnknownBufferError,
 )
 from .flight_recorder import FlightRecorder, OpKind
-from .hostinfo import local_host
+from .hostinfo import local_host, same_host
+from .ipc import IpcEngine, IpcExport, Retention, export_ids
 from .planes import choose_cpu_plane, validate_planes
 from .planes.shm import Segment, export_buffer
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
 from .staging import Staging, StagingConfig
-from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, Notify, Registry, WireBuffer
+from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, IpcHandle, Notify, Registry, WireBuffer
 
 __all__ = ["Endpoint"]
 
@@ -69,12 +70,14 @@ class Endpoint:
             port; read it back from :attr:`store_url`).
         timeout: default deadline, in seconds, of every operation that takes
             ``timeout=None``.
-        planes: allowed data planes for CPU buffers, in any order, e.g.
-            ``("tcp",)``; None allows all. The plane per peer is chosen by
-            :func:`transport.planes.choose_cpu_plane` and logged. Ops on GPU
-            memory take the plane :func:`transport.planes.choose_gpu_plane`
-            picks (today always the staged path, which needs only the
-            channel's socket), whatever this says.
+        planes: allowed data planes, in any order, e.g. ``("tcp",)``: at
+            least one CPU plane (``shm``, ``tcp``), plus ``cuda_ipc`` to let
+            same-host peers copy straight into and out of this endpoint's
+            GPU buffers (and ours); None allows all. The CPU plane per peer is
+            chosen by :func:`transport.planes.choose_cpu_plane`, the GPU plane
+            by :func:`transport.planes.choose_gpu_plane` (``cuda_ipc``, else
+            the staged path, which needs only the channel's socket and is
+            always available); both choices are logged.
         listen_host: address to accept channels on; default: the local
             address that reaches the store's host (127.0.0.1 for a loopback store).
         heartbeat_interval / heartbeat_timeout: a channel sends a ping when
@@ -90,6 +93,12 @@ class Endpoint:
         staging: :class:`transport.StagingConfig` of the staged path
             that moves CUDA tensors (bounce-buffer size and count, stall
             bound); None uses the defaults (4 x 8 MiB per op).
+        ipc_engine: a zero-argument factory of the ``cuda_ipc`` plane's
+            engine (:class:`transport.ipc.IpcEngine`). None (the default)
+            uses CUDA's when CUDA is available. ``transport.ipc.MemfdIpcEngine``
+            runs the plane's protocol over CPU shared memory, for tests and
+            debugging without a GPU (both endpoints need it; their CPU
+            buffers then travel over ``cuda_ipc`` instead of ``shm``).
     """
 
     def __init__(
@@ -108,6 +117,7 @@ class Endpoint:
         dump_signal: int | None = None,
         max_pending_notifications: int = 10000,
         staging: StagingConfig | None = None,
+        ipc_engine: Callable[[], IpcEngine] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
             raise ValueError(f"endpoint name must be a non-empty string of <= 200 chars without '/', got {name!r}")
@@ -120,6 +130,12 @@ class Endpoint:
         if staging is not None and not isinstance(staging, StagingConfig):
             raise ValueError(f"staging must be a transport.StagingConfig, got {type(staging).__name__}")
         self.staging = Staging(staging)
+        if ipc_engine is not None and not callable(ipc_engine):
+            raise ValueError(f"ipc_engine must be a zero-argument factory of an IPC engine, got {ipc_engine!r}")
+        self._ipc_factory = ipc_engine
+        self._ipc_engine: IpcEngine | None = None
+        self._ipc_reason: str | None = None
+        self._ipc_retention = Retention(self._ipc_release)
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
@@ -260,6 +276,7 @@ class Endpoint:
             self._listener = None
         for buf in self._registry.snapshot()[1]:
             self._unexport(buf)
+        self._ipc_retention.release_all()
         self._rdv.close()
 
     def _spawn(self, coro: Any) -> None:
@@ -336,12 +353,77 @@ class Endpoint:
         """This endpoint's registered buffers (a copy)."""
         return self._registry.specs()
 
+    # ------------------------------------------------------------------ cuda_ipc
+    @property
+    def ipc_engine(self) -> IpcEngine | None:
+        """The ``cuda_ipc`` plane's engine of this endpoint, or None (see :attr:`ipc_reason`)."""
+        if self._ipc_reason is None:
+            self._ipc_engine, self._ipc_reason = self._make_ipc_engine()
+        return self._ipc_engine
+
+    @property
+    def ipc_reason(self) -> str:
+        """Why this endpoint has (or has not) an IPC engine for ``cuda_ipc``."""
+        if self._ipc_reason is None:
+            self._ipc_engine, self._ipc_reason = self._make_ipc_engine()
+        return self._ipc_reason
+
+    def _make_ipc_engine(self) -> tuple[IpcEngine | None, str]:
+        if "cuda_ipc" not in self.planes:
+            return None, f"not allowed here (planes={self.planes})"
+        if self._ipc_factory is not None:
+            engine = self._ipc_factory()
+            return engine, f"engine {engine.name!r} (ipc_engine=)"
+        try:
+            from .cuda.ipc import cuda_ipc_engine
+        except ImportError as exc:  # a torch without CUDA bindings
+            return None, f"the CUDA IPC engine cannot be imported: {exc}"
+        return cuda_ipc_engine()
+
+    def _export_ipc(self, buf: LocalBuffer) -> None:
+        t = buf.tensor
+        if "cuda_ipc" not in self.planes or "cuda_ipc" in buf.exports or not buf.spec.nbytes:
+            return
+        if not t.is_cuda and self._ipc_factory is None:  # (no CUDA engine for a CPU tensor)
+            return
+        engine = self.ipc_engine
+        if engine is None or not engine.handles(t):
+            return
+        try:
+            device, handle, size, offset, keep = engine.export(t, self._segments)
+        except PlaneUnavailableError as exc:
+            log.warning("endpoint %r: buffer %r cannot be exported over cuda_ipc: %s; same-host peers reach it "
+                        "through the staged path", self.name, buf.spec.name, exc)
+            return
+        ipc = IpcHandle(engine.name, device, handle, size, offset, next(export_ids))
+        buf.exports["cuda_ipc"] = IpcExport(ipc, (t.untyped_storage(), keep))
+
+    def _ipc_release(self, keep: Any) -> None:
+        _storage, engine_keep = keep
+        if self._ipc_engine is not None and engine_keep is not None:
+            self._ipc_engine.release(engine_keep)
+
+    def _ipc_holders(self) -> set[str]:
+        """Channels whose peers may have mapped our cuda_ipc exports."""
+        here = local_host()
+        return {ch.id for ch in self._all
+                if ch.is_open and "cuda_ipc" in ch.remote_planes and same_host(here, ch.host)[0]}
+
+    def ipc_unmapped(self, ch: Channel, export_ids: list[int]) -> None:
+        """A peer no longer maps these exports (reader thread): release what no one else may use."""
+        self._ipc_retention.unmapped(ch.id, export_ids)
+
+    # ------------------------------------------------------------------ exports
     def _export(self, buf: LocalBuffer) -> None:
         if "shm" in self.planes and "shm" not in buf.exports and buf.tensor.device.type == "cpu":
             buf.exports["shm"] = export_buffer(buf, self._segments)
+        self._export_ipc(buf)
         buf.ptr = buf.tensor.data_ptr()
 
     def _unexport(self, buf: LocalBuffer, detach: bool = False) -> None:
+        ipc = buf.exports.pop("cuda_ipc", None)
+        if ipc is not None:  # held until every same-host peer unmapped it (see transport.ipc)
+            self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, self._ipc_holders())
         exp = buf.exports.pop("shm", None)
         if exp is not None and exp.close() and detach:
             t = buf.tensor
@@ -355,9 +437,10 @@ class Endpoint:
         out = []
         for b in bufs:
             exp = b.exports.get("shm")
+            ipc = b.exports.get("cuda_ipc")
             s = b.spec
             out.append(WireBuffer(s.name, dtype_name(s.dtype), list(s.shape), s.device, s.nbytes,
-                                  exp.handle if exp is not None else None))
+                                  exp.handle if exp is not None else None, ipc.handle if ipc is not None else None))
         return epoch, out
 
     def _registry_changed(self) -> None:
@@ -508,6 +591,7 @@ class Endpoint:
     def channel_closed(self, ch: Channel, exc: BaseException) -> None:
         """Called on the loop when a channel breaks or closes."""
         self._all.discard(ch)
+        self._ipc_retention.channel_closed(ch.id)
         if self._channels.get(ch.peer_name) is ch:
             del self._channels[ch.peer_name]
             # another open channel to the same peer (accepted while we dialled) takes over

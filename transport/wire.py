@@ -18,6 +18,10 @@ Theory of operation, per connection::
            <----------------------------  Data + payload | Fail
     Get(shm) (bytes already copied) --->  validate segments
            <----------------------------  Ack | Fail
+    Put/Get(cuda_ipc) (copy completed)->  validate exports (as shm)
+           <----------------------------  Ack | Fail
+    Unmapped (exports left the peer's
+      registry, no copy uses them) ---->  release the memory held for them
     Notify ---------------------------->  queue for the application
            <----------------------------  Ack
     Registry (whenever it changes) ---->  replace cached copy
@@ -48,6 +52,7 @@ __all__ = [
     "Get",
     "Hello",
     "HostInfo",
+    "IpcHandle",
     "Item",
     "Message",
     "Notify",
@@ -56,13 +61,14 @@ __all__ = [
     "Registry",
     "ShmHandle",
     "Sync",
+    "Unmapped",
     "WireBuffer",
     "decode",
     "encode_frame",
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: cuda_ipc exports in WireBuffer, the Unmapped frame
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_NOTIFY = 1024 * 1024
 HEADER = struct.Struct("<I")
@@ -82,6 +88,23 @@ class ShmHandle(msgspec.Struct, array_like=True, frozen=True):
     export_id: int
 
 
+class IpcHandle(msgspec.Struct, array_like=True, frozen=True):
+    """How a same-host peer maps a GPU buffer (the ``cuda_ipc`` plane): ``handle`` is the
+    engine's export of the allocation that holds the buffer (``size`` bytes; for CUDA the
+    ``cudaIpcMemHandle_t`` of the caching allocator's segment), ``device`` identifies the
+    device it lives on (for CUDA the GPU's UUID, so that peers with different
+    ``CUDA_VISIBLE_DEVICES`` agree), and the buffer starts ``offset`` bytes into the
+    allocation. ``export_id`` is unique per registration, as for ``shm``; ``engine`` names
+    the engine that made the handle (``cuda``, or ``memfd`` for the CPU test engine)."""
+
+    engine: str
+    device: str
+    handle: bytes
+    size: int
+    offset: int
+    export_id: int
+
+
 class WireBuffer(msgspec.Struct, array_like=True, frozen=True):
     name: str
     dtype: str
@@ -89,6 +112,7 @@ class WireBuffer(msgspec.Struct, array_like=True, frozen=True):
     device: str
     nbytes: int
     shm: Union[ShmHandle, None] = None
+    ipc: Union[IpcHandle, None] = None
 
 
 class HostInfo(msgspec.Struct, frozen=True):
@@ -178,6 +202,16 @@ class Fail(msgspec.Struct, tag="fail"):
     message: str
 
 
+class Unmapped(msgspec.Struct, tag="unmapped"):
+    """The sender no longer maps, and will never copy into or out of, these ``cuda_ipc``
+    exports of the receiver (they left the receiver's registry). The receiver holds the memory
+    of an unregistered exported buffer until every same-host peer said so or went away, so
+    that its allocator cannot hand that memory to another tensor while a peer might still
+    write into it."""
+
+    export_ids: list[int]
+
+
 class Ping(msgspec.Struct, tag="ping"):
     pass
 
@@ -186,7 +220,7 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str = ""
 
 
-Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Ping, Bye]
+Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, Ping, Bye]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -2,11 +2,13 @@
 
 CPU buffers: ``shm`` (same host) or ``tcp`` (any host), chosen by
 :func:`choose_cpu_plane` when a channel is set up. GPU buffers: chosen by
-:func:`choose_gpu_plane`, in the order ``cuda_ipc`` (same host), ``nccl``
-(other host), ``staged`` (any host; GPU bytes through host bounce buffers,
-inline on the channel's socket). Only ``staged`` is built in this version.
-``planes=`` of an endpoint names CPU planes; the staged path needs nothing but
-the channel's socket and is always available.
+:func:`choose_gpu_plane`, in the order ``cuda_ipc`` (same host: copies straight
+into the peer's mapped device memory), ``nccl`` (other host; not built in this
+version), ``staged`` (any host; GPU bytes through host bounce buffers, inline on
+the channel's socket). ``planes=`` of an endpoint names the planes it allows: at
+least one CPU plane, plus ``cuda_ipc`` if GPU buffers may use it (None allows
+all); the staged path needs nothing but the channel's socket and is always
+available.
 """
 
 from __future__ import annotations
@@ -30,21 +32,28 @@ log = logging.getLogger(__name__)
 # In order of preference.
 CPU_PLANES: tuple[type[DataPlane], ...] = (ShmPlane, TcpPlane)
 PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
-# For GPU buffers, in order of preference; only "staged" is built.
+# For GPU buffers, in order of preference; "nccl" is not built yet.
 GPU_PLANES: tuple[str, ...] = ("cuda_ipc", "nccl", "staged")
+_ALLOWABLE = (*PLANES, "cuda_ipc")  # what planes= may name
 
 
 def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:
-    """Normalise the ``planes=`` argument of an endpoint; ``ValueError`` if it names unknown planes."""
+    """Normalise the ``planes=`` argument of an endpoint; ``ValueError`` if it names unknown
+    planes, or no CPU plane (every channel needs one for its CPU buffers)."""
     if planes is None:
-        return tuple(PLANES)
+        return _ALLOWABLE
     out: tuple[str, ...] = tuple(planes) if not isinstance(planes, str) else ()
     if isinstance(planes, str) or not all(isinstance(p, str) for p in out):
         raise ValueError(f"planes must be a sequence of plane names such as ('tcp',), got {planes!r}")
-    unknown = [p for p in out if p not in PLANES]
+    if "nccl" in out:
+        raise ValueError("planes: 'nccl' is not built in this version (GPU buffers on other hosts go through the "
+                         "staged path)")
+    unknown = [p for p in out if p not in _ALLOWABLE]
     if unknown or not out:
-        raise ValueError(f"unknown planes {unknown or out!r}; known: {sorted(PLANES)}")
-    return out
+        raise ValueError(f"unknown planes {unknown or out!r}; known: {sorted(_ALLOWABLE)}")
+    if not any(p in PLANES for p in out):
+        raise ValueError(f"planes={out!r} names no CPU plane; name at least one of {sorted(PLANES)}")
+    return tuple(dict.fromkeys(out))
 
 
 @functools.cache
@@ -82,17 +91,31 @@ def choose_cpu_plane(
     raise PlaneUnavailableError("no data plane reaches the peer: " + "; ".join(why))
 
 
-def choose_gpu_plane(local: HostInfo, remote: HostInfo) -> tuple[str, str]:
+def choose_gpu_plane(local: HostInfo, remote: HostInfo, mine: tuple[str, ...] = _ALLOWABLE,
+                     theirs: tuple[str, ...] = _ALLOWABLE,
+                     ipc_engine: tuple[bool, str] = (False, "no IPC engine")) -> tuple[str, str]:
     """Pick the plane for ops that touch GPU memory with one peer; return its name and the reason.
 
-    Preference: ``cuda_ipc`` (same host: a device copy into the peer's IPC-mapped buffer),
-    ``nccl`` (another host), ``staged``. The first two are not built in this version, so the
-    answer is ``staged``, and the reason says why each other plane was passed over. Channels
-    log the choice once per peer; ``peer.gpu_plane_reason`` and the doctor show it.
+    Preference: ``cuda_ipc`` (same host, another process, both endpoints allow it, and this
+    process has an IPC engine: ``ipc_engine`` is ``(available, why)``), then ``nccl`` (another
+    host; not built in this version), then ``staged``. The reason says why each plane before the
+    chosen one was passed over. Channels log the choice once per peer; ``peer.gpu_plane_reason``
+    and the doctor show it. An op whose buffers cannot all be mapped still goes staged (logged).
     """
     same, where = same_host(local, remote)
-    why = [
-        f"cuda_ipc: not built in this version ({where})" if same else f"cuda_ipc: the peer is not on this host ({where})",
+    if not same:
+        why = [f"cuda_ipc: the peer is not on this host ({where})"]
+    elif local.pid == remote.pid:
+        why = ["cuda_ipc: the peer is in this process (CUDA cannot map a process's own IPC handles)"]
+    elif "cuda_ipc" not in mine:
+        why = [f"cuda_ipc: not allowed here (planes={mine})"]
+    elif "cuda_ipc" not in theirs:
+        why = [f"cuda_ipc: not allowed by the peer (planes={theirs})"]
+    elif not ipc_engine[0]:
+        why = [f"cuda_ipc: {ipc_engine[1]}"]
+    else:
+        return "cuda_ipc", f"cuda_ipc: {where}; {ipc_engine[1]}"
+    why += [
         "nccl: not built in this version",
         "staged: GPU bytes through host bounce buffers, inline on the channel's socket (tcp framing)",
     ]

@@ -1,0 +1,325 @@
+"""The ``cuda_ipc`` plane's protocol through real endpoints and processes, on CPU.
+
+``Endpoint(ipc_engine=MemfdIpcEngine)`` (both sides) exports CPU buffers through ``memfd`` segments
+the way the CUDA engine exports GPU allocations, so every op on them takes the ``cuda_ipc`` plane:
+the same plane choice, export ids, stale-export retry, mapping cache, retention of unregistered
+exports until the peer sends ``Unmapped``, copies on an ordered queue awaited through a completion
+bridge, header after the copy. Only the engine differs from a GPU run (tests/gpu/test_ipc_gpu.py
+runs the CUDA engine). Fresh random data, destinations poisoned first, byte equality read back on
+the other side; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import time
+import uuid
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from transport.errors import PlaneUnavailableError, TransportTimeoutError, UnknownBufferError
+from transport.ipc import MappingCache, MemfdIpcEngine, Retention
+from transport.planes import choose_gpu_plane, validate_planes
+from transport.wire import HostInfo, IpcHandle
+
+SHAPES = [(), (0,), (1,), (1023,), (3, 1000), (257, 129)]
+_seeds = itertools.count(7000)
+
+
+def seed() -> int:
+    return next(_seeds)
+
+
+async def _until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+def _ops(ep: transport.Endpoint, kind: str) -> list[dict]:
+    return [r for r in ep.recorder.snapshot() if r["kind"] == kind and r["role"] == "initiator"]
+
+
+@pytest.fixture(scope="module")
+def target(store_url):
+    t = RemoteEndpoint(f"ipc-tgt-{uuid.uuid4().hex[:6]}", store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.fixture
+async def init(store_url, uname):
+    async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=MemfdIpcEngine) as ep:
+        yield ep
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
+async def test_put_and_get_over_cuda_ipc(init, target, dtype, uname):
+    for shape in SHAPES:
+        name = uname("w")
+        target.call("register", name, dtype, shape)
+        s = seed()
+        await init.put(target.name, {name: make_tensor(dtype, shape, s)})
+        assert target.call("check", name, s), (dtype, shape)
+        out = poisoned(dtype, shape)
+        await init.get(target.name, {name: out})
+        assert same_bytes(out, make_tensor(dtype, shape, s)), (dtype, shape)
+    peer = await init.connect(target.name)
+    assert peer.gpu_plane == "cuda_ipc", peer.gpu_plane_reason
+    planes = {r["plane"] for r in _ops(init, "put") + _ops(init, "get") if r["nbytes"]}
+    assert planes == {"cuda_ipc"}  # (an empty buffer has nothing to export: it takes the CPU plane)
+
+
+async def test_ranges_and_several_buffers_in_one_op(init, target, uname):
+    a, b = uname("a"), uname("b")
+    target.call("register", a, "float32", (4096,))
+    target.call("register", b, "int32", (100,))
+    s1, s2 = seed(), seed()
+    part = make_tensor("float32", (1000,), s1)
+    await init.put(target.name, {a: transport.At(part, 3000), b: make_tensor("int32", (100,), s2)})
+    assert target.call("check_range", a, s1, 3000, 1000)
+    assert target.call("check", b, s2)
+    out = torch.zeros(1000)
+    await init.get(target.name, {a: transport.At(out, 3000)})
+    assert torch.equal(out, part)
+
+
+async def test_notify_arrives_after_the_bytes(init, target, uname):
+    name = uname("w")
+    target.call("register", name, "uint8", (1 << 20,))
+    s = seed()
+    await init.put(target.name, {name: make_tensor("uint8", (1 << 20,), s)}, notify=b"ready")
+    assert target.call("notifications", 1, 10.0) == [(init.name, b"ready")]
+    assert target.call("check", name, s)
+
+
+async def test_reregistered_buffer_is_retried_and_old_export_released(init, target, uname):
+    """The peer re-registers a buffer (new export): the op whose export went stale is retried once
+    after a registry refresh, and the old export's memory is released once we said Unmapped."""
+    name = uname("w")
+    target.call("register", name, "float32", (512,))
+    s = seed()
+    await init.put(target.name, {name: make_tensor("float32", (512,), s)})
+    target.call("unregister", name)
+    target.call("register", name, "float32", (512,))
+    s = seed()
+    await init.put(target.name, {name: make_tensor("float32", (512,), s)})
+    assert target.call("check", name, s)
+    await _until(lambda: not target.call("ipc_held"), what="the old export released")
+
+
+async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_url, uname):
+    """Retention: while our copy into an export runs, the peer unregisters it; the peer holds
+    that memory until the copy is over and we said Unmapped (its allocator could otherwise give it
+    to another tensor under our write), then releases it. The op itself fails cleanly."""
+    slow = functools.partial(MemfdIpcEngine, copy_delay=1.0)
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+            name = uname("w")
+            t.call("register", name, "float32", (1000,))
+            await ep.connect(t.name)
+            task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("float32", (1000,), seed())}))
+            await _until(lambda: any(r["plane"] == "cuda_ipc" for r in _ops(ep, "put")), what="the put started")
+            await asyncio.sleep(0.2)  # the copy is running (1 s)
+            t.call("unregister", name)
+            held = t.call("ipc_held")
+            assert len(held) == 1 and list(held.values()) == [1], held  # our channel holds it
+            with pytest.raises(UnknownBufferError):  # stale export -> refresh -> the buffer is gone
+                await asyncio.wait_for(task, 10)
+            await _until(lambda: not t.call("ipc_held"), what="the export released after Unmapped")
+    finally:
+        t.stop()
+
+
+async def test_closing_the_channel_releases_held_exports(store_url, uname):
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        slow = functools.partial(MemfdIpcEngine, copy_delay=2.0)
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+            name = uname("w")
+            t.call("register", name, "uint8", (4096,))
+            await ep.connect(t.name)
+            task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("uint8", (4096,), seed())}, timeout=0.3))
+            with pytest.raises(TransportTimeoutError):
+                await asyncio.wait_for(task, 10)
+            t.call("unregister", name)
+            assert t.call("ipc_held"), "held while our (timed-out) copy may still run"
+        # our endpoint closed: the channel is gone, so is the hold
+        await _until(lambda: not t.call("ipc_held"), what="the export released when the channel closed")
+    finally:
+        t.stop()
+
+
+async def test_timed_out_put_leaves_the_channel_usable(store_url, uname):
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        slow = functools.partial(MemfdIpcEngine, copy_delay=0.5)
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+            name = uname("w")
+            t.call("register", name, "float32", (100,))
+            with pytest.raises(TransportTimeoutError):
+                await ep.put(t.name, {name: make_tensor("float32", (100,), seed())}, timeout=0.1)
+            s = seed()
+            await ep.put(t.name, {name: make_tensor("float32", (100,), s)}, timeout=10)
+            assert t.call("check", name, s)
+            out = poisoned("float32", (100,))
+            await ep.get(t.name, {name: out}, timeout=10)
+            assert same_bytes(out, make_tensor("float32", (100,), s))
+    finally:
+        t.stop()
+
+
+async def test_get_abandoned_mid_copy_writes_nothing_after_it_raised(store_url, uname):
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        slow = functools.partial(MemfdIpcEngine, copy_delay=0.4)
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+            name = uname("w")
+            s = seed()
+            t.call("register_data", name, "uint8", (1 << 16,), s)
+            out = poisoned("uint8", (1 << 16,))
+            with pytest.raises(TransportTimeoutError) as info:
+                await ep.get(t.name, {name: out}, timeout=0.1)
+            assert "may still land" not in str(info.value)
+            after = out.clone()
+            await asyncio.sleep(0.6)
+            assert torch.equal(out, after)  # the copy was over when get raised
+    finally:
+        t.stop()
+
+
+async def test_planes_without_cuda_ipc_use_shm(store_url, uname):
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, planes=("shm", "tcp"),
+                                      ipc_engine=MemfdIpcEngine) as ep:
+            name = uname("w")
+            t.call("register", name, "float32", (64,))
+            s = seed()
+            await ep.put(t.name, {name: make_tensor("float32", (64,), s)})
+            assert t.call("check", name, s)
+            peer = await ep.connect(t.name)
+            assert peer.gpu_plane == "staged" and "not allowed here" in peer.gpu_plane_reason
+            assert {r["plane"] for r in _ops(ep, "put")} == {"shm"}
+    finally:
+        t.stop()
+
+
+async def test_a_peer_without_the_engine_gets_no_exports(store_url, uname):
+    """A target without cuda_ipc exports nothing; our CPU ops then take the CPU plane."""
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, planes=("shm", "tcp"))
+    try:
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=MemfdIpcEngine) as ep:
+            name = uname("w")
+            t.call("register", name, "float32", (64,))
+            s = seed()
+            await ep.put(t.name, {name: make_tensor("float32", (64,), s)})
+            assert t.call("check", name, s)
+            assert {r["plane"] for r in _ops(ep, "put")} == {"shm"}
+    finally:
+        t.stop()
+
+
+# ---------------------------------------------------------------------------- the parts alone
+def test_validate_planes_accepts_cuda_ipc_and_needs_a_cpu_plane():
+    assert validate_planes(None) == ("shm", "tcp", "cuda_ipc")
+    assert validate_planes(["tcp", "cuda_ipc"]) == ("tcp", "cuda_ipc")
+    with pytest.raises(ValueError, match="no CPU plane"):
+        validate_planes(["cuda_ipc"])
+    with pytest.raises(ValueError, match="nccl"):
+        validate_planes(["tcp", "nccl"])
+
+
+def test_choose_gpu_plane_reasons():
+    here = HostInfo("h", "boot", 1, 10)
+    neighbour = HostInfo("h", "boot", 1, 11)
+    far = HostInfo("g", "other-boot", 1, 11)
+    ok = (True, "engine ready")
+    assert choose_gpu_plane(here, neighbour, ipc_engine=ok)[0] == "cuda_ipc"
+    for remote, mine, theirs, engine, why in [
+        (far, ("tcp", "cuda_ipc"), ("tcp", "cuda_ipc"), ok, "not on this host"),
+        (here, ("tcp", "cuda_ipc"), ("tcp", "cuda_ipc"), ok, "in this process"),
+        (neighbour, ("tcp",), ("tcp", "cuda_ipc"), ok, "not allowed here"),
+        (neighbour, ("tcp", "cuda_ipc"), ("tcp",), ok, "not allowed by the peer"),
+        (neighbour, ("tcp", "cuda_ipc"), ("tcp", "cuda_ipc"), (False, "no CUDA"), "no CUDA"),
+    ]:
+        plane, reason = choose_gpu_plane(here, remote, mine, theirs, engine)
+        assert plane == "staged" and why in reason, reason
+
+
+def test_retention_releases_when_the_last_holder_lets_go():
+    released = []
+    r = Retention(released.append)
+    r.retire(1, "a", set())  # nobody could have mapped it: released at once
+    assert released == ["a"]
+    r.retire(2, "b", {"ch1", "ch2"})
+    r.unmapped("ch1", [2, 99])
+    assert released == ["a"] and r.held == {2: {"ch2"}}
+    r.channel_closed("ch2")
+    assert released == ["a", "b"] and r.held == {}
+    r.retire(3, "c", {"ch1"})
+    r.release_all()
+    assert released == ["a", "b", "c"]
+
+
+class _CountingEngine(MemfdIpcEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[bytes] = []
+        self.closed: list[bytes] = []
+
+    def open(self, handle):
+        self.opened.append(handle.handle)
+        key = handle.handle
+        closed = self.closed
+
+        class M:
+            def view(self, offset, nbytes):
+                return torch.zeros(nbytes, dtype=torch.uint8)
+
+            def close(self):
+                closed.append(key)
+
+        return M()
+
+
+def test_mapping_cache_maps_once_and_unmaps_when_unused():
+    engine = _CountingEngine()
+    cache = MappingCache(engine)
+    h1 = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
+    h2 = IpcHandle("memfd", "d", b"alloc-1", 100, 50, 2)  # another buffer of the same allocation
+    cache.acquire(h1)
+    cache.acquire(h2)
+    cache.acquire(h1)
+    assert engine.opened == [b"alloc-1"] and len(cache) == 1
+    cache.release(h1)
+    cache.release(h1)
+    cache.retire(h1)
+    assert engine.closed == []  # h2 is still live and in use
+    cache.retire(h2)
+    assert engine.closed == []  # ... in use
+    cache.release(h2)
+    assert engine.closed == [b"alloc-1"] and len(cache) == 0
+    cache.acquire(h1)  # mapped again when needed again
+    assert engine.opened == [b"alloc-1", b"alloc-1"]
+
+
+def test_mapping_cache_open_failure_counts_nothing():
+    class Failing(MemfdIpcEngine):
+        def open(self, handle):
+            raise PlaneUnavailableError("cannot map")
+
+    cache = MappingCache(Failing())
+    with pytest.raises(PlaneUnavailableError):
+        cache.acquire(IpcHandle("memfd", "d", b"x", 10, 0, 1))
+    assert len(cache) == 0

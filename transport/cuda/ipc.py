@@ -1,0 +1,265 @@
+"""The CUDA engine of the ``cuda_ipc`` plane (:mod:`transport.ipc`, :mod:`transport.planes.cuda_ipc`).
+
+The only code of the plane that needs a GPU, kept small:
+
+- export: ``cuMemGetAddressRange`` finds the allocation (torch's caching allocator hands out blocks
+  inside larger ``cudaMalloc`` segments) and ``cuIpcGetMemHandle`` exports it; the buffer is then
+  ``(handle, offset)``. A tensor in memory that cannot be exported this way (expandable segments,
+  ``cudaMallocAsync`` pools) raises :class:`~transport.errors.PlaneUnavailableError`: the endpoint
+  logs it and peers reach that buffer through the staged path.
+- open: ``cuIpcOpenMemHandle`` (once per allocation and process: :class:`~transport.ipc.MappingCache`),
+  on the local device whose UUID is the exporter's (processes with different
+  ``CUDA_VISIBLE_DEVICES`` agree); the mapping is wrapped as a ``uint8`` tensor through
+  ``__cuda_array_interface__`` (no copy, no ownership).
+- copies: one dedicated stream per channel and device; a copy first waits (``wait_event``, on the
+  GPU) for an event recorded on the caller's current stream at the call, and is followed by a
+  blocking-sync event that a :class:`~transport.completion.CompletionBridge` thread sleeps on.
+
+The driver is reached with ctypes through ``libcuda.so.1`` (already loaded by torch in a process
+that uses CUDA); the calls run in the device's primary context (torch's), made current for the
+call and restored after, so the caller's current device never changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import PlaneUnavailableError
+from ..wire import IpcHandle
+
+__all__ = ["CudaIpcEngine", "cuda_ipc_engine"]
+
+_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+_HANDLE_BYTES = 64
+
+
+class _CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * _HANDLE_BYTES)]
+
+
+class _Driver:
+    """The few driver entry points the engine uses."""
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise PlaneUnavailableError(f"cuda_ipc: the CUDA driver library libcuda.so.1 cannot be loaded: {exc}") from exc
+        u64, p = ctypes.c_uint64, ctypes.POINTER
+        self._get_error = self._fn("cuGetErrorString", [ctypes.c_int, p(ctypes.c_char_p)])
+        self.range = self._fn("cuMemGetAddressRange_v2", [p(u64), p(ctypes.c_size_t), u64])
+        self.get_handle = self._fn("cuIpcGetMemHandle", [p(_CUipcMemHandle), u64])
+        self.open_handle = self._fn("cuIpcOpenMemHandle_v2", [p(u64), _CUipcMemHandle, ctypes.c_uint],
+                                    "cuIpcOpenMemHandle")
+        self.close_handle = self._fn("cuIpcCloseMemHandle", [u64])
+        self.ctx_get = self._fn("cuCtxGetCurrent", [p(ctypes.c_void_p)])
+        self.ctx_set = self._fn("cuCtxSetCurrent", [ctypes.c_void_p])
+        self.device_get = self._fn("cuDeviceGet", [p(ctypes.c_int), ctypes.c_int])
+        self.primary_retain = self._fn("cuDevicePrimaryCtxRetain", [p(ctypes.c_void_p), ctypes.c_int])
+
+    def _fn(self, name: str, argtypes: list[Any], fallback: str | None = None) -> Any:
+        for n in (name, fallback):
+            if n is None:
+                continue
+            try:
+                f = getattr(self.lib, n)
+            except AttributeError:
+                continue
+            f.argtypes = argtypes
+            f.restype = ctypes.c_int
+            return f
+        raise PlaneUnavailableError(f"cuda_ipc: libcuda.so.1 has no {name}")
+
+    def check(self, rc: int, what: str) -> None:
+        if rc == 0:
+            return
+        text = ctypes.c_char_p()
+        msg = "unknown error"
+        if self._get_error(rc, ctypes.byref(text)) == 0 and text.value:
+            msg = text.value.decode(errors="replace")
+        raise PlaneUnavailableError(f"cuda_ipc: {what} failed: CUDA error {rc} ({msg})")
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver()
+
+
+_contexts: dict[int, int] = {}
+_ctx_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_device(index: int) -> Iterator[_Driver]:
+    """Make device ``index``'s primary context (torch's) current for driver calls; restore after."""
+    drv = _driver()
+    with _ctx_lock:
+        ctx = _contexts.get(index)
+        if ctx is None:
+            torch.cuda.init()
+            dev = ctypes.c_int()
+            drv.check(drv.device_get(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+            c = ctypes.c_void_p()
+            drv.check(drv.primary_retain(ctypes.byref(c), dev.value), f"cuDevicePrimaryCtxRetain({index})")
+            ctx = _contexts[index] = c.value or 0
+    prev = ctypes.c_void_p()
+    drv.check(drv.ctx_get(ctypes.byref(prev)), "cuCtxGetCurrent")
+    switched = (prev.value or 0) != ctx
+    if switched:
+        drv.check(drv.ctx_set(ctx), "cuCtxSetCurrent")
+    try:
+        yield drv
+    finally:
+        if switched:
+            drv.ctx_set(prev.value)
+
+
+@functools.cache
+def _uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _index_of(uuid: str) -> int | None:
+    for i in range(torch.cuda.device_count()):
+        if _uuid(i) == uuid:
+            return i
+    return None
+
+
+class _Cai:
+    """A device pointer as ``__cuda_array_interface__`` (v2: no stream synchronisation)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class _CudaMapping:
+    def __init__(self, index: int, ptr: int, size: int) -> None:
+        self.index = index
+        self.ptr = ptr
+        self.size = size
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if not self.ptr:
+            raise PlaneUnavailableError("cuda_ipc: the mapping was closed")
+        if offset < 0 or offset + nbytes > self.size:
+            raise PlaneUnavailableError(f"cuda_ipc: bytes [{offset}, {offset + nbytes}) lie outside the peer's "
+                                        f"allocation of {self.size} bytes")
+        return torch.as_tensor(_Cai(self.ptr + offset, nbytes), device=torch.device("cuda", self.index))
+
+    def close(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            with _in_device(self.index) as drv:
+                drv.check(drv.close_handle(ptr), "cuIpcCloseMemHandle")
+
+
+class _CudaQueue:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.stream = torch.cuda.Stream(device=index)
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Any) -> torch.cuda.Event:
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            for event in after or ():
+                self.stream.wait_event(event)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)  # a bridge thread sleeps on it: no spinning
+            done.record(self.stream)
+        return done
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        pass
+
+
+class CudaIpcEngine:
+    """CUDA IPC through the driver API; see the module docstring. One per process (:func:`cuda_ipc_engine`)."""
+
+    name = "cuda"
+
+    def handles(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def export(self, tensor: torch.Tensor, segments: list[Any]) -> tuple[str, bytes, int, int, Any]:
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        ptr = tensor.data_ptr()
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        handle = _CUipcMemHandle()
+        with _in_device(index) as drv:
+            drv.check(drv.range(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+            try:
+                drv.check(drv.get_handle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+            except PlaneUnavailableError as exc:
+                raise PlaneUnavailableError(
+                    f"{exc} (memory from expandable segments or cudaMallocAsync pools cannot be exported with "
+                    "cudaIpc handles; unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to use cuda_ipc)"
+                ) from exc
+        raw = ctypes.string_at(ctypes.addressof(handle), _HANDLE_BYTES)
+        return _uuid(index), raw, size.value, ptr - base.value, None
+
+    def release(self, keep: Any) -> None:
+        pass
+
+    def reachable(self, handle: IpcHandle) -> str | None:
+        if handle.engine != self.name:
+            return f"exported by engine {handle.engine!r}, this side runs {self.name!r}"
+        if len(handle.handle) != _HANDLE_BYTES:
+            return f"malformed IPC handle ({len(handle.handle)} bytes)"
+        if _index_of(handle.device) is None:
+            return f"the peer's GPU {handle.device} is not visible in this process (CUDA_VISIBLE_DEVICES)"
+        return None
+
+    def open(self, handle: IpcHandle) -> _CudaMapping:
+        index = _index_of(handle.device)
+        if index is None:
+            raise PlaneUnavailableError(f"cuda_ipc: the peer's GPU {handle.device} is not visible in this process")
+        h = _CUipcMemHandle.from_buffer_copy(handle.handle)
+        ptr = ctypes.c_uint64()
+        with _in_device(index) as drv:
+            drv.check(drv.open_handle(ctypes.byref(ptr), h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        return _CudaMapping(index, ptr.value, handle.size)
+
+    def mark(self, tensors: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
+        events = []
+        for device in {t.device for t in tensors if t.is_cuda}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return events
+
+    def queue(self, device: str) -> _CudaQueue:
+        index = _index_of(device)
+        if index is None:
+            raise PlaneUnavailableError(f"cuda_ipc: GPU {device} is not visible in this process")
+        return _CudaQueue(index)
+
+
+_engine: CudaIpcEngine | None = None
+_engine_lock = threading.Lock()
+
+
+def cuda_ipc_engine() -> tuple[CudaIpcEngine | None, str]:
+    """The process's CUDA IPC engine and why, or None and why not (no GPU, no driver library)."""
+    global _engine
+    with _engine_lock:
+        if _engine is not None:
+            return _engine, "CUDA IPC handles through the driver (libcuda.so.1)"
+        if not torch.cuda.is_available():
+            return None, "CUDA is not available in this process"
+        try:
+            _driver()
+        except PlaneUnavailableError as exc:
+            return None, str(exc)
+        _engine = CudaIpcEngine()
+        return _engine, "CUDA IPC handles through the driver (libcuda.so.1)"
