@@ -21,6 +21,14 @@ that, read plus write):
   typed ctypes function objects directly (``ncclGroupStart``, ``ncclSend``, ``ncclRecv``,
   ``ncclGroupEnd``, plus the ``ncclCommGetAsyncError`` poll a non-blocking communicator needs).
   The ratio library/raw should be >= 0.8; it matters at small sizes, where host overhead shows.
+* ``put cuda_ipc`` / ``put staged``: ``await ep.put(peer, {...})`` of a CUDA tensor into a CUDA
+  buffer registered by a second process on the same GPU, end to end (mark, copies, completion,
+  header, the peer's acknowledgement), 256 MiB and 1 GiB: over ``cuda_ipc`` (an endpoint with the
+  default planes) and over the staged path (an endpoint with ``planes=("tcp",)``: GPU -> pinned
+  bounce buffers -> loopback tcp -> GPU). Timed with ``time.perf_counter`` around a loop of puts
+  (each returns once the peer holds the bytes). Ratios against the same run's ``d2d copy_``
+  (target >= 0.8 for cuda_ipc) and ``h2d pinned`` (target >= 0.6 for staged) of the same size.
+  The bytes are read back (``get``) and compared once per plane.
 
 Timing: CUDA events on one dedicated stream around a loop of iterations, after warm-up; each case
 is repeated ``--reps`` times (the two NCCL variants alternate) and the median is reported. Every
@@ -258,6 +266,92 @@ def bench_nccl(torch: Any, stream: Any, reps: int, sizes: list[int]) -> dict[str
     }
 
 
+def _plane_target(conn: Any, store: str, name: str, nbytes: int) -> None:
+    """Child process: an endpoint that registers one CUDA buffer and serves until told to stop."""
+    import asyncio
+
+    import torch
+
+    import transport
+
+    async def run() -> None:
+        async with transport.Endpoint(name, store=store, timeout=60) as ep:
+            ep.register("buf", torch.full((nbytes,), 0xA5, dtype=torch.uint8, device="cuda"))
+            conn.send("ready")
+            end = time.monotonic() + 1800
+            while not conn.poll() and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(run())
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(f"error: {type(exc).__name__}: {exc}")
+
+
+def bench_planes(torch: Any, reps: int, sizes: list[int], copies: list[dict[str, Any]]) -> dict[str, Any]:
+    """put of a CUDA tensor into another process's CUDA buffer, over cuda_ipc and over the staged path."""
+    import asyncio
+    import multiprocessing as mp
+
+    import transport
+
+    biggest = max(sizes)
+    baseline = {r["case"]: r["gbps_median"] for r in copies}
+    rows: list[dict[str, Any]] = []
+
+    async def run() -> None:
+        async with transport.Endpoint(f"bench-ipc-{time.time_ns()}", store="tcp://127.0.0.1:0", host_store=True,
+                                      timeout=120) as ipc_ep:
+            ctx = mp.get_context("spawn")
+            parent, child = ctx.Pipe()
+            target = f"bench-target-{time.time_ns()}"
+            proc = ctx.Process(target=_plane_target, args=(child, ipc_ep.store_url, target, biggest), daemon=True)
+            proc.start()
+            try:
+                if not await asyncio.to_thread(parent.poll, 120) or (msg := parent.recv()) != "ready":
+                    raise RuntimeError(f"the target process did not start: {locals().get('msg', 'no answer')}")
+                async with transport.Endpoint(f"bench-staged-{time.time_ns()}", store=ipc_ep.store_url,
+                                              planes=("tcp",), timeout=300) as staged_ep:
+                    src = torch.randint(0, 256, (biggest,), dtype=torch.uint8, device="cuda")
+                    torch.cuda.synchronize()
+                    for plane, ep, base, want in (("cuda_ipc", ipc_ep, "d2d copy_", 0.8),
+                                                  ("staged", staged_ep, "h2d pinned", 0.6)):
+                        for n in sizes:
+                            part = {"buf": transport.At(src[:n], 0)}
+                            iters = _iters_for(n, 4 * GiB if plane == "cuda_ipc" else GiB, 3, 50)
+                            for _ in range(2):
+                                await ep.put(target, part)
+                            secs = []
+                            for _ in range(reps):
+                                t0 = time.perf_counter()
+                                for _ in range(iters):
+                                    await ep.put(target, part)
+                                secs.append((time.perf_counter() - t0) / iters)
+                            row = _row(f"put {plane} {_fmt_size(n)}", n, iters, secs)
+                            used = {r["plane"] for r in ep.recorder.snapshot()
+                                    if r["role"] == "initiator" and r["kind"] == "put"}
+                            row["plane_used"] = sorted(used)
+                            ref = baseline.get(f"{base} {_fmt_size(n)}")
+                            row["vs"] = base
+                            row["ratio"] = row["gbps_median"] / ref if ref else None
+                            row["target_ratio"] = want
+                            back = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0x5A)
+                            await ep.get(target, {"buf": transport.At(back, 0)})
+                            row["verified"] = bool(torch.equal(back, src[:n]))
+                            rows.append(row)
+                            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "n/a"
+                            print(_fmt_row(row) + f"   vs {base}: {ratio} (target >= {want}); "
+                                  f"plane {','.join(row['plane_used'])}; verified {row['verified']}", flush=True)
+            finally:
+                parent.send("stop")
+                await asyncio.to_thread(proc.join, 30)
+                if proc.is_alive():
+                    proc.kill()
+
+    asyncio.run(run())
+    return {"rows": rows, "all_verified": all(r["verified"] for r in rows)}
+
+
 def _fmt_row(row: dict[str, Any]) -> str:
     return (
         f"{row['case']:<40} {row['gbps_median']:10.1f} GB/s   (min {row['gbps_min']:.1f}, max {row['gbps_max']:.1f}; "
@@ -309,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "gbps": "bytes moved / time, each byte once (device copy memory traffic is twice that)",
         "copies": [],
         "nccl_self_send_recv": None,
+        "planes": None,
         "errors": [],
     }
     print(f"{props.name}, torch {torch.__version__} (CUDA {torch.version.cuda}), {reps} reps, median GB/s")
@@ -329,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         doc["errors"].append(f"nccl: {type(exc).__name__}: {exc}")
         print(f"ERROR nccl: {type(exc).__name__}: {exc}")
+    torch.cuda.empty_cache()
+    try:
+        doc["planes"] = planes = bench_planes(torch, reps, copy_sizes, doc["copies"])
+        if not planes["all_verified"]:
+            doc["errors"].append("planes: bytes read back differ from the source")
+    except Exception as exc:  # noqa: BLE001
+        doc["errors"].append(f"planes: {type(exc).__name__}: {exc}")
+        print(f"ERROR planes: {type(exc).__name__}: {exc}")
     _write(out, doc)
     if doc["errors"]:
         print("errors:\n  " + "\n  ".join(doc["errors"]))

@@ -23,9 +23,11 @@
 #
 # Steps (each under `timeout`, all within a total budget of DEVICE_CHECKS_BUDGET_S = 480 s; a
 # failing step does not stop the next): nvidia-smi; python/torch/CUDA/NCCL versions;
-# `python -m transport doctor --json`; pytest tests/gpu (the NCCL binding on a GPU, and CUDA
-# tensors through the staged path between two processes: test_staged_gpu.py);
-# pytest tests/test_nccl_binding.py; bench/bench_gpu.py; bench/bench_rl_sync.py (CPU: the
+# `python -m transport doctor --json`; pytest tests/gpu (the NCCL binding on a GPU, CUDA tensors
+# through the staged path between two processes: test_staged_gpu.py, and over cuda_ipc between
+# two processes on the GPU: test_ipc_gpu.py); pytest tests/test_nccl_binding.py;
+# bench/bench_gpu.py (copies, NCCL library/raw, put over cuda_ipc and staged with their ratios
+# against d2d copy_ and pinned h2d); bench/bench_rl_sync.py (CPU: the
 # fan-out target on a 16-core host; info only, with what is left of the budget). Exit status 0
 # when every check step passed, else 1.
 
@@ -194,14 +196,14 @@ else
 fi
 
 # -- the checks ------------------------------------------------------------------------------------
-step check gpu-tests 170 "${PYTEST[@]}" tests/gpu -v -rA
+step check gpu-tests 200 "${PYTEST[@]}" tests/gpu -v -rA
 annotate "$(pytest_note gpu-tests)"
 
 step check cpu-binding 110 "${PYTEST[@]}" tests/test_nccl_binding.py -v
 annotate "$(pytest_note cpu-binding)"
 
-step check bench 80 "$PY" bench/bench_gpu.py --out "$OUTDIR/gpu.json"
-annotate "$(sed -n '/^=== \[bench\] .*timeout/,$p' "$LOG" | grep -E '^(no CUDA: skipped|ratio library/raw:)' | tail -1)"
+step check bench 140 "$PY" bench/bench_gpu.py --out "$OUTDIR/gpu.json"
+annotate "$(sed -n '/^=== \[bench\] .*timeout/,$p' "$LOG" | grep -E '^(no CUDA: skipped|ratio library/raw:|put (cuda_ipc|staged) )' | sed -E 's/ +/ /g' | tr '\n' ';')"
 
 # rl_sync's fan-out target (4 subscribers on one host <= 1.6x the time of 1) cannot be met on the
 # 2-core CI VM, where one core saturates memory bandwidth; this machine has 16 cores. CPU only, and

@@ -130,7 +130,7 @@ def test_put_and_get(store_url, target, plane, local, remote, dtype):
             await init.get(target.name, {name: out})
             assert same_bytes(out.cpu(), make_tensor(dtype, shape, s)), f"get {remote}->{local} {dtype}{shape}"
         peer = await init.connect(target.name)
-        assert peer.gpu_plane == "staged" and "cuda_ipc: not built" in peer.gpu_plane_reason
+        assert peer.gpu_plane == "staged" and "cuda_ipc: not allowed here" in peer.gpu_plane_reason
 
     with_init(store_url, plane, body)
 

@@ -1,0 +1,182 @@
+"""The ``cuda_ipc`` plane on a GPU: two processes on the same device.
+
+The target (a spawned process) registers poisoned CUDA buffers; this process puts fresh random data
+into them and gets it back, over the plane the channel chose (``cuda_ipc``: the copies run on this
+process's stream, straight into the target's allocation mapped through its IPC handle). Also: a CPU
+source into a peer's GPU buffer, a buffer in the middle of a caching-allocator segment (offset
+math: its neighbour stays poisoned), a put behind a long kernel on the caller's stream (the copy
+waits for it), a re-registered buffer (stale export retried, old export released after
+``Unmapped``), and a target whose allocator uses expandable segments (no export: the op is staged,
+and said so). The conftest beside this file skips everything without CUDA; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+
+MiB = 1 << 20
+DEV = "cuda:0"
+SHAPES = [(1,), (1023,), (3, 1000), (5 * MiB // 4 + 3,)]
+_seeds = itertools.count(12000)
+
+
+def seed() -> int:
+    return next(_seeds)
+
+
+@pytest.fixture(scope="module")
+def target(store_url):
+    t = RemoteEndpoint(f"ipc-gpu-tgt-{uuid.uuid4().hex[:6]}", store=store_url)
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+def with_init(store_url: str, body, **kwargs) -> None:
+    """Run ``body(ep)`` on a fresh event loop with an initiator endpoint in this process."""
+
+    async def main() -> None:
+        async with transport.Endpoint(f"ipc-gpu-init-{uuid.uuid4().hex[:8]}", store=store_url, timeout=60,
+                                      **kwargs) as ep:
+            await asyncio.wait_for(body(ep), 240)
+
+    asyncio.run(main())
+
+
+async def peer_has(ep: transport.Endpoint, peer: str, name: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while name not in (await ep.connect(peer)).buffers:
+        assert time.monotonic() < end, f"{peer} never announced {name}"
+        await asyncio.sleep(0.02)
+
+
+def planes_used(ep: transport.Endpoint, names: set[str]) -> set[str]:
+    return {r["plane"] for r in ep.recorder.snapshot()
+            if r["role"] == "initiator" and r["kind"] in ("put", "get") and set(r["names"]) & names}
+
+
+async def call(t: RemoteEndpoint, *args):
+    return await asyncio.to_thread(t.call, *args)
+
+
+@pytest.mark.parametrize("local", [DEV, "cpu"], ids=["gpu-src", "cpu-src"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64"])
+def test_put_and_get_over_cuda_ipc(store_url, target, local, dtype):
+    async def body(init: transport.Endpoint) -> None:
+        names = set()
+        for shape in SHAPES:
+            name = f"w-{uuid.uuid4().hex[:8]}"
+            names.add(name)
+            await call(target, "register", name, dtype, shape, DEV)
+            await peer_has(init, target.name, name)
+            s = seed()
+            await init.put(target.name, {name: make_tensor(dtype, shape, s).to(local)})
+            assert await call(target, "check", name, s), f"put {local}->{DEV} {dtype}{shape}"
+            out = poisoned(dtype, shape).to(local)
+            await init.get(target.name, {name: out})
+            assert same_bytes(out.cpu(), make_tensor(dtype, shape, s)), f"get {DEV}->{local} {dtype}{shape}"
+        peer = await init.connect(target.name)
+        assert peer.gpu_plane == "cuda_ipc", peer.gpu_plane_reason
+        assert planes_used(init, names) == {"cuda_ipc"}
+
+    with_init(store_url, body)
+
+
+def test_buffers_inside_one_allocator_segment(store_url, target):
+    """Small tensors share a caching-allocator segment: each export is (segment handle, offset).
+    A put into one lands exactly there; its neighbours stay poisoned; the segment is mapped once."""
+    async def body(init: transport.Endpoint) -> None:
+        names = [f"n{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+        for n in names:
+            await call(target, "register", n, "float32", (1000,), DEV)
+            await peer_has(init, target.name, n)
+        handles = [(await init.connect(target.name))._channel.remote_wire[n].ipc for n in names]
+        assert len({h.handle for h in handles}) == 1, "expected one segment for three 4 KB tensors"
+        assert len({h.offset for h in handles}) == 3
+        s = seed()
+        await init.put(target.name, {names[1]: make_tensor("float32", (1000,), s).to(DEV)})
+        assert await call(target, "check", names[1], s)
+        assert await call(target, "is_poisoned", names[0]) and await call(target, "is_poisoned", names[2])
+
+    with_init(store_url, body)
+
+
+def test_put_waits_for_the_callers_stream(store_url, target):
+    async def body(init: transport.Endpoint) -> None:
+        name = f"slow-{uuid.uuid4().hex[:8]}"
+        shape = (4 * MiB,)
+        await call(target, "register", name, "float32", shape, DEV)
+        await peer_has(init, target.name, name)
+        s = seed()
+        want = make_tensor("float32", shape, s).to(DEV)
+        src = torch.zeros(shape, device=DEV)
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000_000)  # long GPU work, then src gets its bytes
+            src.copy_(want)
+            await init.put(target.name, {name: src}, timeout=120)
+        assert await call(target, "check", name, s)
+
+    with_init(store_url, body)
+
+
+def test_reregistered_buffer_retried_and_old_export_released(store_url, target):
+    async def body(init: transport.Endpoint) -> None:
+        name = f"re-{uuid.uuid4().hex[:8]}"
+        await call(target, "register", name, "float32", (MiB,), DEV)
+        await peer_has(init, target.name, name)
+        await init.put(target.name, {name: make_tensor("float32", (MiB,), seed()).to(DEV)})
+        await call(target, "unregister", name)
+        await call(target, "register", name, "float32", (MiB,), DEV)
+        s = seed()
+        await init.put(target.name, {name: make_tensor("float32", (MiB,), s).to(DEV)})
+        assert await call(target, "check", name, s)
+        end = time.monotonic() + 10
+        while await call(target, "ipc_held"):
+            assert time.monotonic() < end, "the old export was never released"
+            await asyncio.sleep(0.05)
+
+    with_init(store_url, body)
+
+
+def test_a_buffer_that_cannot_be_exported_is_staged(store_url):
+    """With expandable segments the target's memory has no cudaIpc handle: it logs that, the
+    buffer is announced without an export, and ops on it take the staged path (recorded)."""
+    old = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        t = RemoteEndpoint(f"ipc-gpu-exp-{uuid.uuid4().hex[:6]}", store=store_url)
+    finally:
+        if old is None:
+            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = old
+    try:
+        async def body(init: transport.Endpoint) -> None:
+            name = f"exp-{uuid.uuid4().hex[:8]}"
+            await call(t, "register", name, "float32", (MiB,), DEV)
+            await peer_has(init, t.name, name)
+            s = seed()
+            await init.put(t.name, {name: make_tensor("float32", (MiB,), s).to(DEV)})
+            assert await call(t, "check", name, s)
+            wb = (await init.connect(t.name))._channel.remote_wire[name]
+            if wb.ipc is None:  # the driver refused the export, as expected with expandable segments
+                assert planes_used(init, {name}) == {"staged"}
+            else:  # a driver that can export it: then it must have used cuda_ipc
+                assert planes_used(init, {name}) == {"cuda_ipc"}
+
+        with_init(store_url, body)
+    finally:
+        t.stop()
