@@ -76,10 +76,13 @@ from .wire import (
     Data,
     Fail,
     Get,
+    Go,
     Hello,
     HostInfo,
     Item,
     Message,
+    NcclReady,
+    NcclSetup,
     Notify,
     Ping,
     Put,
@@ -96,6 +99,7 @@ if TYPE_CHECKING:
     from .ipc import IpcEngine
     from .planes.base import DataPlane
     from .planes.cuda_ipc import CudaIpcPlane
+    from .planes.nccl import Link, NcclPlane
     from .planes.staged import StagedPlane
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake", "specs_from_wire"]
@@ -144,8 +148,8 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock",
-                 "on_wire", "op_id", "quiet", "record", "seq", "staged", "stuck")
+    __slots__ = ("abandoned", "after", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock",
+                 "on_wire", "op_id", "p2p", "quiet", "record", "seq", "staged", "stuck")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
                  inline: bool = True) -> None:
@@ -170,6 +174,9 @@ class Op:
         self.busy = False
         self.quiet = threading.Event()
         self.stuck = False  # a staged copy into the caller's tensor outlived its bound (may still write)
+        self.p2p = False  # its bytes move over the channel's NCCL link (cannot be cancelled: abort on timeout)
+        # the op's own posted work (an nccl op's send/recv): the op ends only once it completed too
+        self.after: asyncio.Future[None] | None = None
 
 
 class CoreProtocol(Protocol):
@@ -335,6 +342,8 @@ class Channel:
         self._ipc_names: frozenset[str] = frozenset()  # the peer's buffers with a cuda_ipc export
         self._ipc: CudaIpcPlane | None = None  # ops over cuda_ipc (created on the first)
         self._ipc_refused: set[str] = set()  # reasons already logged for ops that could not use cuda_ipc
+        self.link: Link | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
+        self._nccl: NcclPlane | None = None
         self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
         self.gpu_plane_reason: str | None = None
         self._sock = sock
@@ -424,7 +433,10 @@ class Channel:
                     local = True
                     break
         if not (remote or local or ipc):
-            return self.plane
+            link = self.link
+            if link is None or link.engine.device != "cpu" or link.state == "down":
+                return self.plane
+            local = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
         if self.gpu_plane is None:
             self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
             log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
@@ -433,6 +445,18 @@ class Channel:
                      f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
                      "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
                      f"read from a CPU buffer of the peer is copied straight over {self.plane.name})")
+        if self.gpu_plane == "nccl" and (remote or local):
+            why = self._nccl_refusal(pairs)
+            if why is None:
+                if self._nccl is None:
+                    from .planes.nccl import NcclPlane
+
+                    self._nccl = NcclPlane(self)
+                return self._nccl
+            if why not in self._ipc_refused:
+                self._ipc_refused.add(why)
+                log.warning("channel %s: an op with %r cannot use nccl (%s); it goes through the staged path",
+                            self.id, self.peer_name, why)
         if self.gpu_plane == "cuda_ipc" and (remote or ipc):
             why = self._ipc_refusal(pairs)
             if why is None:
@@ -457,8 +481,35 @@ class Channel:
 
     def gpu_plane_choice(self) -> tuple[str, str]:
         """This peer's plane for GPU buffers and why (:func:`~transport.planes.choose_gpu_plane`)."""
+        link = self.link
         return choose_gpu_plane(local_host(), self.host, self.core.planes, self.remote_planes,
-                                (self.core.ipc_engine is not None, self.core.ipc_reason))
+                                (self.core.ipc_engine is not None, self.core.ipc_reason),
+                                (link.state, link.reason) if link is not None else None)
+
+    def link_changed(self) -> None:
+        """Event loop: the NCCL link was set up or went down: choose the GPU plane again (logged)."""
+        self.gpu_plane = self.gpu_plane_reason = None
+        self._ipc_refused.clear()
+
+    def _nccl_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
+        """Why this op cannot go over the NCCL link (None if it can): every buffer, ours and the
+        peer's, must be on the device its side's link serves."""
+        link = self.link
+        if link is None:
+            return "no NCCL link"
+        if link.state == "pending":
+            return None  # the plane waits for it (Endpoint.put/get)
+        specs = self.peer_specs
+        for it, t in pairs:
+            if not it.count:
+                continue
+            if not link.engine.handles(t):
+                return f"our tensor for {it.name!r} is on {t.device}, the link serves {link.engine.device}"
+            sp = specs.get(it.name)
+            if sp is None or sp.device != link.peer_device:
+                return (f"the peer's {it.name!r} is on {sp.device if sp else '?'}, its link serves "
+                        f"{link.peer_device}")
+        return None
 
     def _ipc_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
         """Why this op cannot go over cuda_ipc (None if it can): a buffer without an export
@@ -501,6 +552,13 @@ class Channel:
         if not self._tx.submit(frames, on_sent, direct=direct):
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
+    def send_quietly(self, msg: Message) -> None:
+        """:meth:`send`, for answers that do not matter once the channel is gone (any thread)."""
+        try:
+            self.send(msg)
+        except PeerLostError:
+            pass
+
     def _send_failed(self, exc: Exception) -> None:
         if isinstance(exc, StagingError):
             lost = PeerLostError(f"channel to {self.peer_name!r} closed: a staged payload could not be completed "
@@ -532,6 +590,9 @@ class Channel:
                 await op.future
         except TimeoutError:
             was = op.record.state
+            if op.p2p:  # its NCCL operations cannot be called back: abort the link (and the channel)
+                self.lose(PeerLostError(f"{op.kind.value} #{op.op_id} over the NCCL link with {self.peer_name!r} "
+                                        "timed out: the channel's communicator was aborted and the channel closed"))
             note = await self._abandon(op)
             self.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
@@ -626,6 +687,8 @@ class Channel:
             self.lose(PeerLostError(
                 f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                 f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
+        if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted
+            return 12.0
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
             return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
@@ -670,7 +733,15 @@ class Channel:
             return self._pending.pop(op_id, None)
 
     def _settle(self, op: Op, exc: BaseException | None) -> None:
-        """Event loop: finish ``op`` unless its waiter already left."""
+        """Event loop: finish ``op`` unless its waiter already left (an op with posted work of its
+        own, ``op.after``, finishes once that work completed too)."""
+        after = op.after
+        if after is not None:
+            if not after.done():
+                after.add_done_callback(lambda f: self._settle(op, exc))
+                return
+            if exc is None and not after.cancelled():
+                exc = after.exception()
         if exc is None:
             self.recorder.update(op.record, OpState.DONE)
         else:
@@ -712,6 +783,8 @@ class Channel:
             self._pending.clear()
             replies = list(self._replies.values())
             self._replies.clear()
+        if self.link is not None:  # NCCL ops cannot be cancelled: abort the communicator (a worker thread)
+            self.link.abort(exc)
         for rec in replies:  # staged get replies the writer will not finish (one it is sending fails anyway)
             self.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {exc}")
         try:
@@ -880,6 +953,16 @@ class Channel:
             self.send(Ack(msg.op_id))
         elif isinstance(msg, Unmapped):
             self.core.ipc_unmapped(self, msg.export_ids)
+        elif isinstance(msg, Go):
+            self._take_go(msg)
+        elif isinstance(msg, NcclSetup):
+            if self.link is None:
+                self.send(NcclReady(False, "", "this endpoint does not offer the nccl plane to this peer"))
+            else:
+                self.link.on_setup(msg)
+        elif isinstance(msg, NcclReady):
+            if self.link is not None:
+                self.link.on_ready(msg)
         elif isinstance(msg, Ping):
             pass
         elif isinstance(msg, Bye):
@@ -953,7 +1036,7 @@ class Channel:
         """An op's plane must be this channel's, one whose bytes travel in the stream (any
         channel can carry those), or ``cuda_ipc`` (checked per buffer against its export).
         Returns whether the payload follows the header."""
-        if plane == "cuda_ipc":
+        if plane in ("cuda_ipc", "nccl"):
             return False
         cls = PLANES.get(plane)
         if cls is None or (not cls.inline_payload and plane != self.plane.name):
@@ -965,6 +1048,9 @@ class Channel:
         if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
         inline = self._check_plane(msg.plane)
+        if msg.plane == "nccl":
+            self._serve_p2p(msg, rec)
+            return
         shm = not inline
         error: TransportError | None = None
         if shm and msg.segments is None:
@@ -992,6 +1078,44 @@ class Channel:
         self._done(rec)
         self.send(Ack(msg.op_id))
 
+    def _serve_p2p(self, msg: Put | Get, rec: Record) -> None:
+        """Reader thread: the peer's op over the NCCL link; the link posts our half and answers
+        from its completion (see :meth:`transport.planes.nccl.Link.serve`)."""
+        link = self.link
+        if link is None or link.state != "ready":
+            raise ProtocolError(f"nccl op #{msg.op_id} on a channel whose NCCL link is "
+                                f"{link.state if link is not None else 'absent'}")
+        error: TransportError | None = None
+        ranges = None
+        try:
+            ranges = self._resolve(msg.items)
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            error = exc
+        deliver = None
+        note = msg.notify if isinstance(msg, Put) else None
+        if note is not None:
+            if len(note) > MAX_NOTIFY:
+                raise ProtocolError(f"notification of {len(note)} bytes exceeds {MAX_NOTIFY}")
+
+            def deliver() -> TransportError | None:
+                if self.core.deliver(Notification(self.peer_name, note, msg.op_id), self):
+                    return None
+                return EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered")
+
+        self._serving = None  # the link's completion settles the record
+        link.serve(msg, ranges, error, rec, deliver)
+
+    def _take_go(self, msg: Go) -> None:
+        link = self.link
+        if link is None:
+            raise ProtocolError("Go on a channel without an NCCL link")
+        with link.lock:
+            post = link.awaiting_go.pop(msg.op_id, None)
+            if post is not None:
+                post()
+
     def _done(self, rec: Record) -> None:
         self.recorder.update(rec, OpState.DONE)
         self._serving = None
@@ -1004,6 +1128,9 @@ class Channel:
     def _serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
         shm = not self._check_plane(msg.plane)
+        if msg.plane == "nccl":
+            self._serve_p2p(msg, rec)
+            return
         if shm and msg.segments is None:
             raise ProtocolError(f"{msg.plane} get without segments")
         try:

@@ -24,7 +24,8 @@ import asyncio
 import collections
 import logging
 import threading
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, Union
 
 from .errors import EndpointClosedError, TransportError
 
@@ -49,6 +50,9 @@ class CompletionError(TransportError):
     """The work a waitable tracks failed (for a CUDA event: the CUDA error that ``synchronize`` raised)."""
 
 
+_Target = Union["asyncio.Future[None]", Callable[[BaseException | None], None]]
+
+
 class CompletionBridge:
     """One thread that turns blocking waits into asyncio futures, in submission order.
 
@@ -58,7 +62,7 @@ class CompletionBridge:
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "transport-completion") -> None:
         self._loop = loop
         self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[tuple[Waitable, asyncio.Future[None]]] = collections.deque()
+        self._queue: collections.deque[tuple[Waitable, _Target]] = collections.deque()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -101,6 +105,28 @@ class CompletionBridge:
             self._cond.notify()
         return fut
 
+    def notify(self, waitable: Waitable, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(None)`` once ``waitable`` completed, or ``callback(error)`` (any thread;
+        never blocks). The callback runs on the bridge's thread, in submission order with every
+        other wait (on the calling thread if the waitable is already complete and nothing is
+        queued); it gets :class:`CompletionError` if the work failed and
+        :class:`EndpointClosedError` if the bridge closed first. It must not block for long."""
+        error: CompletionError | None = None
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                done = False
+                if not self._queue:
+                    try:
+                        done = waitable.query()
+                    except Exception as exc:  # a failed CUDA event raises from query too
+                        done, error = True, CompletionError(f"the awaited work failed: {exc}")
+                if not done:
+                    self._queue.append((waitable, callback))
+                    self._cond.notify()
+                    return
+        _call(callback, EndpointClosedError("the completion bridge is closed") if closed else error)
+
     def close(self, timeout: float = 1.0) -> None:
         """Fail the waits not yet started and stop the thread (any thread; bounded by ``timeout``).
 
@@ -114,8 +140,8 @@ class CompletionBridge:
             dropped = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
-        for _, fut in dropped:
-            self._resolve_soon(fut, EndpointClosedError("the completion bridge was closed before the work completed"))
+        for _, target in dropped:
+            self._resolve_soon(target, EndpointClosedError("the completion bridge was closed before the work completed"))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -127,24 +153,34 @@ class CompletionBridge:
                     self._cond.wait()
                 if self._closed:
                     return
-                waitable, fut = self._queue[0]
+                waitable, target = self._queue[0]
             exc: BaseException | None = None
             try:
                 waitable.synchronize()
             except Exception as e:  # the tracked work failed: that op fails, the bridge goes on
                 exc = CompletionError(f"the awaited work failed: {e}")
             with self._cond:
-                if self._queue and self._queue[0][1] is fut:
+                if self._queue and self._queue[0][1] is target:
                     self._queue.popleft()
                 elif self._closed:  # close() already failed it
                     return
-            self._resolve_soon(fut, exc)
+            self._resolve_soon(target, exc)
 
-    def _resolve_soon(self, fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    def _resolve_soon(self, target: _Target, exc: BaseException | None) -> None:
+        if not isinstance(target, asyncio.Future):
+            _call(target, exc)
+            return
         try:
-            self._loop.call_soon_threadsafe(_resolve, fut, exc)
+            self._loop.call_soon_threadsafe(_resolve, target, exc)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
+
+
+def _call(callback: Callable[[BaseException | None], None], exc: BaseException | None) -> None:
+    try:
+        callback(exc)
+    except Exception:  # a callback's bug must not stop the bridge
+        log.exception("a completion callback failed")
 
 
 def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:

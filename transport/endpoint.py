@@ -38,6 +38,7 @@ from .errors import (
 from .flight_recorder import FlightRecorder, OpKind
 from .hostinfo import local_host, same_host
 from .ipc import IpcEngine, IpcExport, Retention, export_ids
+from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
 from .planes.shm import Segment, export_buffer
 from .ranges import At, plan_items
@@ -99,6 +100,12 @@ class Endpoint:
             runs the plane's protocol over CPU shared memory, for tests and
             debugging without a GPU (both endpoints need it; their CPU
             buffers then travel over ``cuda_ipc`` instead of ``shm``).
+        nccl_engine: a zero-argument factory of the ``nccl`` plane's link
+            engine (:class:`transport.p2p.LinkEngine`). None (the default)
+            uses NCCL on the current CUDA device at :meth:`open` when CUDA and
+            NCCL are available. ``transport.p2p.SocketLinkEngine`` runs the
+            plane's protocol over a second TCP connection, on CPU memory (tests
+            and debugging without GPUs; both endpoints need it).
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class Endpoint:
         max_pending_notifications: int = 10000,
         staging: StagingConfig | None = None,
         ipc_engine: Callable[[], IpcEngine] | None = None,
+        nccl_engine: Callable[[], LinkEngine] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
             raise ValueError(f"endpoint name must be a non-empty string of <= 200 chars without '/', got {name!r}")
@@ -136,6 +144,11 @@ class Endpoint:
         self._ipc_engine: IpcEngine | None = None
         self._ipc_reason: str | None = None
         self._ipc_retention = Retention(self._ipc_release)
+        if nccl_engine is not None and not callable(nccl_engine):
+            raise ValueError(f"nccl_engine must be a zero-argument factory of a link engine, got {nccl_engine!r}")
+        self._nccl_factory = nccl_engine
+        self.nccl_engine: LinkEngine | None = None  # set at open() when this endpoint can offer nccl
+        self.nccl_reason = "not probed yet (the endpoint is not open)"
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
@@ -192,6 +205,12 @@ class Endpoint:
             lsock.setblocking(False)
             self._listener = lsock
             self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host())
+            if "nccl" in self.planes:
+                self.nccl_engine, self.nccl_reason = link_engine_probe(self._nccl_factory)
+                if self.nccl_engine is None:
+                    log.info("endpoint %r does not offer the nccl plane: %s", self.name, self.nccl_reason)
+            else:
+                self.nccl_reason = f"not allowed here (planes={self.planes})"
             # re-export buffers registered before open
             for buf in self._registry.snapshot()[1]:
                 self._export(buf)
@@ -460,14 +479,32 @@ class Endpoint:
                     pass
 
     # ------------------------------------------------------------------ channels
+    def _offered(self) -> list[str]:
+        """The planes this endpoint's Hello offers: those allowed, less nccl if it cannot use it."""
+        return [p for p in self.planes if p != "nccl" or self.nccl_engine is not None]
+
     def _hello(self, channel_id: str) -> Hello:
         epoch, bufs = self.wire_registry()
-        return Hello(PROTOCOL_VERSION, self.name, self.incarnation, local_host(), list(self.planes), epoch, bufs,
+        return Hello(PROTOCOL_VERSION, self.name, self.incarnation, local_host(), self._offered(), epoch, bufs,
                      channel_id)
 
-    def _adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int) -> Channel:
+    def _wants_link(self, remote: Hello) -> bool:
+        """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos:
+        both offer nccl, and they are not two same-host endpoints that both allow cuda_ipc."""
+        if self.nccl_engine is None or "nccl" not in remote.planes:
+            return False
+        both_ipc = "cuda_ipc" in self.planes and "cuda_ipc" in remote.planes
+        return not (both_ipc and same_host(local_host(), remote.host)[0])
+
+    def _adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
+               dialer: bool) -> Channel:
         plane, reason = choose_cpu_plane(local_host(), remote.host, self.planes, tuple(remote.planes))
         ch = Channel(self, sock, remote, channel_id, plane, reason, registry=self._registry, recorder=self.recorder)
+        if self._wants_link(remote):
+            from .planes.nccl import Link
+
+            assert self.nccl_engine is not None
+            ch.link = Link(ch, self.nccl_engine, dialer=dialer, timeout=self.timeout)
         old = self._channels.get(remote.name)
         if old is not None and old.incarnation != remote.incarnation:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
@@ -479,6 +516,8 @@ class Endpoint:
             self._channels[remote.name] = ch
         self._all.add(ch)
         ch.start()
+        if ch.link is not None and dialer:
+            ch.link.start()
         log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, self.name, remote.name,
                  remote.incarnation, plane.name, reason)
         if self._registry.epoch != sent_epoch:  # registry changed during the handshake
@@ -505,7 +544,7 @@ class Endpoint:
             if self._state != "open":
                 raise EndpointClosedError("endpoint is closing")
             sock.setblocking(True)
-            self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch)
+            self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch, dialer=False)
         except ProtocolError as exc:
             log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
             sock.close()
@@ -582,7 +621,7 @@ class Endpoint:
                 skip.add(rec.incarnation)
                 continue
             try:
-                ch = self._adopt(sock, remote, channel_id, hello.epoch)
+                ch = self._adopt(sock, remote, channel_id, hello.epoch, dialer=True)
             except PlaneUnavailableError:
                 sock.close()
                 raise
@@ -690,7 +729,7 @@ class Endpoint:
         ch = await self._channel(peer, deadline)
         for retry in (False, True):
             pairs = await self._plan(ch, tensors, deadline)
-            plane = ch.plane_for(pairs)
+            plane = await self._plane(ch, pairs, deadline)
             op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
             try:
                 await ch.run(op, lambda: plane.put(op, pairs, notify), deadline)  # noqa: B023
@@ -714,7 +753,7 @@ class Endpoint:
         ch = await self._channel(peer, deadline)
         for retry in (False, True):
             pairs = await self._plan(ch, tensors, deadline)
-            plane = ch.plane_for(pairs)
+            plane = await self._plane(ch, pairs, deadline)
             op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
             try:
                 await ch.run(op, lambda: plane.get(op, pairs), deadline)  # noqa: B023
@@ -723,6 +762,16 @@ class Endpoint:
                 if retry:
                     raise
                 await ch.sync_registry(deadline)
+
+    @staticmethod
+    async def _plane(ch: Channel, pairs: list[Any], deadline: float) -> Any:
+        """The op's plane; an op for the NCCL link while it is being set up waits for it (bounded)."""
+        plane = ch.plane_for(pairs)
+        link = ch.link
+        if plane.name == "nccl" and link is not None and link.state == "pending":
+            await link.wait(deadline)
+            plane = ch.plane_for(pairs)
+        return plane
 
     async def _plan(self, ch: Channel, tensors: _Tensors, deadline: float) -> list[Any]:
         """Check the call against the peer's registry; on a miss, refresh the cache once and check again."""

@@ -22,6 +22,13 @@ Theory of operation, per connection::
            <----------------------------  Ack | Fail
     Unmapped (exports left the peer's
       registry, no copy uses them) ---->  release the memory held for them
+    NcclSetup (dialer, after Hello) --->  join the channel's 2-rank link
+    NcclReady <-----------------------> NcclReady   (both ok: the nccl plane is up)
+    Put(nccl) (dialer: its ncclSend
+      already posted) ----------------->  post ncclRecv into the buffer
+           <----------------------------  Ack (from the recv's completion) | Fail
+    Put(nccl) <--- (listener: request)    dialer posts ncclRecv, answers
+           Go ------------------------->  listener posts its ncclSend
     Notify ---------------------------->  queue for the application
            <----------------------------  Ack
     Registry (whenever it changes) ---->  replace cached copy
@@ -50,11 +57,14 @@ __all__ = [
     "Data",
     "Fail",
     "Get",
+    "Go",
     "Hello",
     "HostInfo",
     "IpcHandle",
     "Item",
     "Message",
+    "NcclReady",
+    "NcclSetup",
     "Notify",
     "Ping",
     "Put",
@@ -68,7 +78,7 @@ __all__ = [
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 2  # 2: cuda_ipc exports in WireBuffer, the Unmapped frame
+PROTOCOL_VERSION = 2  # 2: cuda_ipc exports in WireBuffer, the Unmapped frame, the nccl plane's frames
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_NOTIFY = 1024 * 1024
 HEADER = struct.Struct("<I")
@@ -212,6 +222,29 @@ class Unmapped(msgspec.Struct, tag="unmapped"):
     export_ids: list[int]
 
 
+class NcclSetup(msgspec.Struct, tag="nccl_setup"):
+    """Dialer -> listener, right after the handshake: join the channel's 2-rank link (the ``nccl``
+    plane) with this unique id; the dialer is rank 0."""
+
+    unique_id: bytes
+
+
+class NcclReady(msgspec.Struct, tag="nccl_ready"):
+    """Each side, once its join ended: ``ok``, the device its link serves (``cuda:N``), or why not.
+    The link is used only if both sides said ok."""
+
+    ok: bool
+    device: str = ""
+    reason: str = ""
+
+
+class Go(msgspec.Struct, tag="go"):
+    """Dialer -> listener: post your half of your ``nccl`` op ``op_id`` now (the dialer just posted
+    its half; every post of a link follows the dialer's order)."""
+
+    op_id: int
+
+
 class Ping(msgspec.Struct, tag="ping"):
     pass
 
@@ -220,7 +253,7 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str = ""
 
 
-Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, Ping, Bye]
+Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, NcclSetup, NcclReady, Go, Ping, Bye]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -3,12 +3,13 @@
 CPU buffers: ``shm`` (same host) or ``tcp`` (any host), chosen by
 :func:`choose_cpu_plane` when a channel is set up. GPU buffers: chosen by
 :func:`choose_gpu_plane`, in the order ``cuda_ipc`` (same host: copies straight
-into the peer's mapped device memory), ``nccl`` (other host; not built in this
-version), ``staged`` (any host; GPU bytes through host bounce buffers, inline on
-the channel's socket). ``planes=`` of an endpoint names the planes it allows: at
-least one CPU plane, plus ``cuda_ipc`` if GPU buffers may use it (None allows
-all); the staged path needs nothing but the channel's socket and is always
-available.
+into the peer's mapped device memory), ``nccl`` (the channel's own 2-rank NCCL
+communicator, set up with the channel when both endpoints offer it), ``staged``
+(any host; GPU bytes through host bounce buffers, inline on the channel's
+socket). ``planes=`` of an endpoint names the planes it allows: at least one
+CPU plane, plus ``cuda_ipc`` and/or ``nccl`` if GPU buffers may use them (None
+allows all); the staged path needs nothing but the channel's socket and is
+always available.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ log = logging.getLogger(__name__)
 # In order of preference.
 CPU_PLANES: tuple[type[DataPlane], ...] = (ShmPlane, TcpPlane)
 PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
-# For GPU buffers, in order of preference; "nccl" is not built yet.
+# For GPU buffers, in order of preference.
 GPU_PLANES: tuple[str, ...] = ("cuda_ipc", "nccl", "staged")
-_ALLOWABLE = (*PLANES, "cuda_ipc")  # what planes= may name
+_ALLOWABLE = (*PLANES, "cuda_ipc", "nccl")  # what planes= may name
 
 
 def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:
@@ -45,9 +46,6 @@ def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:
     out: tuple[str, ...] = tuple(planes) if not isinstance(planes, str) else ()
     if isinstance(planes, str) or not all(isinstance(p, str) for p in out):
         raise ValueError(f"planes must be a sequence of plane names such as ('tcp',), got {planes!r}")
-    if "nccl" in out:
-        raise ValueError("planes: 'nccl' is not built in this version (GPU buffers on other hosts go through the "
-                         "staged path)")
     unknown = [p for p in out if p not in _ALLOWABLE]
     if unknown or not out:
         raise ValueError(f"unknown planes {unknown or out!r}; known: {sorted(_ALLOWABLE)}")
@@ -93,14 +91,17 @@ def choose_cpu_plane(
 
 def choose_gpu_plane(local: HostInfo, remote: HostInfo, mine: tuple[str, ...] = _ALLOWABLE,
                      theirs: tuple[str, ...] = _ALLOWABLE,
-                     ipc_engine: tuple[bool, str] = (False, "no IPC engine")) -> tuple[str, str]:
+                     ipc_engine: tuple[bool, str] = (False, "no IPC engine"),
+                     link: tuple[str, str] | None = None) -> tuple[str, str]:
     """Pick the plane for ops that touch GPU memory with one peer; return its name and the reason.
 
     Preference: ``cuda_ipc`` (same host, another process, both endpoints allow it, and this
-    process has an IPC engine: ``ipc_engine`` is ``(available, why)``), then ``nccl`` (another
-    host; not built in this version), then ``staged``. The reason says why each plane before the
-    chosen one was passed over. Channels log the choice once per peer; ``peer.gpu_plane_reason``
-    and the doctor show it. An op whose buffers cannot all be mapped still goes staged (logged).
+    process has an IPC engine: ``ipc_engine`` is ``(available, why)``), then ``nccl`` (the
+    channel's NCCL link, ``link`` = ``(state, why)``, is set up or being set up), then
+    ``staged``. The reason says why each plane before the chosen one was passed over. Channels
+    log the choice (again whenever the link comes up or goes down); ``peer.gpu_plane_reason``
+    and the doctor show it. An op whose buffers do not suit the chosen plane still goes staged
+    (logged once per reason).
     """
     same, where = same_host(local, remote)
     if not same:
@@ -115,8 +116,16 @@ def choose_gpu_plane(local: HostInfo, remote: HostInfo, mine: tuple[str, ...] = 
         why = [f"cuda_ipc: {ipc_engine[1]}"]
     else:
         return "cuda_ipc", f"cuda_ipc: {where}; {ipc_engine[1]}"
-    why += [
-        "nccl: not built in this version",
-        "staged: GPU bytes through host bounce buffers, inline on the channel's socket (tcp framing)",
-    ]
+    if link is not None and link[0] in ("pending", "ready"):
+        return "nccl", "; ".join([*why, f"nccl: {link[1]}"])
+    if link is not None:
+        why.append(f"nccl: {link[1]}")
+    elif "nccl" not in mine:
+        why.append(f"nccl: not allowed here (planes={mine})")
+    elif "nccl" not in theirs:
+        why.append("nccl: the peer does not offer it (not allowed there, or no CUDA/NCCL there)")
+    else:
+        why.append("nccl: no NCCL link on this channel (this endpoint cannot use NCCL, or the peer is on this host "
+                   "and both allow cuda_ipc)")
+    why.append("staged: GPU bytes through host bounce buffers, inline on the channel's socket (tcp framing)")
     return "staged", "; ".join(why)

@@ -1,0 +1,254 @@
+"""The ``nccl`` plane's link: one 2-rank communicator and one stream per channel, and its set-up.
+
+A :class:`Link` belongs to one channel. The dialer is rank 0: right after the handshake it makes a
+unique id and sends it (``NcclSetup``); both sides then join the communicator on a worker thread
+(non-blocking mode, bounded by the endpoint's timeout), each says how that went (``NcclReady``:
+ok, the device its side serves, or why not), and the link is usable only when both said ok. A
+link that fails is torn down on both sides and GPU ops with that peer take the staged path, with
+the reason logged and shown by ``peer.gpu_plane_reason``: never silently.
+
+Order of operations. NCCL matches a channel's sends and receives per peer in posting order, and
+one stream runs them one after the other; if both sides posted their own ops first and the peer's
+later, each side's send could wait for a receive the peer queued behind its own send: a deadlock.
+So every post of the link follows one total order, the dialer's: the dialer posts its own ops at
+once and announces them (their headers); the listener posts the dialer's ops as their headers
+arrive, and its own ops only when the dialer's ``Go`` for them arrives, which the dialer sends at
+the point where it posts its half. Each side posts under :attr:`Link.lock` together with sending
+the frame that tells the peer, so the frame order on the wire is the post order.
+
+What only a GPU can run is an :class:`LinkEngine` (:class:`transport.cuda.nccl_link.NcclLinkEngine`:
+``ncclCommInitRankConfig``, ``ncclSend``/``ncclRecv`` on the channel's stream, events). The CPU
+tests run everything else with :class:`SocketLinkEngine`, whose "communicator" is a second TCP
+connection served by one worker thread per side, in posting order, with NCCL's rendezvous: a send
+completes only once the peer's receive took the bytes, so posting in different orders deadlocks
+there too (it is reported as an error instead of hanging: a send that reads the peer's data where
+it waits for its acknowledgement fails the link).
+
+Blocking: :meth:`LinkEngine.connect` blocks (on a worker thread); posting returns once the
+operation is queued; completion is observed through waitables on a
+:class:`~transport.completion.CompletionBridge`. Abort (:meth:`Link.abort`) runs on a worker thread
+and is bounded (NCCL's ``ncclCommAbort``, about 1 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from .errors import PlaneUnavailableError
+from .ipc import _ThreadDone
+from .registry import tensor_bytes
+
+__all__ = ["LinkConn", "LinkEngine", "SocketLinkEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class LinkConn(Protocol):
+    """A connected 2-rank link: ordered point-to-point operations with the one peer."""
+
+    def send(self, data: torch.Tensor, after: Any) -> Any:
+        """Queue sending ``data`` (``uint8``, contiguous) behind ``after`` (a mark or None); return a
+        :class:`~transport.completion.Waitable` of its completion. Never waits for the peer."""
+        ...
+
+    def recv(self, data: torch.Tensor, after: Any) -> Any:
+        """Queue receiving into ``data``; as :meth:`send`."""
+        ...
+
+    def abort(self) -> None:
+        """Stop everything in flight and free the link (any thread; bounded)."""
+        ...
+
+
+class LinkEngine(Protocol):
+    """What the ``nccl`` plane needs from the memory and the library it moves bytes with."""
+
+    name: str
+    device: str  # the device this side's link serves, as BufferSpec.device spells it ("cuda:0")
+
+    def handles(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` can be a source or destination of this link (on :attr:`device`)."""
+        ...
+
+    def unique_id(self) -> bytes:
+        """Rank 0: a new id for the peer to join with."""
+        ...
+
+    def connect(self, unique_id: bytes, rank: int, timeout: float) -> LinkConn:
+        """Join the 2-rank link ``unique_id`` as ``rank`` (blocking, bounded by ``timeout``)."""
+        ...
+
+    def mark(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """In the caller's thread: the work queued on its current stream(s), for posts to wait on."""
+        ...
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of throw-away memory on :attr:`device` (to keep both sides in step when an op
+        is rejected after the peer posted its half)."""
+        ...
+
+
+# --------------------------------------------------------------------------- CPU test engine
+_LEN = struct.Struct("<Q")
+_ACK = b"\x06"
+
+
+class _SocketConn:
+    """One side of a :class:`SocketLinkEngine` link: posted ops run in order on one thread."""
+
+    def __init__(self, sock: socket.socket, delay: float) -> None:
+        self._sock = sock
+        self._delay = delay
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._broken: BaseException | None = None
+        self._lock = threading.Lock()
+        self._worker = threading.Thread(target=self._run, name="transport-p2p-socket", daemon=True)
+        self._worker.start()
+
+    def send(self, data: torch.Tensor, after: Any) -> _ThreadDone:
+        return self._post("send", data)
+
+    def recv(self, data: torch.Tensor, after: Any) -> _ThreadDone:
+        return self._post("recv", data)
+
+    def _post(self, kind: str, data: torch.Tensor) -> _ThreadDone:
+        done = _ThreadDone()
+        with self._lock:
+            if self._broken is not None:
+                done.error = self._broken
+                done.finished.set()
+                return done
+            self._jobs.put((kind, data, done))
+        return done
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = ConnectionAbortedError("the link was aborted")
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._jobs.put(None)
+        if self._worker is not threading.current_thread():
+            self._worker.join(5.0)  # what it was doing is over (as after ncclCommAbort)
+        self._sock.close()
+
+    def _read(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self._sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionResetError("the peer closed the link")
+            got += n
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, data, done = job
+            try:
+                if self._broken is not None:
+                    raise self._broken
+                if self._delay:
+                    threading.Event().wait(self._delay)
+                view = tensor_bytes(data)
+                if kind == "send":
+                    self._sock.sendall(_LEN.pack(len(view)))
+                    self._sock.sendall(view)
+                    ack = bytearray(1)
+                    self._read(memoryview(ack))
+                    if bytes(ack) != _ACK:  # the peer is sending too: posts out of order (NCCL would hang)
+                        raise RuntimeError("link desynchronised: the peer sent data where a receive acknowledgement "
+                                           "was due (both sides sent at once: posts out of order)")
+                else:
+                    head = bytearray(_LEN.size)
+                    self._read(memoryview(head))
+                    (n,) = _LEN.unpack(head)
+                    if n != len(view):
+                        raise RuntimeError(f"link desynchronised: a receive of {len(view)} bytes met a send of {n}")
+                    self._read(view)
+                    self._sock.sendall(_ACK)
+            except BaseException as exc:  # the link is broken from here on
+                with self._lock:
+                    if self._broken is None:
+                        self._broken = exc
+                done.error = exc
+            finally:
+                done.finished.set()
+            del job, data, done
+
+
+class SocketLinkEngine:
+    """The ``nccl`` plane's link on CPU memory, over a second TCP connection (tests, debugging
+    without GPUs: ``Endpoint(nccl_engine=SocketLinkEngine)`` on both sides makes their CPU buffers
+    travel over the ``nccl`` plane's protocol). The unique id is the address of a listening socket,
+    as NCCL's is the address of its bootstrap root. ``delay`` slows every operation (tests)."""
+
+    name = "socket"
+    device = "cpu"
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self._listeners: dict[bytes, socket.socket] = {}
+        self._lock = threading.Lock()
+
+    def handles(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    def unique_id(self) -> bytes:
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(1)
+        key = secrets.token_bytes(8)
+        with self._lock:
+            self._listeners[key] = lsock
+        return msgspec.msgpack.encode(["127.0.0.1", lsock.getsockname()[1], key])
+
+    def connect(self, unique_id: bytes, rank: int, timeout: float) -> _SocketConn:
+        host, port, key = msgspec.msgpack.decode(unique_id)
+        if rank == 0:
+            with self._lock:
+                lsock = self._listeners.pop(key, None)
+            if lsock is None:
+                raise PlaneUnavailableError("socket link: unknown unique id")
+            try:
+                lsock.settimeout(timeout)
+                sock, _ = lsock.accept()
+            finally:
+                lsock.close()
+            sock.settimeout(None)
+        else:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _SocketConn(sock, self.delay)
+
+    def mark(self, tensors: Sequence[torch.Tensor]) -> Any:
+        return None
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def link_engine_probe(factory: Callable[[], LinkEngine] | None) -> tuple[LinkEngine | None, str]:
+    """The engine an endpoint's ``nccl`` plane would use here, or None and why not."""
+    if factory is not None:
+        engine = factory()
+        return engine, f"engine {engine.name!r} (nccl_engine=)"
+    try:
+        from .cuda.nccl_link import nccl_link_engine
+    except ImportError as exc:
+        return None, f"the NCCL link engine cannot be imported: {exc}"
+    return nccl_link_engine()

@@ -1,0 +1,395 @@
+"""``nccl``: GPU buffers of a peer on another host, over the channel's own 2-rank NCCL communicator.
+
+:class:`Link` (one per channel) sets the communicator up and keeps every post in the dialer's order
+(see :mod:`transport.p2p`); :class:`NcclPlane` runs the initiator's half of puts and gets, and
+:meth:`Link.serve` the target's half, from the channel's reader thread. The bytes never touch the
+channel's socket: a put sends a small header, the initiator's ``ncclSend`` and the target's
+``ncclRecv`` (posted by the target's endpoint when the header arrives; its application does
+nothing) move them on each side's channel stream, and the target acknowledges from the receive's
+completion. A get mirrors it; the initiator's op ends once its receive completed *and* the target
+acknowledged (a target that rejects an op still posts its half, into or from scratch memory, so
+that both streams stay in step, and answers ``Fail``).
+
+Posts wait (on the GPU) for the work queued on the caller's current stream at the call; completion
+is a blocking-sync event awaited by the link's :class:`~transport.completion.CompletionBridge`
+thread: the loop stays free and no core spins while a long transfer runs.
+
+Failures: NCCL operations cannot be cancelled. An op that times out, a lost channel (peer dead,
+frozen past the heartbeat timeout, socket error) or a failed operation aborts the channel's
+communicator (``ncclCommAbort``, on a worker thread, bounded) and closes the channel: its pending
+ops fail with :class:`~transport.errors.PeerLostError`, the timed-out one with
+:class:`~transport.errors.TransportTimeoutError`; other channels are untouched; the next op dials
+a new channel, with a new communicator. A get abandoned mid-receive returns only once the abort
+has stopped the receive (bounded), so nothing is written into the caller's tensors afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..completion import CompletionBridge
+from ..errors import (
+    PeerLostError,
+    Phase,
+    PlaneUnavailableError,
+    ProtocolError,
+    TransportError,
+    TransportTimeoutError,
+    error_kind,
+)
+from ..flight_recorder import OpState
+from ..p2p import LinkConn, LinkEngine
+from ..wire import Ack, Fail, Get, Go, HostInfo, Item, NcclReady, NcclSetup, Put
+from .base import DataPlane
+
+if TYPE_CHECKING:
+    from ..channel import Channel, Op
+
+__all__ = ["Link", "NcclPlane"]
+
+log = logging.getLogger(__name__)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class Link:
+    """One channel's point-to-point link: set-up, post order, completion, abort.
+
+    Created on the event loop when the channel is adopted, if both endpoints advertise ``nccl``.
+    States: ``pending`` (joining), ``ready`` (both sides joined), ``down`` (failed, aborted or
+    closed; :attr:`reason` says why). Thread-safe; :attr:`lock` orders posts with their frames.
+    """
+
+    def __init__(self, channel: Channel, engine: LinkEngine, *, dialer: bool, timeout: float) -> None:
+        self.channel = channel
+        self.engine = engine
+        self.dialer = dialer
+        self.timeout = timeout
+        self.lock = threading.Lock()  # posts and the frames that announce them, in one order
+        self._state_lock = threading.Lock()
+        self.state = "pending"
+        self.reason = "the channel's NCCL link is being set up"
+        self.conn: LinkConn | None = None
+        self.peer_device = ""
+        self._mine: tuple[bool, str, str] | None = None
+        self._theirs: tuple[bool, str, str] | None = None
+        self._settled: asyncio.Future[None] = channel.loop.create_future()
+        self.bridge = CompletionBridge(channel.loop, f"transport-nccl-{channel.peer_name}")
+        self.awaiting_go: dict[int, Callable[[], None]] = {}  # listener: our ops waiting for the dialer's Go
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> None:
+        """Dialer (event loop): make the unique id, send it, join as rank 0 on a worker thread."""
+        try:
+            uid = self.engine.unique_id()
+        except Exception as exc:  # noqa: BLE001 - reported to the peer and logged
+            self._joined(None, f"no unique id: {type(exc).__name__}: {exc}")
+            return
+        self.channel.send(NcclSetup(uid))
+        threading.Thread(target=self._join, args=(uid, 0), name="transport-nccl-join", daemon=True).start()
+
+    def on_setup(self, msg: NcclSetup) -> None:
+        """Listener (reader thread): join as rank 1."""
+        if self.dialer or self._mine is not None:
+            raise ProtocolError("unexpected NcclSetup")
+        threading.Thread(target=self._join, args=(msg.unique_id, 1), name="transport-nccl-join", daemon=True).start()
+
+    def _join(self, uid: bytes, rank: int) -> None:
+        try:
+            conn = self.engine.connect(uid, rank, self.timeout)
+        except Exception as exc:  # noqa: BLE001 - reported to the peer and logged
+            self._joined(None, f"joining the link failed: {type(exc).__name__}: {exc}")
+            return
+        self._joined(conn, "")
+
+    def _joined(self, conn: LinkConn | None, reason: str) -> None:
+        with self._state_lock:
+            late = self.state == "down"
+            if not late:
+                self.conn = conn
+                self._mine = (conn is not None, self.engine.device, reason)
+        if late:  # torn down meanwhile
+            if conn is not None:
+                conn.abort()
+            return
+        try:
+            self.channel.send(NcclReady(conn is not None, self.engine.device, reason))
+        except PeerLostError:
+            pass
+        self._maybe_settle()
+
+    def on_ready(self, msg: NcclReady) -> None:
+        """The peer's verdict (reader thread)."""
+        with self._state_lock:
+            self._theirs = (msg.ok, msg.device, msg.reason)
+        self._maybe_settle()
+
+    def _maybe_settle(self) -> None:
+        with self._state_lock:
+            if self.state != "pending":
+                return
+            mine, theirs = self._mine, self._theirs
+            if theirs is not None and not theirs[0]:
+                why = f"the peer could not join the channel's NCCL link: {theirs[2]}"
+            elif mine is not None and not mine[0]:
+                why = mine[2]
+            elif mine is not None and theirs is not None:
+                why = ""
+            else:
+                return
+            if why:
+                self.state, self.reason = "down", why
+                conn, self.conn = self.conn, None
+            else:
+                self.state, self.peer_device = "ready", theirs[1]  # type: ignore[index]
+                self.reason = f"the channel's 2-rank NCCL link is up ({self.engine.device} <-> {self.peer_device})"
+                conn = None
+        if conn is not None:
+            threading.Thread(target=conn.abort, name="transport-nccl-abort", daemon=True).start()
+        ch = self.channel
+        if why:
+            log.warning("channel %s: no NCCL link with %r: %s; its GPU ops take the staged path", ch.id,
+                        ch.peer_name, why)
+        else:
+            log.info("channel %s: %s", ch.id, self.reason)
+        try:
+            ch.loop.call_soon_threadsafe(self._settle_future)
+        except RuntimeError:
+            pass
+
+    def _settle_future(self) -> None:
+        if not self._settled.done():
+            self._settled.set_result(None)
+        self.channel.link_changed()
+
+    async def wait(self, deadline: float) -> bool:
+        """Event loop: wait (bounded) until the link is set up or failed; True if it is usable."""
+        if self.state == "pending":
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.shield(self._settled)
+            except TimeoutError:
+                raise TransportTimeoutError(
+                    f"the NCCL link with {self.channel.peer_name!r} was still being set up at the op's deadline",
+                    Phase.CONNECT) from None
+        return self.state == "ready"
+
+    # ------------------------------------------------------------------ teardown
+    def abort(self, why: BaseException | str) -> None:
+        """Any thread, idempotent: the link is done. On a worker thread, abort the communicator
+        (bounded), which stops whatever is in flight; then the bridge reports what is left."""
+        with self._state_lock:
+            if self.state == "down" and self.conn is None:
+                first = False
+            else:
+                first = True
+            self.state = "down"
+            if first:
+                self.reason = f"aborted: {why}"
+            conn, self.conn = self.conn, None
+            waiting, self.awaiting_go = list(self.awaiting_go), {}
+        if waiting:
+            log.debug("channel %s: %d nccl ops never got their Go", self.channel.id, len(waiting))
+
+        def run() -> None:
+            if conn is not None:
+                try:
+                    conn.abort()
+                except Exception:  # noqa: BLE001
+                    log.exception("aborting the NCCL link of channel %s failed", self.channel.id)
+            end = time.monotonic() + 5.0  # the aborted operations complete (with errors): let the bridge report them
+            while self.bridge.pending and time.monotonic() < end:
+                time.sleep(0.01)
+            self.bridge.close(timeout=5.0)
+
+        threading.Thread(target=run, name="transport-nccl-abort", daemon=True).start()
+        try:
+            self.channel.loop.call_soon_threadsafe(self._settle_future)
+        except RuntimeError:
+            pass
+
+    # ------------------------------------------------------------------ posting
+    def _conn(self) -> LinkConn:
+        conn = self.conn
+        if conn is None or self.state != "ready":
+            raise PeerLostError(f"the NCCL link with {self.channel.peer_name!r} is down: {self.reason}")
+        return conn
+
+    def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], after: Any) -> Any:
+        """Post (under :attr:`lock`, held by the caller) sends then receives; the last waitable."""
+        conn = self._conn()
+        last = None
+        for t in sends:
+            last = conn.send(t, after)
+        for t in recvs:
+            last = conn.recv(t, after)
+        return last
+
+    def completed(self, waitable: Any, callback: Callable[[BaseException | None], None]) -> None:
+        """``callback(error or None)`` on the bridge thread once ``waitable`` completed (now if None)."""
+        if waitable is None:
+            callback(None)
+            return
+        self.bridge.notify(waitable, callback)
+
+    # ------------------------------------------------------------------ target side
+    def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
+              rec: Any, deliver: Callable[[], TransportError | None] | None) -> None:
+        """Reader thread: the peer's nccl op ``msg`` arrived; ``ranges`` (buffer, offset, nbytes) if
+        it was accepted, else ``error``. Post our half (into/from scratch if rejected: the peer's
+        half may be posted already), then answer from its completion (``deliver`` runs first, for a
+        put's notification)."""
+        ch = self.channel
+        is_put = isinstance(msg, Put)
+        if error is None:
+            assert ranges is not None
+            views = [_bytes_of(buf.tensor)[off : off + n] for buf, off, n in ranges if n]
+            wrong = [buf.spec.name for buf, _, n in ranges if n and not self.engine.handles(buf.tensor)]
+            if wrong:
+                error = PlaneUnavailableError(f"buffers {wrong} are not on the device of this side's NCCL link "
+                                              f"({self.engine.device})")
+        if error is not None and self.dialer:  # the listener posts only after our Go: it has posted nothing
+            ch.recorder.update(rec, OpState.REJECTED, error)
+            ch.send(Fail(msg.op_id, error_kind(error), str(error)))
+            return
+        if error is not None:  # the dialer posted its half already: match it, into or from scratch
+            views = self._scratch(msg.items)
+        with self.lock:
+            last = self.post([] if is_put else views, views if is_put else [], None)
+            if self.dialer:
+                ch.send(Go(msg.op_id))
+        op_id = msg.op_id
+
+        def done(exc: BaseException | None) -> None:  # bridge thread
+            nonlocal error
+            keep = views  # noqa: F841 - the memory stays referenced until the operation is over
+            if exc is not None:
+                ch.recorder.update(rec, OpState.FAILED, exc)
+                ch.lose(PeerLostError(f"the NCCL link with {ch.peer_name!r} failed: {exc}"))
+                return
+            if error is None and deliver is not None:
+                error = deliver()
+            if error is not None:
+                ch.recorder.update(rec, OpState.REJECTED, error)
+                ch.send_quietly(Fail(op_id, error_kind(error), str(error)))
+            else:
+                ch.recorder.update(rec, OpState.DONE)
+                ch.send_quietly(Ack(op_id))
+
+        self.completed(last, done)
+
+    def _scratch(self, items: list[Item]) -> list[torch.Tensor]:
+        """One view per non-empty item (the peer posts one operation per item, of its size)."""
+        sizes = [n for n in (self.channel._item_bytes(it) for it in items) if n]
+        if not sizes:
+            return []
+        try:
+            mem = self.engine.scratch(sum(sizes))
+        except Exception as exc:
+            raise ProtocolError(f"cannot allocate {sum(sizes)} bytes of scratch memory to keep the NCCL link in "
+                                f"step with a rejected op: {exc}") from exc
+        out, pos = [], 0
+        for n in sizes:
+            out.append(mem[pos : pos + n])
+            pos += n
+        return out
+
+
+class NcclPlane(DataPlane):
+    """Initiator side of the ``nccl`` plane (one per channel with a link)."""
+
+    name = "nccl"
+    inline_payload = False
+    sends_at_once = True  # posts and headers go out in the call, under the link's lock
+
+    def __init__(self, channel: Channel) -> None:
+        super().__init__(channel)
+        link = channel.link
+        if link is None:
+            raise PlaneUnavailableError("nccl: the channel has no NCCL link")
+        self.link: Link = link
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        return True, "decided per channel by its NCCL link"
+
+    @classmethod
+    def reaches(cls, local: HostInfo, remote: HostInfo) -> tuple[bool, str]:
+        return True, "any host the channel reaches"
+
+    def _start(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], header: Put | Get, into_local: bool) -> None:
+        link = self.link
+        engine = link.engine
+        tensors = [t for it, t in pairs if it.count]
+        op.keep = [t for _, t in pairs]
+        op.p2p = True
+        after = engine.mark(tensors) if tensors else None
+        views = [_bytes_of(t) for t in tensors]
+        loop = self.channel.loop
+        after_fut: asyncio.Future[None] = loop.create_future()
+        op.after = after_fut
+
+        def finished(exc: BaseException | None) -> None:  # bridge thread (or here)
+            if into_local:
+                op.quiet.set()
+            if exc is not None:
+                self.channel.lose(PeerLostError(f"the NCCL link with {self.channel.peer_name!r} failed: {exc}"))
+            try:
+                loop.call_soon_threadsafe(_resolve, after_fut, exc)
+            except RuntimeError:
+                pass
+
+        def post() -> None:  # under link.lock
+            if into_local:
+                with op.lock:
+                    op.busy = True
+            try:
+                last = link.post([] if into_local else views, views if into_local else [], after)
+            except BaseException as exc:
+                finished(exc)
+                raise
+            link.completed(last, finished)
+
+        if link.dialer:
+            with link.lock:
+                post()
+                self.channel.send(header, op=op)
+        else:
+            def on_go() -> None:  # reader thread, under link.lock
+                try:
+                    post()
+                except BaseException as exc:  # noqa: BLE001 - the op fails; the channel is lost by then
+                    self.channel.fail_op(op, PeerLostError(f"posting nccl {op.kind.value} #{op.op_id} failed: {exc}"))
+
+            with link.lock:
+                link.awaiting_go[op.op_id] = on_go
+            try:
+                self.channel.send(header, op=op)
+            except BaseException:
+                with link.lock:
+                    link.awaiting_go.pop(op.op_id, None)
+                raise
+
+    async def put(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
+        self._start(op, pairs, Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify), into_local=False)
+
+    async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
+        self._start(op, pairs, Get(op.op_id, op.seq, [it for it, _ in pairs], self.name), into_local=True)
+
+
+def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
