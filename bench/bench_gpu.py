@@ -331,6 +331,8 @@ def bench_planes(torch: Any, reps: int, sizes: list[int], copies: list[dict[str,
                             used = {r["plane"] for r in ep.recorder.snapshot()
                                     if r["role"] == "initiator" and r["kind"] == "put"}
                             row["plane_used"] = sorted(used)
+                            if row["plane_used"] != [plane]:
+                                raise AssertionError(f"put {plane}: the puts went over {row['plane_used']}")
                             ref = baseline.get(f"{base} {_fmt_size(n)}")
                             row["vs"] = base
                             row["ratio"] = row["gbps_median"] / ref if ref else None

@@ -126,8 +126,8 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             outs = {n: poisoned(dt, tuple(sh)).to(*dev or ["cpu"]) for n, (dt, sh, _) in spec.items()}
             await ep.get(peer, outs, timeout=timeout)
             return {n: same_bytes(outs[n].cpu(), make_tensor(dt, tuple(sh), sd)) for n, (dt, sh, sd) in spec.items()}
-        if cmd == "ipc_held":  # cuda_ipc exports held for peers: export id -> number of holders
-            return {eid: len(h) for eid, h in ep._ipc_retention.held.items()}
+        if cmd == "ipc_held":  # unregistered cuda_ipc exports held for peers: export id -> epoch it left
+            return ep._ipc_retention.held
         if cmd == "staging_stats":
             st = ep.staging.statistics()
             return {"in_use": st.in_use, "peak_in_use": st.peak_in_use, "allocated": st.allocated}

@@ -102,25 +102,32 @@ async def test_notify_arrives_after_the_bytes(init, target, uname):
     assert target.call("check", name, s)
 
 
-async def test_reregistered_buffer_is_retried_and_old_export_released(init, target, uname):
-    """The peer re-registers a buffer (new export): the op whose export went stale is retried once
-    after a registry refresh, and the old export's memory is released once we said Unmapped."""
+async def test_stale_export_is_retried_and_old_export_released(init, target, uname, monkeypatch):
+    """The peer re-registers a buffer while our copy of its registry still names the old export:
+    the put copies into the old (held) memory, the peer answers stale, the endpoint refreshes the
+    registry and retries once, into the new export; the old export's memory is released once we
+    confirmed the registry update (Unmapped)."""
     name = uname("w")
     target.call("register", name, "float32", (512,))
-    s = seed()
-    await init.put(target.name, {name: make_tensor("float32", (512,), s)})
+    await init.put(target.name, {name: make_tensor("float32", (512,), seed())})
+    ch = init._channels[target.name]
+    real = ch._take_registry
+    monkeypatch.setattr(ch, "_take_registry", lambda msg: (time.sleep(1.0), real(msg)))  # our reader lags
     target.call("unregister", name)
     target.call("register", name, "float32", (512,))
+    assert target.call("ipc_held"), "the old export is held while we may still copy into it"
     s = seed()
     await init.put(target.name, {name: make_tensor("float32", (512,), s)})
     assert target.call("check", name, s)
+    stale = [r for r in _ops(init, "put") if r["state"] == "failed" and "re-registered" in (r["error"] or "")]
+    assert stale, "the first attempt should have met the stale export"
     await _until(lambda: not target.call("ipc_held"), what="the old export released")
 
 
 async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_url, uname):
     """Retention: while our copy into an export runs, the peer unregisters it; the peer holds
-    that memory until the copy is over and we said Unmapped (its allocator could otherwise give it
-    to another tensor under our write), then releases it. The op itself fails cleanly."""
+    that memory until the copy is over and we confirmed the registry update, then releases it.
+    The op itself fails cleanly (stale export, then the buffer is gone)."""
     slow = functools.partial(MemfdIpcEngine, copy_delay=1.0)
     t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
     try:
@@ -132,8 +139,9 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
             await _until(lambda: any(r["plane"] == "cuda_ipc" for r in _ops(ep, "put")), what="the put started")
             await asyncio.sleep(0.2)  # the copy is running (1 s)
             t.call("unregister", name)
-            held = t.call("ipc_held")
-            assert len(held) == 1 and list(held.values()) == [1], held  # our channel holds it
+            assert len(t.call("ipc_held")) == 1  # we have not confirmed: our copy runs
+            await asyncio.sleep(0.3)
+            assert len(t.call("ipc_held")) == 1, "released while our copy was still running"
             with pytest.raises(UnknownBufferError):  # stale export -> refresh -> the buffer is gone
                 await asyncio.wait_for(task, 10)
             await _until(lambda: not t.call("ipc_held"), what="the export released after Unmapped")
@@ -141,22 +149,31 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
         t.stop()
 
 
-async def test_closing_the_channel_releases_held_exports(store_url, uname):
+async def test_a_closed_channel_holds_until_the_peer_process_exits(store_url, uname):
+    """A channel that closes while its peer process lives may still have copies in flight: the
+    memory stays held (closing an endpoint does not prove its copies are over) until that process
+    exits; a killed initiator releases it. A peer that confirmed the update holds nothing."""
     t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    slow = functools.partial(MemfdIpcEngine, copy_delay=30.0)
+    i = RemoteEndpoint(uname("ipc-init"), store=store_url, ipc_engine=slow)
     try:
-        slow = functools.partial(MemfdIpcEngine, copy_delay=2.0)
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
-            name = uname("w")
-            t.call("register", name, "uint8", (4096,))
-            await ep.connect(t.name)
-            task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("uint8", (4096,), seed())}, timeout=0.3))
-            with pytest.raises(TransportTimeoutError):
-                await asyncio.wait_for(task, 10)
+        name = uname("w")
+        t.call("register", name, "uint8", (4096,))
+        i.start("put", t.name, {name: ("uint8", (4096,), seed())}, 60)  # its copy takes 30 s
+        async with transport.Endpoint(uname("ipc-other"), store=store_url, timeout=30,
+                                      ipc_engine=MemfdIpcEngine) as ep:  # this process lives on after close
+            other = uname("v")
+            t.call("register", other, "uint8", (64,))
+            await ep.put(t.name, {other: make_tensor("uint8", (64,), seed())})
+            await asyncio.sleep(0.5)  # the put's copy is running
             t.call("unregister", name)
-            assert t.call("ipc_held"), "held while our (timed-out) copy may still run"
-        # our endpoint closed: the channel is gone, so is the hold
-        await _until(lambda: not t.call("ipc_held"), what="the export released when the channel closed")
+            await _until(lambda: len(t.call("ipc_held")) == 1, what="one export held")
+        await asyncio.sleep(0.5)
+        assert len(t.call("ipc_held")) == 1  # we confirmed before closing: only the slow peer holds it
+        i.kill()  # the initiator dies mid-copy: its channel closes, its process is gone
+        await _until(lambda: not t.call("ipc_held"), what="the export released once the peer process exited")
     finally:
+        i.kill()
         t.stop()
 
 
@@ -231,13 +248,13 @@ async def test_a_peer_without_the_engine_gets_no_exports(store_url, uname):
 
 
 # ---------------------------------------------------------------------------- the parts alone
-def test_validate_planes_accepts_cuda_ipc_and_needs_a_cpu_plane():
-    assert validate_planes(None) == ("shm", "tcp", "cuda_ipc")
+def test_validate_planes_accepts_gpu_planes_and_needs_a_cpu_plane():
+    assert validate_planes(None) == ("shm", "tcp", "cuda_ipc", "nccl")
     assert validate_planes(["tcp", "cuda_ipc"]) == ("tcp", "cuda_ipc")
     with pytest.raises(ValueError, match="no CPU plane"):
-        validate_planes(["cuda_ipc"])
-    with pytest.raises(ValueError, match="nccl"):
-        validate_planes(["tcp", "nccl"])
+        validate_planes(["cuda_ipc", "nccl"])
+    with pytest.raises(ValueError, match="unknown planes"):
+        validate_planes(["tcp", "staged"])
 
 
 def test_choose_gpu_plane_reasons():
@@ -257,19 +274,47 @@ def test_choose_gpu_plane_reasons():
         assert plane == "staged" and why in reason, reason
 
 
-def test_retention_releases_when_the_last_holder_lets_go():
+def test_retention_releases_once_every_holder_confirmed_the_epoch():
     released = []
     r = Retention(released.append)
-    r.retire(1, "a", set())  # nobody could have mapped it: released at once
+    r.retire(1, "a", 3)  # no holder: released at once
     assert released == ["a"]
-    r.retire(2, "b", {"ch1", "ch2"})
-    r.unmapped("ch1", [2, 99])
-    assert released == ["a"] and r.held == {2: {"ch2"}}
-    r.channel_closed("ch2")
-    assert released == ["a", "b"] and r.held == {}
-    r.retire(3, "c", {"ch1"})
-    r.release_all()
-    assert released == ["a", "b", "c"]
+    r.watch("ch1", 4)
+    r.watch("hs", 4)  # a handshake in progress: its peer may map what our Hello (epoch 4) named
+    r.retire(2, "b", 5)
+    r.acked("ch1", 5)
+    assert released == ["a"] and r.held == {2: 5}
+    r.forget("hs")  # the handshake failed
+    assert released == ["a", "b"]
+    r.retire(3, "c", 6)
+    r.acked("ch1", 5)  # an older epoch confirms nothing new
+    assert r.held == {3: 6}
+    r.closed("ch1", None)  # closed, and its process is not on this host: nothing in flight here
+    assert released == ["a", "b", "c"] and r.holders == {}
+
+
+def test_retention_waits_for_a_closed_peers_process():
+    import subprocess
+    import sys
+
+    released = []
+    r = Retention(released.append)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        r.watch("ch", 1)
+        r.retire(7, "x", 2)
+        r.closed("ch", child.pid)  # its channel closed, its process lives: it may still copy
+        time.sleep(0.3)
+        assert released == []
+        child.kill()
+        child.wait(10)
+        end = time.monotonic() + 10
+        while not released and time.monotonic() < end:
+            time.sleep(0.05)
+        assert released == ["x"]
+    finally:
+        child.kill()
+        r.release_all()
 
 
 class _CountingEngine(MemfdIpcEngine):

@@ -62,7 +62,7 @@ from .errors import (
     error_kind,
 )
 from .flight_recorder import OpKind, OpState, Record
-from .hostinfo import local_host
+from .hostinfo import local_host, same_host
 from .planes import PLANES, choose_gpu_plane
 from .ranges import resolve_item
 from .registry import BufferSpec, dtype_from_name
@@ -148,7 +148,7 @@ class Notification:
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
-    __slots__ = ("abandoned", "after", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock",
+    __slots__ = ("abandon_bound", "abandoned", "after", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock",
                  "on_wire", "op_id", "p2p", "quiet", "record", "seq", "staged", "stuck")
 
     def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
@@ -177,6 +177,7 @@ class Op:
         self.p2p = False  # its bytes move over the channel's NCCL link (cannot be cancelled: abort on timeout)
         # the op's own posted work (an nccl op's send/recv): the op ends only once it completed too
         self.after: asyncio.Future[None] | None = None
+        self.abandon_bound = 1.0  # how long an abandoned op may still be writing into the caller's tensors
 
 
 class CoreProtocol(Protocol):
@@ -194,7 +195,7 @@ class CoreProtocol(Protocol):
     @property
     def ipc_reason(self) -> str: ...  # why there is (or is not) an engine
 
-    def ipc_unmapped(self, ch: Channel, export_ids: list[int]) -> None: ...  # reader thread
+    def ipc_unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
     def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
@@ -325,6 +326,10 @@ class Channel:
         self.incarnation = remote.incarnation
         self.host: HostInfo = remote.host
         self.remote_planes: tuple[str, ...] = tuple(remote.planes)
+        # same-host peers that both offer cuda_ipc confirm each registry update (Unmapped): the
+        # owner of an unregistered export holds its memory until they did (transport.ipc.Retention)
+        self.ipc_acks = ("cuda_ipc" in self.remote_planes and "cuda_ipc" in core.planes
+                         and same_host(local_host(), remote.host)[0])
         self.remote_epoch = remote.epoch
         self.remote_wire: dict[str, WireBuffer] = {b.name: b for b in remote.buffers}
         self.peer_specs: dict[str, BufferSpec] = specs_from_wire(remote.buffers)
@@ -515,15 +520,22 @@ class Channel:
         """Why this op cannot go over cuda_ipc (None if it can): a buffer without an export
         (a CPU buffer of the peer, or one its engine could not export) or one not mappable here."""
         engine = self.core.ipc_engine
+        if engine is None:
+            return "no IPC engine here"
+        from .ipc import mapping_cache
+
+        cache = mapping_cache(engine)
         wire = self.remote_wire
-        for it, _ in pairs:
+        for it, t in pairs:
             if not it.count:
                 continue
             wb = wire.get(it.name)
             if wb is None or wb.ipc is None:
                 where = "a CPU buffer" if wb is not None and wb.device == "cpu" else "not exported by the peer"
                 return f"{it.name!r} has no cuda_ipc export ({where})"
-            why = engine.reachable(wb.ipc) if engine is not None else "no IPC engine here"
+            if not engine.handles(t):  # (a host<->device copy of pageable memory would block the event loop)
+                return f"our tensor for {it.name!r} is on {t.device}"
+            why = engine.reachable(wb.ipc) or cache.refusal(wb.ipc)
             if why is not None:
                 return f"{it.name!r}: {why}"
         return None
@@ -692,7 +704,7 @@ class Channel:
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
             return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
-        return 1.0  # a local copy stops at its next chunk; the reader at its next poll
+        return op.abandon_bound  # a local copy stops at its next chunk; the reader at its next poll
 
     def _forget(self, op: Op) -> None:
         if not op.on_wire:
@@ -806,9 +818,17 @@ class Channel:
         self.core.channel_closed(self, exc)
 
     def say_bye(self, reason: str) -> None:
-        """First step of an orderly close: queue a Bye behind everything already queued."""
-        if self.is_open:
-            self._tx.submit([encode_frame(Bye(reason))])
+        """First step of an orderly close: queue a Bye behind everything already queued (any
+        thread but the loop's: it may wait, at most 1 s, for our cuda_ipc copies to be over, since
+        a Bye tells the peer that nothing of ours writes into its memory any more; if they are not,
+        no Bye is sent and the peer holds its unregistered exports until this process exits)."""
+        if not self.is_open:
+            return
+        if self._ipc is not None and not self._ipc.quiesce(1.0):
+            log.warning("channel %s: cuda_ipc copies to %r still running at close; closing without a Bye",
+                        self.id, self.peer_name)
+            return
+        self._tx.submit([encode_frame(Bye(reason))])
 
     def close(self, reason: str, timeout: float = 1.0) -> None:
         """Orderly close (any thread but the reader): let the Bye go out (bounded by
@@ -952,7 +972,7 @@ class Channel:
             self.send(Registry(epoch, bufs))
             self.send(Ack(msg.op_id))
         elif isinstance(msg, Unmapped):
-            self.core.ipc_unmapped(self, msg.export_ids)
+            self.core.ipc_unmapped(self, msg.epoch)
         elif isinstance(msg, Go):
             self._take_go(msg)
         elif isinstance(msg, NcclSetup):
@@ -1289,13 +1309,13 @@ class Channel:
         old = self.remote_wire
         self.remote_wire, self.peer_specs, self.remote_epoch = wire, specs, msg.epoch
         self.plane.registry_changed()
-        gone = [wb.ipc for name, wb in old.items()
-                if wb.ipc is not None and ((nb := wire.get(name)) is None or nb.ipc != wb.ipc)]
-        if gone:  # cuda_ipc exports that left the peer's registry: unmap them, then say so
+        if self.ipc_acks:  # confirm the epoch once nothing of ours uses the exports that left it
+            gone = [wb.ipc for name, wb in old.items()
+                    if wb.ipc is not None and ((nb := wire.get(name)) is None or nb.ipc != wb.ipc)]
             if self._ipc is not None:
-                self._ipc.retire(gone)
+                self._ipc.retire(gone, msg.epoch)
             else:  # nothing of ours ever mapped them
-                self.send(Unmapped([h.export_id for h in gone]))
+                self.send(Unmapped(msg.epoch))
 
 
 class Peer:

@@ -57,6 +57,10 @@ _ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself withi
 _DUMP_INTERVAL = 5.0  # at most one automatic flight-recorder dump per this many seconds
 
 
+class _Retry(Exception):
+    """A dial attempt that should look the peer up again."""
+
+
 class Endpoint:
     """A named endpoint: register buffers, then ``put``/``get`` peers' buffers by name.
 
@@ -422,15 +426,9 @@ class Endpoint:
         if self._ipc_engine is not None and engine_keep is not None:
             self._ipc_engine.release(engine_keep)
 
-    def _ipc_holders(self) -> set[str]:
-        """Channels whose peers may have mapped our cuda_ipc exports."""
-        here = local_host()
-        return {ch.id for ch in self._all
-                if ch.is_open and "cuda_ipc" in ch.remote_planes and same_host(here, ch.host)[0]}
-
-    def ipc_unmapped(self, ch: Channel, export_ids: list[int]) -> None:
-        """A peer no longer maps these exports (reader thread): release what no one else may use."""
-        self._ipc_retention.unmapped(ch.id, export_ids)
+    def ipc_unmapped(self, ch: Channel, epoch: int) -> None:
+        """A peer confirmed registry ``epoch`` (reader thread): release what no one may use any more."""
+        self._ipc_retention.acked(ch.id, epoch)
 
     # ------------------------------------------------------------------ exports
     def _export(self, buf: LocalBuffer) -> None:
@@ -441,8 +439,8 @@ class Endpoint:
 
     def _unexport(self, buf: LocalBuffer, detach: bool = False) -> None:
         ipc = buf.exports.pop("cuda_ipc", None)
-        if ipc is not None:  # held until every same-host peer unmapped it (see transport.ipc)
-            self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, self._ipc_holders())
+        if ipc is not None:  # held until every same-host peer confirmed it unmapped (see transport.ipc)
+            self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, self._registry.epoch)
         exp = buf.exports.pop("shm", None)
         if exp is not None and exp.close() and detach:
             t = buf.tensor
@@ -500,6 +498,8 @@ class Endpoint:
                dialer: bool) -> Channel:
         plane, reason = choose_cpu_plane(local_host(), remote.host, self.planes, tuple(remote.planes))
         ch = Channel(self, sock, remote, channel_id, plane, reason, registry=self._registry, recorder=self.recorder)
+        if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
+            self._ipc_retention.watch(ch.id, sent_epoch)
         if self._wants_link(remote):
             from .planes.nccl import Link
 
@@ -539,6 +539,8 @@ class Endpoint:
         self._handshaking += 1
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = self._hello("")
+        pending = f"handshake#{id(sock)}"  # it may map what our Hello announces before it is adopted
+        self._ipc_retention.watch(pending, hello.epoch)
         try:
             remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False)
             if self._state != "open":
@@ -553,6 +555,7 @@ class Endpoint:
             sock.close()
         finally:
             self._handshaking -= 1
+            self._ipc_retention.forget(pending)  # (adopted: tracked as its channel from here)
 
     async def _channel(self, peer: str, deadline: float) -> Channel:
         self._check_open()
@@ -597,40 +600,54 @@ class Endpoint:
                 skip.add(rec.incarnation)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pending = f"handshake#{channel_id}"  # it may map what our Hello announces before it is adopted
             try:
-                hello = self._hello(channel_id)
-                remote = await handshake(sock, hello, deadline, dialer=True)
-                sock.setblocking(True)
-            except TimeoutError:
-                sock.close()
-                raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
-            except (OSError, EOFError) as exc:
-                # hung up before its hello: busy (too many handshakes) or dying. Try the same
-                # incarnation again shortly; a dead one refuses the next connect and is skipped.
-                sock.close()
-                log.info("handshake with %r failed (%s); retrying", peer, exc)
-                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-                if time.monotonic() >= deadline:
-                    raise TransportTimeoutError(f"handshake with {peer!r} kept failing: {exc}", Phase.HANDSHAKE) from exc
+                return await self._dial_once(sock, peer, rec, channel_id, pending, deadline, skip)
+            except _Retry:
                 continue
-            except BaseException:
-                sock.close()
-                raise
-            if remote.name != peer or remote.incarnation != rec.incarnation:
-                sock.close()
-                skip.add(rec.incarnation)
-                continue
-            try:
-                ch = self._adopt(sock, remote, channel_id, hello.epoch, dialer=True)
-            except PlaneUnavailableError:
-                sock.close()
-                raise
-            return self._channels.get(peer) or ch
+            finally:
+                self._ipc_retention.forget(pending)
+
+    async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
+                         deadline: float, skip: set[int]) -> Channel:
+        """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
+        try:
+            hello = self._hello(channel_id)
+            self._ipc_retention.watch(pending, hello.epoch)
+            remote = await handshake(sock, hello, deadline, dialer=True)
+            sock.setblocking(True)
+        except TimeoutError:
+            sock.close()
+            raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
+        except (OSError, EOFError) as exc:
+            # hung up before its hello: busy (too many handshakes) or dying. Try the same
+            # incarnation again shortly; a dead one refuses the next connect and is skipped.
+            sock.close()
+            log.info("handshake with %r failed (%s); retrying", peer, exc)
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise TransportTimeoutError(f"handshake with {peer!r} kept failing: {exc}", Phase.HANDSHAKE) from exc
+            raise _Retry from None
+        except BaseException:
+            sock.close()
+            raise
+        if remote.name != peer or remote.incarnation != rec.incarnation:
+            sock.close()
+            skip.add(rec.incarnation)
+            raise _Retry
+        try:
+            ch = self._adopt(sock, remote, channel_id, hello.epoch, dialer=True)
+        except PlaneUnavailableError:
+            sock.close()
+            raise
+        return self._channels.get(peer) or ch
 
     def channel_closed(self, ch: Channel, exc: BaseException) -> None:
         """Called on the loop when a channel breaks or closes."""
         self._all.discard(ch)
-        self._ipc_retention.channel_closed(ch.id)
+        # its process may still have copies in flight into our exports: held until it exits
+        # (a Bye promised that nothing of its writes into our memory any more)
+        self._ipc_retention.closed(ch.id, ch.host.pid if ch.ipc_acks and not ch.orderly else None)
         if self._channels.get(ch.peer_name) is ch:
             del self._channels[ch.peer_name]
             # another open channel to the same peer (accepted while we dialled) takes over
@@ -734,6 +751,10 @@ class Endpoint:
             try:
                 await ch.run(op, lambda: plane.put(op, pairs, notify), deadline)  # noqa: B023
                 return
+            except PlaneUnavailableError:
+                if retry or plane.name != "cuda_ipc":
+                    raise
+                # the peer's allocation could not be mapped here (logged): the op goes staged
             except StaleBufferError:
                 if retry:
                     raise
@@ -758,6 +779,10 @@ class Endpoint:
             try:
                 await ch.run(op, lambda: plane.get(op, pairs), deadline)  # noqa: B023
                 return
+            except PlaneUnavailableError:
+                if retry or plane.name != "cuda_ipc":
+                    raise
+                # the peer's allocation could not be mapped here (logged): the op goes staged
             except StaleBufferError:
                 if retry:
                     raise

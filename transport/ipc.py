@@ -16,8 +16,9 @@ larger segment of torch's caching allocator, and a peer maps the whole segment. 
 unregisters the buffer and drops the tensor, the allocator may give that block to another tensor
 while a peer still holds a mapping and might copy into it. So the owner *retains* the memory of
 every unregistered export (:class:`Retention`) until each same-host peer that could have mapped
-it said it no longer will (the ``Unmapped`` frame, sent once no copy of its uses the export) or
-its channel closed. Initiator side, :class:`MappingCache` maps each peer allocation once per
+it confirmed that it no longer will (the ``Unmapped(epoch)`` frame: nothing absent from the owner's
+registry at that epoch is mapped or in use there, sent once no copy of its uses such an export),
+or its process is gone. Initiator side, :class:`MappingCache` maps each peer allocation once per
 process (CUDA refuses to open one handle twice in a process) and unmaps it when no export of it
 is live and no copy uses it.
 
@@ -32,9 +33,10 @@ import itertools
 import logging
 import os
 import queue
+import select
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -135,64 +137,124 @@ class IpcExport:
 
 
 # ---------------------------------------------------------------------------------- retention
-@dataclass
-class _Held:
-    keep: Any
-    holders: set[str] = field(default_factory=set)
-
-
 class Retention:
     """Target side: the memory of unregistered ``cuda_ipc`` exports, held for peers that may map it.
 
-    :meth:`retire` takes the export's tensor (and engine resources) and the ids of the channels
-    whose peers could have mapped it; each :meth:`unmapped` or :meth:`channel_closed` of a holder
-    drops it from the set, and the memory is released (``release(keep)``) when none is left.
-    Thread-safe (channel readers call :meth:`unmapped`).
+    Peers are tracked by *holder* keys (a channel id, or a handshake still in progress), each with
+    the newest registry epoch it has confirmed: ``Unmapped(epoch)`` says "nothing absent from your
+    registry at that epoch is mapped or used by a copy of mine"; a holder starts at the epoch of
+    the Hello we sent it (what it may have mapped from). An export unregistered at epoch ``E`` is
+    released (``release(keep)``) once every holder has confirmed an epoch >= ``E``. A holder whose
+    channel closed while its process lives on the same host may still have copies in flight: it
+    keeps holding (a *zombie*) until that process exits (watched through a pidfd). Only same-host
+    peers that offer ``cuda_ipc`` are holders. Thread-safe.
     """
 
     def __init__(self, release: Callable[[Any], None]) -> None:
         self._release = release
-        self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
+        self._held: dict[int, tuple[Any, int]] = {}  # export id -> (keep, epoch it left the registry)
+        self._acked: dict[str, int] = {}  # holder -> newest epoch it confirmed
+        self._zombies: dict[str, int] = {}  # holder whose channel closed -> pidfd of its process
+        self._watcher: threading.Thread | None = None
+        self._closed = False
 
-    def retire(self, export_id: int, keep: Any, holders: set[str]) -> None:
-        if not holders:
-            self._release(keep)
-            return
+    def watch(self, holder: str, epoch: int) -> None:
+        """``holder`` may map exports of registries up to ``epoch`` (its Hello)."""
         with self._lock:
-            self._held[export_id] = _Held(keep, set(holders))
+            self._acked[holder] = min(epoch, self._acked.get(holder, epoch))
 
-    def unmapped(self, channel_id: str, ids: Sequence[int]) -> None:
-        self._drop(channel_id, ids)
-
-    def channel_closed(self, channel_id: str) -> None:
-        self._drop(channel_id, None)
-
-    def _drop(self, channel_id: str, ids: Sequence[int] | None) -> None:
-        done: list[Any] = []
+    def forget(self, holder: str) -> None:
+        """``holder`` maps nothing of ours (a failed handshake, a channel that needs no tracking)."""
         with self._lock:
-            for eid in list(self._held) if ids is None else ids:
-                held = self._held.get(eid)
-                if held is None:
-                    continue
-                held.holders.discard(channel_id)
-                if not held.holders:
+            self._acked.pop(holder, None)
+            fd = self._zombies.pop(holder, None)
+        if fd is not None:
+            os.close(fd)
+        self._sweep()
+
+    def acked(self, holder: str, epoch: int) -> None:
+        """``Unmapped(epoch)`` from ``holder``."""
+        with self._lock:
+            if holder not in self._acked:
+                return
+            self._acked[holder] = max(self._acked[holder], epoch)
+        self._sweep()
+
+    def closed(self, holder: str, pid: int | None) -> None:
+        """``holder``'s channel closed; ``pid`` is its process if on this host (None: nothing to wait for)."""
+        with self._lock:
+            if holder not in self._acked:
+                return
+            if pid is None or self._closed:
+                fd = None
+            else:
+                try:
+                    fd = os.pidfd_open(pid)
+                except (OSError, AttributeError):  # gone already (or no pidfd: assume gone)
+                    fd = None
+            if fd is None:
+                del self._acked[holder]
+            else:
+                self._zombies[holder] = fd
+                if self._watcher is None:
+                    self._watcher = threading.Thread(target=self._watch_zombies, name="transport-ipc-zombies",
+                                                     daemon=True)
+                    self._watcher.start()
+        self._sweep()
+
+    def retire(self, export_id: int, keep: Any, epoch: int) -> None:
+        """An export left the registry at ``epoch``: hold ``keep`` until every holder confirmed it."""
+        with self._lock:
+            self._held[export_id] = (keep, epoch)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        done = []
+        with self._lock:
+            floor = min(self._acked.values(), default=None)
+            for eid, (keep, epoch) in list(self._held.items()):
+                if floor is None or floor >= epoch:
                     del self._held[eid]
-                    done.append(held.keep)
+                    done.append(keep)
         for keep in done:
             self._release(keep)
 
+    def _watch_zombies(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._zombies:
+                    self._watcher = None
+                    return
+                fds = dict(self._zombies)
+            ready, _, _ = select.select(list(fds.values()), [], [], 1.0)
+            for holder, fd in fds.items():
+                if fd in ready:
+                    self.forget(holder)
+
     def release_all(self) -> None:
+        """The endpoint is closing: release everything (its process's mappings of ours end with it)."""
         with self._lock:
-            held, self._held = list(self._held.values()), {}
-        for h in held:
-            self._release(h.keep)
+            self._closed = True
+            held, self._held = [k for k, _ in self._held.values()], {}
+            fds, self._zombies = list(self._zombies.values()), {}
+            self._acked.clear()
+        for fd in fds:
+            os.close(fd)
+        for keep in held:
+            self._release(keep)
 
     @property
-    def held(self) -> dict[int, set[str]]:
-        """Export id -> channels still holding it (a copy; for tests and the doctor)."""
+    def held(self) -> dict[int, int]:
+        """Export id -> the epoch it left the registry (a copy; for tests and the doctor)."""
         with self._lock:
-            return {eid: set(h.holders) for eid, h in self._held.items()}
+            return {eid: epoch for eid, (_, epoch) in self._held.items()}
+
+    @property
+    def holders(self) -> dict[str, int]:
+        """Holder -> the newest epoch it confirmed (zombies included)."""
+        with self._lock:
+            return dict(self._acked)
 
 
 # ------------------------------------------------------------------------------ mapping cache
@@ -232,6 +294,11 @@ class MappingCache:
         self._lock = threading.Lock()
         self._maps: dict[bytes, _Entry] = {}
         self._opening: dict[bytes, threading.Lock] = {}
+        self._refused: dict[bytes, str] = {}  # allocations that could not be mapped here, and why
+
+    def refusal(self, handle: IpcHandle) -> str | None:
+        """Why ``handle``'s allocation could not be mapped here (None if it was not refused)."""
+        return self._refused.get(handle.handle)
 
     def mapped(self, handle: IpcHandle) -> bool:
         with self._lock:
@@ -252,7 +319,12 @@ class MappingCache:
                 with self._lock:
                     if key in self._maps:
                         continue
-                mapping = self.engine.open(handle)  # may raise: nothing was counted
+                try:
+                    mapping = self.engine.open(handle)  # may raise: nothing was counted
+                except PlaneUnavailableError as exc:  # ops on it go staged from now on (logged)
+                    with self._lock:
+                        self._refused[key] = str(exc)
+                    raise
                 with self._lock:
                     self._opening.pop(key, None)
                     entry = self._maps[key] = _Entry(mapping)

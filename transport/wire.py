@@ -20,8 +20,8 @@ Theory of operation, per connection::
            <----------------------------  Ack | Fail
     Put/Get(cuda_ipc) (copy completed)->  validate exports (as shm)
            <----------------------------  Ack | Fail
-    Unmapped (exports left the peer's
-      registry, no copy uses them) ---->  release the memory held for them
+    Unmapped(epoch) (after a Registry:
+      what left it is unmapped, unused) ->  release the memory held for it
     NcclSetup (dialer, after Hello) --->  join the channel's 2-rank link
     NcclReady <-----------------------> NcclReady   (both ok: the nccl plane is up)
     Put(nccl) (dialer: its ncclSend
@@ -213,13 +213,14 @@ class Fail(msgspec.Struct, tag="fail"):
 
 
 class Unmapped(msgspec.Struct, tag="unmapped"):
-    """The sender no longer maps, and will never copy into or out of, these ``cuda_ipc``
-    exports of the receiver (they left the receiver's registry). The receiver holds the memory
-    of an unregistered exported buffer until every same-host peer said so or went away, so
-    that its allocator cannot hand that memory to another tensor while a peer might still
-    write into it."""
+    """Nothing absent from the receiver's registry at ``epoch`` is mapped by the sender any more,
+    nor used by a copy of its (``cuda_ipc``). Sent for every registry update by a same-host peer
+    that offers ``cuda_ipc``, once its copies into exports that left the registry are over. The
+    receiver holds the memory of each unregistered export until every such peer confirmed an
+    epoch at least as new, so that its allocator cannot hand that memory to another tensor while
+    a peer might still write into it."""
 
-    export_ids: list[int]
+    epoch: int
 
 
 class NcclSetup(msgspec.Struct, tag="nccl_setup"):

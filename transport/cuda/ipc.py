@@ -152,7 +152,11 @@ class _CudaMapping:
         if offset < 0 or offset + nbytes > self.size:
             raise PlaneUnavailableError(f"cuda_ipc: bytes [{offset}, {offset + nbytes}) lie outside the peer's "
                                         f"allocation of {self.size} bytes")
-        return torch.as_tensor(_Cai(self.ptr + offset, nbytes), device=torch.device("cuda", self.index))
+        view = torch.as_tensor(_Cai(self.ptr + offset, nbytes), device=torch.device("cuda", self.index))
+        if view.data_ptr() != self.ptr + offset or view.device.index != self.index:  # a copy would lose the put
+            raise PlaneUnavailableError(f"cuda_ipc: wrapping the peer's memory made a copy (at 0x{view.data_ptr():x} "
+                                        f"on {view.device}, not 0x{self.ptr + offset:x} on cuda:{self.index})")
+        return view
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, 0
@@ -233,7 +237,7 @@ class CudaIpcEngine:
     def mark(self, tensors: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
         events = []
         for device in {t.device for t in tensors if t.is_cuda}:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # (awaited by a bridge thread for a get: no spinning)
             event.record(torch.cuda.current_stream(device))
             events.append(event)
         return events

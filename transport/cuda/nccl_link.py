@@ -92,7 +92,7 @@ class NcclLinkEngine:
     def mark(self, tensors: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
         events = []
         for device in {t.device for t in tensors if t.is_cuda}:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # (awaited by a bridge thread for a get: no spinning)
             event.record(torch.cuda.current_stream(device))
             events.append(event)
         return events

@@ -104,9 +104,12 @@ class CudaIpcPlane(DataPlane):
         self._lock = threading.Lock()
         self._busy: dict[int, int] = {}  # export id -> copies of ours in flight
         self._gone: dict[int, IpcHandle] = {}  # exports that left the peer's registry, awaiting our copies
+        self._acks: list[tuple[int, set[int]]] = []  # registry epochs to confirm, with the exports still busy
         self._queues: dict[str, tuple[IpcQueue, CompletionBridge]] = {}
+        self._marks: CompletionBridge | None = None  # awaits a get caller's stream before the copy
         self._batches: set[_Batch] = set()
-        self._closed = False
+        self._closed = False  # the channel is gone
+        self._quiet = False  # an orderly close: no new copies
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -118,24 +121,25 @@ class CudaIpcPlane(DataPlane):
 
     # ------------------------------------------------------------------ bookkeeping
     def _enter(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> list[IpcHandle | None]:
-        """The export of each item's buffer, counted in (None for an empty item). Checked against
-        the peer's registry as it is now, under the lock that :meth:`retire` takes: an export that
-        left it is refused (stale), one still in it cannot be unmapped until we are done."""
-        wire = self.channel.remote_wire
+        """The export of each item's buffer, counted in (None for an empty item). Read from the
+        peer's registry as it is now, under the lock that :meth:`retire` takes after the reader
+        replaced it: an export that left it is refused (stale); one still in it is not confirmed
+        unmapped until we are done with it."""
         out: list[IpcHandle | None] = []
         with self._lock:
-            if self._closed:
+            wire = self.channel.remote_wire
+            if self._closed or self._quiet:
                 raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
             for it, _ in pairs:
-                if not it.count:
-                    out.append(None)
-                    continue
-                wb = wire.get(it.name)
-                if wb is None or wb.ipc is None:
+                wb = wire.get(it.name) if it.count else None
+                if it.count and (wb is None or wb.ipc is None):
                     for h in out:
                         if h is not None:
                             self._leave_locked(h)
                     raise StaleBufferError(f"cuda_ipc: {self.channel.peer_name!r} no longer exports {it.name!r}")
+                if wb is None or wb.ipc is None:
+                    out.append(None)
+                    continue
                 self._busy[wb.ipc.export_id] = self._busy.get(wb.ipc.export_id, 0) + 1
                 out.append(wb.ipc)
         return out
@@ -146,48 +150,63 @@ class CudaIpcPlane(DataPlane):
             self._busy[h.export_id] = n
             return None
         self._busy.pop(h.export_id, None)
-        return self._gone.pop(h.export_id, None)
+        gone = self._gone.pop(h.export_id, None)
+        if gone is not None:
+            for _, waiting in self._acks:
+                waiting.discard(h.export_id)
+        return gone
 
     def _leave(self, handles: Sequence[IpcHandle]) -> None:
         with self._lock:
             ready = [g for h in handles if (g := self._leave_locked(h)) is not None]
-        self._unmap(ready)
+            epoch = self._ackable_locked()
+        self._unmap(ready, epoch)
 
-    def retire(self, handles: Sequence[IpcHandle]) -> None:
-        """Any thread: these exports left the peer's registry. Each is unmapped (and ``Unmapped``
-        sent) now if no copy of ours uses it, else when the last one completes."""
+    def _ackable_locked(self) -> int | None:
+        """The newest epoch whose exports gone, and all before it, no copy of ours uses any more."""
+        epoch = None
+        while self._acks and not self._acks[0][1]:
+            epoch = self._acks.pop(0)[0]
+        return epoch
+
+    def retire(self, handles: Sequence[IpcHandle], epoch: int) -> None:
+        """Any thread (the reader, after replacing the peer's registry with ``epoch``): these exports
+        left it. Each is unmapped once no copy of ours uses it; ``Unmapped(epoch)`` goes out once
+        that holds for all of them (and for the epochs before)."""
         ready = []
         with self._lock:
+            waiting = set()
             for h in handles:
                 if self._busy.get(h.export_id):
                     self._gone[h.export_id] = h
+                    waiting.add(h.export_id)
                 else:
                     ready.append(h)
-        self._unmap(ready)
+            self._acks.append((epoch, waiting))
+            ack = self._ackable_locked()
+        self._unmap(ready, ack)
 
-    def _unmap(self, handles: Sequence[IpcHandle]) -> None:
-        if not handles:
-            return
+    def _unmap(self, handles: Sequence[IpcHandle], epoch: int | None) -> None:
         for h in handles:
             self.cache.retire(h)
-        try:
-            self.channel.send(Unmapped([h.export_id for h in handles]))
-        except PeerLostError:
-            pass  # the peer releases everything held for a closed channel
+        if epoch is not None:
+            self.channel.send_quietly(Unmapped(epoch))  # (a closed channel: the peer watches our process)
 
     # ------------------------------------------------------------------ copies
     def _queue(self, device: str) -> tuple[IpcQueue, CompletionBridge]:
-        q = self._queues.get(device)
+        with self._lock:
+            if self._closed:
+                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+            q = self._queues.get(device)
         if q is None:
-            q = self._queues[device] = (self.engine.queue(device),
-                                        CompletionBridge(self.channel.loop, f"transport-ipc-{self.channel.peer_name}"))
+            q = (self.engine.queue(device), CompletionBridge(self.channel.loop, f"transport-ipc-{self.channel.peer_name}"))
+            with self._lock:
+                if self._closed:
+                    q[1].close()
+                    q[0].close()
+                    raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+                self._queues[device] = q
         return q
-
-    def _opened_late(self, handles: list[IpcHandle], fut: asyncio.Future[list[IpcMapping]]) -> None:
-        """The op left while its mappings were being opened: give them back when they are."""
-        if not fut.cancelled() and fut.exception() is None:
-            for h in handles:
-                self.cache.release(h)
 
     def _acquire(self, handles: Sequence[IpcHandle]) -> list[IpcMapping]:
         """Map every allocation (blocking the first time); all or nothing."""
@@ -203,28 +222,44 @@ class CudaIpcPlane(DataPlane):
             raise
         return maps
 
+    def _opened_late(self, handles: list[IpcHandle], fut: asyncio.Future[list[IpcMapping]]) -> None:
+        """The op left while its mappings were being opened: give them back once they are, then
+        leave (so an export retired meanwhile is unmapped and confirmed only now)."""
+        if not fut.cancelled() and fut.exception() is None:
+            for h in handles:
+                self.cache.release(h)
+        self._leave(handles)
+
     async def _copy(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
         """Copy every item of one op; return the export id of each item's buffer (0 if empty)."""
         jobs = [(it, t) for it, t in pairs if it.count]
         after = self.engine.mark([t for _, t in jobs]) if jobs else None  # the caller's stream, before any await
+        if after and not into_peer:
+            # a get writes into the caller's tensors: wait for its stream here, so that the copy
+            # itself is short and an abandoned get can wait for it (bounded) before it raises
+            await self._await_marks(op, after)
+            after = None
         handles = self._enter(pairs)
         ids = [h.export_id if h is not None else 0 for h in handles]
         used = [h for h in handles if h is not None]
         if not used:
             return ids
-        try:
-            if all(self.cache.mapped(h) for h in used):
+        if all(self.cache.mapped(h) for h in used):
+            try:
                 maps = self._acquire(used)
-            else:  # opening a mapping blocks (driver call, mmap): off the loop
-                opening = asyncio.ensure_future(asyncio.to_thread(self._acquire, used))
-                try:
-                    maps = await asyncio.shield(opening)
-                except BaseException:
+            except BaseException:
+                self._leave(used)
+                raise
+        else:  # opening a mapping blocks (driver call, mmap): off the loop
+            opening = asyncio.ensure_future(asyncio.to_thread(self._acquire, used))
+            try:
+                maps = await asyncio.shield(opening)
+            except BaseException:
+                if opening.done():
+                    self._leave(used)
+                else:
                     opening.add_done_callback(functools.partial(self._opened_late, used))
-                    raise
-        except BaseException:
-            self._leave(used)
-            raise
+                raise
         groups: dict[str, list[tuple[torch.Tensor, torch.Tensor, IpcHandle]]] = {}
         try:
             for (it, t), h, m in zip(jobs, used, maps, strict=True):
@@ -241,10 +276,8 @@ class CudaIpcPlane(DataPlane):
         if not into_peer:  # about to write into the caller's tensors: _abandon waits for op.quiet
             with op.lock:
                 op.busy = True
-        left = [len(groups)]
-        futs = []
-        for device, group in groups.items():
-            futs.append(self._issue(op, device, group, after, left, into_peer))
+            op.abandon_bound = 30.0  # the copies wait for nothing: they take the time their bytes take
+        futs = self._issue_all(op, groups, after, into_peer)
         for fut in futs:
             try:
                 await fut
@@ -253,29 +286,52 @@ class CudaIpcPlane(DataPlane):
                                      f"failed: {exc}") from exc
         return ids
 
+    async def _await_marks(self, op: Op, marks: Any) -> None:
+        if self._marks is None:
+            self._marks = CompletionBridge(self.channel.loop, f"transport-ipc-mark-{self.channel.peer_name}")
+        for mark in marks:
+            try:
+                await self._marks.wait(mark)
+            except CompletionError as exc:
+                raise TransportError(f"{op.kind.value} #{op.op_id}: the work queued on the caller's stream before "
+                                     f"the call failed: {exc}") from exc
+
+    def _issue_all(self, op: Op, groups: dict[str, list[tuple[torch.Tensor, torch.Tensor, IpcHandle]]], after: Any,
+                   into_peer: bool) -> list[asyncio.Future[None]]:
+        """Issue each device's copies on its queue; a group that cannot be issued (and every one
+        after it) gives its mappings and exports back at once, then the error is raised."""
+        left = [len(groups)]
+        futs: list[asyncio.Future[None]] = []
+        items = list(groups.items())
+        for i, (device, group) in enumerate(items):
+            try:
+                futs.append(self._issue(op, device, group, after, left, into_peer))
+            except BaseException:
+                for _, rest in items[i:]:
+                    self._finish_group(op, [h for _, _, h in rest], left, into_peer)
+                raise
+        return futs
+
+    def _finish_group(self, op: Op, hs: list[IpcHandle], left: list[int], into_peer: bool,
+                      batch: _Batch | None = None) -> None:
+        """Any thread, once per group: its copies are over (or were never issued)."""
+        for h in hs:
+            self.cache.release(h)
+        self._leave(hs)
+        with self._lock:
+            if batch is not None:
+                self._batches.discard(batch)
+            left[0] -= 1
+            last = left[0] == 0
+        if last and not into_peer:
+            op.quiet.set()
+
     def _issue(self, op: Op, device: str, group: list[tuple[torch.Tensor, torch.Tensor, IpcHandle]], after: Any,
                left: list[int], into_peer: bool) -> asyncio.Future[None]:
         queue, bridge = self._queue(device)
         hs = [h for _, _, h in group]
-
-        def finish() -> None:  # any thread, once: the copies are over
-            for h in hs:
-                self.cache.release(h)
-            self._leave(hs)
-            with self._lock:
-                self._batches.discard(batch)
-                left[0] -= 1
-                last = left[0] == 0
-            if last and not into_peer:
-                op.quiet.set()
-
-        try:
-            waitable = queue.copy([(dst, src) for dst, src, _ in group], after)
-        except BaseException:
-            batch = None
-            finish()
-            raise
-        batch = _Batch(waitable, finish)
+        waitable = queue.copy([(dst, src) for dst, src, _ in group], after)  # raises: nothing was issued
+        batch: _Batch = _Batch(waitable, lambda: self._finish_group(op, hs, left, into_peer, batch))
         with self._lock:
             self._batches.add(batch)
         return bridge.wait(batch)
@@ -292,6 +348,27 @@ class CudaIpcPlane(DataPlane):
         self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, ids), op=op)
 
     # ------------------------------------------------------------------ teardown
+    def quiesce(self, timeout: float) -> bool:
+        """An orderly close (blocking, any thread but the loop's): take no new copies and wait, at
+        most ``timeout`` s, until those issued are over; True if they are."""
+        with self._lock:
+            self._quiet = True
+            queues = list(self._queues.values())
+        if not queues:
+            return True
+        done = threading.Event()
+
+        def sync() -> None:
+            try:
+                for q, _ in queues:
+                    q.synchronize()
+            except Exception:  # noqa: BLE001 - a failed copy is over too
+                pass
+            done.set()
+
+        threading.Thread(target=sync, name="transport-ipc-quiesce", daemon=True).start()
+        return done.wait(timeout)
+
     def close(self) -> None:
         """The channel is gone (event loop): on a worker thread, wait for the copies already
         issued, give their mappings back and unmap what only this channel used."""
@@ -299,8 +376,10 @@ class CudaIpcPlane(DataPlane):
             if self._closed:
                 return
             self._closed = True
-        queues, self._queues = list(self._queues.values()), {}
+            queues, self._queues = list(self._queues.values()), {}
         live = [wb.ipc for wb in self.channel.remote_wire.values() if wb.ipc is not None]
+        if self._marks is not None:
+            self._marks.close()
 
         def drain() -> None:
             for q, bridge in queues:
