@@ -36,8 +36,12 @@ def test_doctor_reports_planes_and_choice():
     ipc = cuda["ipc"]
     assert ipc["available"] is cuda["available"] and ipc["reason"]  # a CUDA machine has its driver
     same, other = cuda["gpu_planes"]["same_host"], cuda["gpu_planes"]["other_host"]
-    assert other["plane"] == "staged" and "nccl: not built in this version" in other["reason"]
+    link = cuda["nccl_link"]
+    assert link["available"] is cuda["available"] and link["reason"]  # (NCCL is a dependency on Linux)
+    assert other["plane"] == ("nccl" if link["available"] else "staged"), other
     assert "cuda_ipc: the peer is not on this host" in other["reason"]
+    if not link["available"]:
+        assert f"nccl: this process cannot use NCCL: {link['reason']}" in other["reason"]
     if ipc["available"]:
         assert same["plane"] == "cuda_ipc"
     else:

@@ -122,7 +122,7 @@ async def test_gpu_plane_choice_is_reported(init, target, plane):
     assert peer.plane == plane  # CPU buffers keep their plane
     assert peer.gpu_plane == "staged"
     assert "cuda_ipc: not allowed here" in peer.gpu_plane_reason  # planes=(plane,)
-    assert "nccl: not built in this version" in peer.gpu_plane_reason
+    assert "nccl: not allowed here" in peer.gpu_plane_reason
 
 
 # ---------------------------------------------------------------------------- failures, in one process
@@ -358,7 +358,7 @@ def test_gpu_plane_choice_and_reasons():
     other = HostInfo("h2", "boot-2", 1, 12)
     plane, why = choose_gpu_plane(here, same)  # no IPC engine given
     assert plane == "staged"
-    assert why.startswith("cuda_ipc: no IPC engine") and "nccl: not built in this version" in why
+    assert why.startswith("cuda_ipc: no IPC engine") and "nccl: no NCCL link on this channel" in why
     plane, why = choose_gpu_plane(here, other)
     assert plane == "staged" and why.startswith("cuda_ipc: the peer is not on this host")
 

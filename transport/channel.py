@@ -752,8 +752,9 @@ class Channel:
             if not after.done():
                 after.add_done_callback(lambda f: self._settle(op, exc))
                 return
-            if exc is None and not after.cancelled():
-                exc = after.exception()
+            own = None if after.cancelled() else after.exception()  # (retrieved either way)
+            if exc is None:
+                exc = own
         if exc is None:
             self.recorder.update(op.record, OpState.DONE)
         else:

@@ -89,6 +89,17 @@ def _ipc() -> dict[str, Any]:
     return out
 
 
+def _nccl_link() -> dict[str, Any]:
+    """Whether this process can set up the nccl plane's links (CUDA, NCCL with non-blocking init)."""
+    try:
+        from transport.p2p import link_engine_probe
+
+        engine, reason = link_engine_probe(None)
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+        return {"available": False, "reason": f"the NCCL link engine cannot be loaded: {exc}"}
+    return {"available": engine is not None, "reason": reason}
+
+
 def collect() -> dict[str, Any]:
     """Everything the doctor reports, as a dict."""
     import msgspec
@@ -112,12 +123,17 @@ def collect() -> dict[str, Any]:
     cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(cuda["device_count"])]
     cuda["ipc"] = _ipc()
     ipc = (cuda["ipc"]["available"], cuda["ipc"]["reason"])
+    cuda["nccl_link"] = _nccl_link()
+    link = (("pending", f"a 2-rank NCCL link is set up with each channel ({cuda['nccl_link']['reason']})")
+            if cuda["nccl_link"]["available"] else ("down", f"this process cannot use NCCL: {cuda['nccl_link']['reason']}"))
     # what a peer process on this host and one on another host would get
     neighbour = HostInfo(hostname=host.hostname, boot_id=host.boot_id, pid_ns=host.pid_ns, pid=0)
     other = HostInfo(hostname="another-host", boot_id="another-boot", pid_ns=host.pid_ns, pid=0)
     cuda["gpu_planes"] = {
-        "same_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, neighbour, ipc_engine=ipc), strict=True)),
-        "other_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, other, ipc_engine=ipc), strict=True)),
+        "same_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, neighbour, ipc_engine=ipc, link=link),
+                              strict=True)),
+        "other_host": dict(zip(("plane", "reason"), choose_gpu_plane(host, other, ipc_engine=ipc, link=link),
+                               strict=True)),
     }
     if not cuda["available"]:
         cuda["note"] = "no CUDA here: CUDA tensors cannot be created, so only CPU buffers move in this process"
@@ -135,8 +151,9 @@ def collect() -> dict[str, Any]:
         "choice": "CPU buffers: shm when both endpoints allow it and share a host (same boot id and pid "
         "namespace), otherwise tcp; Endpoint(planes=(...)) restricts the choice, and a peer no allowed "
         "plane reaches raises PlaneUnavailableError. GPU buffers (either side): cuda_ipc (same host, another "
-        "process, both allow it, CUDA IPC available), then nccl (other host; not built in this version), then "
-        "staged (bounce buffers, inline on the channel's socket, needs nothing but the channel's socket)",
+        "process, both allow it, CUDA IPC available), then nccl (the channel's own 2-rank NCCL communicator, set "
+        "up with the channel when both endpoints offer nccl and are not same-host peers that both allow "
+        "cuda_ipc), then staged (bounce buffers, inline on the channel's socket, needs nothing else)",
     }
 
 
@@ -183,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cuda: not available ({c['note']})")
     ipc = c["ipc"]
     print(f"  cuda_ipc: {'yes' if ipc['available'] else 'no'}: {ipc['reason']}")
+    nl = c["nccl_link"]
+    print(f"  nccl plane: {'yes' if nl['available'] else 'no'}: {nl['reason']}")
     if "warning" in ipc:
         print(f"  WARNING: {ipc['warning']}")
     for where, g in c["gpu_planes"].items():

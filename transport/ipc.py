@@ -227,7 +227,10 @@ class Retention:
                     self._watcher = None
                     return
                 fds = dict(self._zombies)
-            ready, _, _ = select.select(list(fds.values()), [], [], 1.0)
+            try:
+                ready, _, _ = select.select(list(fds.values()), [], [], 1.0)
+            except (OSError, ValueError):  # one was closed meanwhile (forgotten): look again
+                continue
             for holder, fd in fds.items():
                 if fd in ready:
                     self.forget(holder)
@@ -383,13 +386,13 @@ class _ThreadDone:
         if not self.finished.is_set():
             return False
         if self.error is not None:
-            raise RuntimeError(f"copy failed: {self.error!r}")
+            raise RuntimeError(f"the operation failed: {self.error!r}")
         return True
 
     def synchronize(self) -> None:
         self.finished.wait()
         if self.error is not None:
-            raise RuntimeError(f"copy failed: {self.error!r}")
+            raise RuntimeError(f"the operation failed: {self.error!r}")
 
 
 class _ThreadQueue:

@@ -1,0 +1,115 @@
+"""The ``nccl`` plane on GPUs: the channel's own 2-rank communicator between two processes.
+
+NCCL refuses two ranks on one GPU, so the put/get test needs ``torch.cuda.device_count() >= 2``
+(this process on cuda:0, the target on cuda:1); on a one-GPU machine it is skipped, and what runs is
+the refusal itself: two processes on the same GPU cannot join a link, both sides say why, and GPU
+ops take the staged path (logged, in ``peer.gpu_plane_reason``). Fresh random data, destinations
+poisoned first, byte equality read back; every wait is bounded. ``cuda_ipc`` is left out of
+``planes=`` so that same-host processes use ``nccl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+
+MiB = 1 << 20
+PLANES = ("tcp", "nccl")
+_seeds = itertools.count(15000)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU: needs 2 GPUs")
+
+
+def seed() -> int:
+    return next(_seeds)
+
+
+def with_init(store_url: str, body) -> None:
+    async def main() -> None:
+        torch.cuda.set_device(0)
+        async with transport.Endpoint(f"nccl-gpu-init-{uuid.uuid4().hex[:8]}", store=store_url, timeout=60,
+                                      planes=PLANES) as ep:
+            await asyncio.wait_for(body(ep), 240)
+
+    asyncio.run(main())
+
+
+async def call(t: RemoteEndpoint, *args):
+    return await asyncio.to_thread(t.call, *args)
+
+
+def _spawn_target(store_url: str, device: int) -> RemoteEndpoint:
+    """A target process whose current device (hence its link's) is ``device``."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)  # its cuda:0 is our cuda:<device>
+    try:
+        return RemoteEndpoint(f"nccl-gpu-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES)
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_put_and_get_over_the_link(store_url, dtype):
+    t = _spawn_target(store_url, 1)
+    try:
+        async def body(init: transport.Endpoint) -> None:
+            for shape in [(1,), (1023,), (3, 1000), (64 * MiB + 3,)]:
+                name = f"w-{uuid.uuid4().hex[:8]}"
+                await call(t, "register", name, dtype, shape, "cuda:0")
+                peer = await init.connect(t.name)
+                end = time.monotonic() + 10
+                while name not in (await init.connect(t.name)).buffers:
+                    assert time.monotonic() < end
+                    await asyncio.sleep(0.02)
+                s = seed()
+                await init.put(t.name, {name: make_tensor(dtype, shape, s).to("cuda:0")})
+                assert await call(t, "check", name, s)
+                out = poisoned(dtype, shape).to("cuda:0")
+                await init.get(t.name, {name: out})
+                assert same_bytes(out.cpu(), make_tensor(dtype, shape, s))
+            assert peer.gpu_plane == "nccl", peer.gpu_plane_reason
+            used = {r["plane"] for r in init.recorder.snapshot() if r["role"] == "initiator" and r["kind"] == "put"}
+            assert used == {"nccl"}
+
+        with_init(store_url, body)
+    finally:
+        t.stop()
+
+
+def test_two_processes_on_one_gpu_cannot_join_and_say_so(store_url):
+    """NCCL refuses a second rank on the same GPU: the link goes down on both sides with NCCL's
+    reason, and GPU ops take the staged path (the bytes still arrive)."""
+    t = _spawn_target(store_url, 0)
+    try:
+        async def body(init: transport.Endpoint) -> None:
+            name = f"w-{uuid.uuid4().hex[:8]}"
+            await call(t, "register", name, "float32", (MiB,), "cuda:0")
+            await init.connect(t.name)
+            ch = init._channels[t.name]
+            end = time.monotonic() + 90
+            while ch.link is not None and ch.link.state == "pending":
+                assert time.monotonic() < end, "the link set-up never ended"
+                await asyncio.sleep(0.1)
+            s = seed()
+            await init.put(t.name, {name: make_tensor("float32", (MiB,), s).to("cuda:0")})
+            assert await call(t, "check", name, s)
+            peer = await init.connect(t.name)
+            if torch.cuda.device_count() < 2:
+                assert ch.link is not None and ch.link.state == "down"
+                assert peer.gpu_plane == "staged" and "nccl:" in peer.gpu_plane_reason, peer.gpu_plane_reason
+
+        with_init(store_url, body)
+    finally:
+        t.stop()

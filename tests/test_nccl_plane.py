@@ -1,0 +1,263 @@
+"""The ``nccl`` plane's protocol through real endpoints and processes, on CPU.
+
+``Endpoint(nccl_engine=SocketLinkEngine)`` (both sides) gives each channel a link whose
+"communicator" is a second TCP connection with NCCL's semantics where they matter here: posted
+operations run in posting order, one at a time per side, and a send completes only once the peer's
+receive took the bytes, so two sides that post in different orders deadlock (reported there as a
+link error instead of a hang). Everything else is the plane's real code: set-up frames, the
+dialer's order (``Go``), target serving from the link's completion, rejections that keep both
+sides in step, abort on timeout and loss. Only the engine differs from a GPU run
+(tests/gpu/test_nccl_plane_gpu.py, which needs two GPUs). Fresh random data, destinations poisoned
+first, byte equality read back; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from transport.errors import PeerLostError, TransportTimeoutError, UnknownBufferError
+from transport.p2p import SocketLinkEngine
+
+PLANES = ("tcp", "nccl")
+SHAPES = [(), (1,), (1023,), (3, 1000), (257, 129)]
+_seeds = itertools.count(8000)
+
+
+def seed() -> int:
+    return next(_seeds)
+
+
+class RefusingLinkEngine(SocketLinkEngine):
+    """Cannot join any link (as NCCL refusing two ranks on one GPU)."""
+
+    def connect(self, unique_id, rank, timeout):
+        raise RuntimeError("ncclInvalidUsage: Duplicate GPU detected")
+
+
+async def _until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+def _ops(ep: transport.Endpoint, kind: str, role: str = "initiator") -> list[dict]:
+    return [r for r in ep.recorder.snapshot() if r["kind"] == kind and r["role"] == role]
+
+
+@pytest.fixture(scope="module")
+def target(store_url):
+    t = RemoteEndpoint(f"nccl-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES,
+                       nccl_engine=SocketLinkEngine)
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.fixture
+async def init(store_url, uname):
+    async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                  nccl_engine=SocketLinkEngine) as ep:
+        yield ep
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
+async def test_put_and_get_over_the_link(init, target, dtype, uname):
+    for shape in SHAPES:
+        name = uname("w")
+        target.call("register", name, dtype, shape)
+        s = seed()
+        await init.put(target.name, {name: make_tensor(dtype, shape, s)})
+        assert target.call("check", name, s), (dtype, shape)
+        out = poisoned(dtype, shape)
+        await init.get(target.name, {name: out})
+        assert same_bytes(out, make_tensor(dtype, shape, s)), (dtype, shape)
+    peer = await init.connect(target.name)
+    assert peer.gpu_plane == "nccl", peer.gpu_plane_reason
+    assert {r["plane"] for r in _ops(init, "put") + _ops(init, "get")} == {"nccl"}
+
+
+async def test_the_listener_initiates_too(init, target, uname):
+    """Ops initiated by the listener are posted on its side only at the dialer's Go."""
+    name = uname("ours")
+    init.register(name, poisoned("float32", (3000,)))
+    s = seed()
+    await asyncio.to_thread(target.call, "put", init.name, {name: ("float32", (3000,), s)}, 30)
+    assert same_bytes(init._registry.get(name).tensor, make_tensor("float32", (3000,), s))
+    got = await asyncio.to_thread(target.call, "get_check", init.name, {name: ("float32", (3000,), s)}, 30)
+    assert got == {name: True}
+    assert {r["plane"] for r in _ops(init, "put", "target") + _ops(init, "get", "target")} == {"nccl"}
+
+
+async def test_both_sides_initiating_at_once_stay_in_order(init, target, uname):
+    """The deadlock a per-side order would cause: both sides put to each other at the same time,
+    many times. Every post follows the dialer's order, so nothing stalls or desynchronises."""
+    ours, theirs = uname("ours"), uname("theirs")
+    n = 64 * 1024
+    init.register(ours, poisoned("uint8", (n,)))
+    target.call("register", theirs, "uint8", (n,))
+    for _ in range(8):
+        s_in, s_out = seed(), seed()
+        target.start("put", init.name, {ours: ("uint8", (n,), s_in)}, 30)
+        await asyncio.gather(*[init.put(target.name, {theirs: make_tensor("uint8", (n,), s_out)})
+                               for _ in range(3)])
+        assert await asyncio.to_thread(target.result, 30) is None
+        assert target.call("check", theirs, s_out)
+        assert same_bytes(init._registry.get(ours).tensor, make_tensor("uint8", (n,), s_in))
+
+
+async def test_ranges_and_several_buffers_in_one_op(init, target, uname):
+    a, b = uname("a"), uname("b")
+    target.call("register", a, "float32", (4096,))
+    target.call("register", b, "int32", (100,))
+    s1, s2 = seed(), seed()
+    part = make_tensor("float32", (1000,), s1)
+    await init.put(target.name, {a: transport.At(part, 3000), b: make_tensor("int32", (100,), s2)},
+                   notify=b"both landed")
+    assert target.call("notifications", 1, 10.0) == [(init.name, b"both landed")]
+    assert target.call("check_range", a, s1, 3000, 1000) and target.call("check", b, s2)
+    out = torch.zeros(1000)
+    await init.get(target.name, {a: transport.At(out, 3000)})
+    assert torch.equal(out, part)
+
+
+async def test_a_rejected_op_keeps_the_link_in_step(init, target, uname, monkeypatch):
+    """Our copy of the peer's registry lags: we post a send for a buffer it has just unregistered.
+    The peer posts a receive into scratch memory (our send must be matched) and fails the op; the
+    next ops on the link are fine."""
+    gone, kept = uname("gone"), uname("kept")
+    target.call("register", gone, "float32", (2048,))
+    target.call("register", kept, "float32", (2048,))
+    await init.put(target.name, {kept: make_tensor("float32", (2048,), seed())})
+    ch = init._channels[target.name]
+    real = ch._take_registry
+    monkeypatch.setattr(ch, "_take_registry", lambda msg: (time.sleep(1.0), real(msg)))
+    target.call("unregister", gone)
+    with pytest.raises(UnknownBufferError):
+        await init.put(target.name, {gone: make_tensor("float32", (2048,), seed())})
+    with pytest.raises(UnknownBufferError):
+        await init.get(target.name, {gone: torch.zeros(2048)})
+    s = seed()
+    await init.put(target.name, {kept: make_tensor("float32", (2048,), s)})
+    assert target.call("check", kept, s)
+    assert ch.is_open and ch.link is not None and ch.link.state == "ready"
+
+
+async def test_the_dialer_rejects_a_listener_op_without_posting(init, target, uname):
+    s = seed()
+    with pytest.raises(Exception, match="UnknownBufferError"):
+        await asyncio.to_thread(target.call, "put", init.name, {uname("nope"): ("float32", (10,), s)}, 10)
+    name = uname("ours")
+    init.register(name, poisoned("float32", (10,)))
+    await asyncio.to_thread(target.call, "put", init.name, {name: ("float32", (10,), s)}, 10)
+    assert same_bytes(init._registry.get(name).tensor, make_tensor("float32", (10,), s))
+
+
+async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(store_url, uname):
+    """A frozen peer: the op times out, the channel's link is aborted and the channel closed
+    (other ops on it fail with PeerLostError), another peer's channel is untouched, and once the
+    peer runs again the next op gets a new channel with a new link."""
+    a = RemoteEndpoint(uname("nccl-frozen"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    b = RemoteEndpoint(uname("nccl-other"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine, heartbeat_timeout=60) as ep:
+            for r in (a, b):
+                r.call("register", "w", "uint8", (1 << 20,))
+                await ep.put(r.name, {"w": make_tensor("uint8", (1 << 20,), seed())})
+            old = ep._channels[a.name]
+            a.signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                slow = asyncio.ensure_future(ep.put(a.name, {"w": make_tensor("uint8", (1 << 20,), seed())},
+                                                    timeout=5))
+                await asyncio.sleep(0.2)
+                with pytest.raises(TransportTimeoutError):
+                    await ep.put(a.name, {"w": make_tensor("uint8", (1 << 20,), seed())}, timeout=1)
+                assert time.monotonic() - t0 < 15
+                with pytest.raises(PeerLostError):
+                    await asyncio.wait_for(slow, 10)
+                assert not old.is_open and old.link is not None and old.link.state == "down"
+                s = seed()
+                await ep.put(b.name, {"w": make_tensor("uint8", (1 << 20,), s)}, timeout=10)
+                assert b.call("check", "w", s)
+            finally:
+                a.signal(signal.SIGCONT)
+            s = seed()
+            await ep.put(a.name, {"w": make_tensor("uint8", (1 << 20,), s)}, timeout=20)
+            assert a.call("check", "w", s)
+            new = ep._channels[a.name]
+            assert new is not old and new.link is not None and new.link.state == "ready"
+            assert {r["plane"] for r in _ops(ep, "put")[-1:]} == {"nccl"}
+    finally:
+        a.kill()
+        b.stop()
+
+
+async def test_an_abandoned_get_writes_nothing_after_it_raised(store_url, uname):
+    slow = functools.partial(SocketLinkEngine, delay=1.5)
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=slow) as ep:
+            s = seed()
+            t.call("register_data", "w", "uint8", (1 << 16,), s)
+            out = poisoned("uint8", (1 << 16,))
+            with pytest.raises(TransportTimeoutError):
+                await ep.get(t.name, {"w": out}, timeout=0.3)
+            after = out.clone()
+            await asyncio.sleep(2.0)
+            assert torch.equal(out, after)  # the link was aborted: the receive is over
+            s2 = seed()
+            t.call("register_data", "v", "uint8", (100,), s2)
+            back = poisoned("uint8", (100,))
+            await ep.get(t.name, {"v": back}, timeout=20)  # a new channel, a new link
+            assert same_bytes(back, make_tensor("uint8", (100,), s2))
+    finally:
+        t.stop()
+
+
+async def test_a_link_that_cannot_be_set_up_is_reported_and_ops_take_another_plane(store_url, uname):
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=RefusingLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine) as ep:
+            t.call("register", "w", "float32", (100,))
+            s = seed()
+            await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
+            assert t.call("check", "w", s)
+            peer = await ep.connect(t.name)
+            ch = ep._channels[t.name]
+            await _until(lambda: ch.link is not None and ch.link.state == "down", what="the link is down")
+            assert peer.gpu_plane == "staged" and "Duplicate GPU" in peer.gpu_plane_reason, peer.gpu_plane_reason
+            s = seed()
+            await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
+            assert t.call("check", "w", s)
+            assert {r["plane"] for r in _ops(ep, "put")} <= {"tcp", "nccl"}
+            assert _ops(ep, "put")[-1]["plane"] == "tcp"
+    finally:
+        t.stop()
+
+
+async def test_no_link_without_nccl_on_both_sides(store_url, uname):
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=("tcp",))
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine) as ep:
+            peer = await ep.connect(t.name)
+            assert ep._channels[t.name].link is None
+            assert "nccl: the peer does not offer it" in peer.gpu_plane_reason
+    finally:
+        t.stop()
