@@ -1103,6 +1103,8 @@ class Channel:
         """Reader thread: the peer's op over the NCCL link; the link posts our half and answers
         from its completion (see :meth:`transport.planes.nccl.Link.serve`)."""
         link = self.link
+        if link is not None and link.state == "pending":
+            link.settle_for_peer_op()
         if link is None or link.state != "ready":
             raise ProtocolError(f"nccl op #{msg.op_id} on a channel whose NCCL link is "
                                 f"{link.state if link is not None else 'absent'}")

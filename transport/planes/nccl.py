@@ -82,6 +82,7 @@ class Link:
         self.peer_device = ""
         self._mine: tuple[bool, str, str] | None = None
         self._theirs: tuple[bool, str, str] | None = None
+        self._announced = False  # our NcclReady was handed to the channel
         self._settled: asyncio.Future[None] = channel.loop.create_future()
         self.bridge = CompletionBridge(channel.loop, f"transport-nccl-{channel.peer_name}")
         self.awaiting_go: dict[int, Callable[[], None]] = {}  # listener: our ops waiting for the dialer's Go
@@ -125,6 +126,8 @@ class Link:
             self.channel.send(NcclReady(conn is not None, self.engine.device, reason))
         except PeerLostError:
             pass
+        with self._state_lock:
+            self._announced = True  # only now may our own ops use the link: they follow our NcclReady
         self._maybe_settle()
 
     def on_ready(self, msg: NcclReady) -> None:
@@ -133,7 +136,13 @@ class Link:
             self._theirs = (msg.ok, msg.device, msg.reason)
         self._maybe_settle()
 
-    def _maybe_settle(self) -> None:
+    def settle_for_peer_op(self) -> None:
+        """Reader thread: the peer sent an op over the link, so it is ready, so it had our NcclReady
+        (sent once we joined) and we had its own (frames arrive in order): settle now, even if our
+        joining thread has not got round to it yet."""
+        self._maybe_settle(peer_op=True)
+
+    def _maybe_settle(self, peer_op: bool = False) -> None:
         with self._state_lock:
             if self.state != "pending":
                 return
@@ -142,7 +151,7 @@ class Link:
                 why = f"the peer could not join the channel's NCCL link: {theirs[2]}"
             elif mine is not None and not mine[0]:
                 why = mine[2]
-            elif mine is not None and theirs is not None:
+            elif mine is not None and theirs is not None and (self._announced or peer_op):
                 why = ""
             else:
                 return
