@@ -188,6 +188,43 @@ def test_fuzzed_get_headers_never_hang(target, friend, offset, count, dtype):
         s.close()
 
 
+@pytest.mark.parametrize("frame", [
+    wire.Put(1, 1, "nccl", [wire.Item("w", "float32", 0, 4)]),  # no NCCL link on this channel
+    wire.Get(2, 1, [wire.Item("w", "float32", 0, 4)], "nccl"),
+    wire.Go(3),
+    wire.Put(4, 1, "cuda_ipc", [wire.Item("w", "float32", 0, 4)]),  # no segments
+], ids=["nccl-put", "nccl-get", "go", "ipc-put-no-segments"])
+def test_gpu_plane_frames_out_of_place_close_the_channel(target, friend, caplog, frame):
+    caplog.set_level(logging.ERROR, logger="transport")
+    s = _handshaken(target)
+    try:
+        _send_and_probe(s, wire.encode_frame(frame))
+        assert _closed_by_peer(s)
+    finally:
+        s.close()
+    assert any("protocol error" in r.getMessage() for r in caplog.records)
+    _assert_usable(friend, target, 3.0)
+
+
+def test_nccl_setup_to_an_endpoint_without_a_link_is_refused(target, friend):
+    """A peer that offers no nccl (mallory's Hello) gets no link: its NcclSetup is answered
+    NcclReady(False), and the channel goes on."""
+    s = _handshaken(target)
+    try:
+        s.sendall(wire.encode_frame(wire.NcclSetup(b"x" * 128)))
+        s.settimeout(10)
+        while True:
+            head = s.recv(4, socket.MSG_WAITALL)
+            (n,) = struct.unpack("<I", head)
+            msg = wire.decode(s.recv(n, socket.MSG_WAITALL))
+            if isinstance(msg, wire.NcclReady):
+                break
+        assert msg.ok is False and "does not offer" in msg.reason
+    finally:
+        s.close()
+    _assert_usable(friend, target, 4.0)
+
+
 def test_the_endpoint_survived_everything(target, friend):
     _assert_usable(friend, target, 5.0)
 
