@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -126,6 +127,24 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             outs = {n: poisoned(dt, tuple(sh)).to(*dev or ["cpu"]) for n, (dt, sh, _) in spec.items()}
             await ep.get(peer, outs, timeout=timeout)
             return {n: same_bytes(outs[n].cpu(), make_tensor(dt, tuple(sh), sd)) for n, (dt, sh, sd) in spec.items()}
+        if cmd == "lag":  # make this side's reader of the channel to `peer` sleep before a handler
+            peer, method, seconds = args
+            await ep.connect(peer)
+            ch = ep._channels[peer]
+            real = getattr(ch, method)
+
+            def slow(*a: Any, **k: Any) -> Any:
+                time.sleep(seconds)
+                return real(*a, **k)
+
+            setattr(ch, method, slow)
+            return None
+        if cmd == "peer_has":  # whether our copy of `peer`'s registry names `name`
+            peer, bname = args
+            return bname in (await ep.connect(peer)).buffers
+        if cmd == "connect":
+            await ep.connect(args[0])
+            return None
         if cmd == "ipc_held":  # unregistered cuda_ipc exports held for peers: export id -> epoch it left
             return ep._ipc_retention.held
         if cmd == "staging_stats":

@@ -29,7 +29,7 @@ from transport.errors import PeerLostError, TransportTimeoutError, UnknownBuffer
 from transport.p2p import SocketLinkEngine
 
 PLANES = ("tcp", "nccl")
-SHAPES = [(), (1,), (1023,), (3, 1000), (257, 129)]
+SHAPES = [(), (0,), (1,), (1023,), (3, 1000), (257, 129)]
 _seeds = itertools.count(8000)
 
 
@@ -90,7 +90,9 @@ async def test_put_and_get_over_the_link(init, target, dtype, uname):
 
 
 async def test_the_listener_initiates_too(init, target, uname):
-    """Ops initiated by the listener are posted on its side only at the dialer's Go."""
+    """Ops initiated by the listener (the target process: we dial it first) are posted on its side
+    only at our Go."""
+    await init.connect(target.name)  # we are the dialer of the channel
     name = uname("ours")
     init.register(name, poisoned("float32", (3000,)))
     s = seed()
@@ -145,8 +147,9 @@ async def test_a_rejected_op_keeps_the_link_in_step(init, target, uname, monkeyp
     real = ch._take_registry
     monkeypatch.setattr(ch, "_take_registry", lambda msg: (time.sleep(1.0), real(msg)))
     target.call("unregister", gone)
-    with pytest.raises(UnknownBufferError):
-        await init.put(target.name, {gone: make_tensor("float32", (2048,), seed())})
+    with pytest.raises(UnknownBufferError):  # two items, one of them gone: both posted into scratch
+        await init.put(target.name, {kept: make_tensor("float32", (2048,), seed()),
+                                     gone: make_tensor("float32", (2048,), seed())})
     with pytest.raises(UnknownBufferError):
         await init.get(target.name, {gone: torch.zeros(2048)})
     s = seed()
@@ -156,13 +159,70 @@ async def test_a_rejected_op_keeps_the_link_in_step(init, target, uname, monkeyp
 
 
 async def test_the_dialer_rejects_a_listener_op_without_posting(init, target, uname):
-    s = seed()
+    """The listener's view of our registry lags: it asks to put into a buffer we just unregistered.
+    We (the dialer) answer Fail without a Go: the listener never posted, its op fails at once with
+    UnknownBufferError (not at its deadline), and the link stays in step."""
+    await init.connect(target.name)  # we are the dialer
+    gone, kept = uname("gone"), uname("kept")
+    init.register(gone, poisoned("float32", (10,)))
+    init.register(kept, poisoned("float32", (10,)))
+    await _until(lambda: target.call("peer_has", init.name, gone), what="the target knows our buffers")
+    target.call("lag", init.name, "_take_registry", 2.0)  # its reader sleeps before our next update
+    init.unregister(gone)
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
     with pytest.raises(Exception, match="UnknownBufferError"):
-        await asyncio.to_thread(target.call, "put", init.name, {uname("nope"): ("float32", (10,), s)}, 10)
-    name = uname("ours")
-    init.register(name, poisoned("float32", (10,)))
-    await asyncio.to_thread(target.call, "put", init.name, {name: ("float32", (10,), s)}, 10)
-    assert same_bytes(init._registry.get(name).tensor, make_tensor("float32", (10,), s))
+        await asyncio.to_thread(target.call, "put", init.name, {gone: ("float32", (10,), seed())}, 20)
+    assert time.monotonic() - t0 < 8
+    s = seed()
+    await asyncio.to_thread(target.call, "put", init.name, {kept: ("float32", (10,), s)}, 20)
+    assert same_bytes(init._registry.get(kept).tensor, make_tensor("float32", (10,), s))
+
+
+async def test_a_listener_get_given_up_before_its_go_writes_nothing(store_url, uname):
+    """We are the listener; the dialer is slow to answer our get's request. We give up (cancel):
+    the Go comes later and the receive must still be posted (the link must follow the dialer), but
+    into scratch memory, never into our tensor; the next get works."""
+    t = RemoteEndpoint(uname("nccl-dialer"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-listener"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine) as ep:
+            s = seed()
+            t.call("register_data", "w", "uint8", (4096,), s)
+            await asyncio.to_thread(t.call, "connect", ep.name)  # it dials: we are the listener
+            await _until(lambda: t.name in ep._channels and ep._channels[t.name].link is not None
+                         and ep._channels[t.name].link.state == "ready", what="the link is up")
+            t.call("lag", ep.name, "_serve_p2p", 1.0)
+            out = poisoned("uint8", (4096,))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ep.get(t.name, {"w": out}), 0.3)
+            await asyncio.sleep(1.5)  # the Go came and the receive ran meanwhile
+            assert bool((out == 0xA5).all()), "the abandoned get wrote into the caller's tensor"
+            back = poisoned("uint8", (4096,))
+            await ep.get(t.name, {"w": back}, timeout=20)
+            assert same_bytes(back, make_tensor("uint8", (4096,), s))
+            assert ep._channels[t.name].link.state == "ready"
+    finally:
+        t.stop()
+
+
+async def test_a_peer_killed_mid_transfer_fails_the_op_at_once(store_url, uname):
+    slow = functools.partial(SocketLinkEngine, delay=2.0)
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=slow)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine) as ep:
+            t.call("register", "w", "uint8", (1 << 16,))
+            await ep.connect(t.name)
+            put = asyncio.ensure_future(ep.put(t.name, {"w": make_tensor("uint8", (1 << 16,), seed())}, timeout=30))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            t.kill()
+            with pytest.raises(PeerLostError):
+                await asyncio.wait_for(put, 15)
+            assert time.monotonic() - t0 < 10
+    finally:
+        t.kill()
 
 
 async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(store_url, uname):

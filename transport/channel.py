@@ -700,7 +700,7 @@ class Channel:
                 f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                 f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
         if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted
-            return 12.0
+            return 20.0  # (ncclCommAbort is bounded at about 12 s, then the completions are reported)
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
             return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
@@ -958,6 +958,8 @@ class Channel:
             if op is not None:
                 self._settle_from_thread(op, None)
         elif isinstance(msg, Fail):
+            if self.link is not None:
+                self.link.not_posted(msg.op_id)  # a listener's nccl op the dialer rejected before its Go
             op = self._pop(msg.op_id)
             if op is not None:
                 cls = ERROR_KINDS.get(msg.kind, RemoteError)
@@ -1135,9 +1137,9 @@ class Channel:
         if link is None:
             raise ProtocolError("Go on a channel without an NCCL link")
         with link.lock:
-            post = link.awaiting_go.pop(msg.op_id, None)
-            if post is not None:
-                post()
+            entry = link.awaiting_go.pop(msg.op_id, None)
+            if entry is not None:
+                entry[0]()
 
     def _done(self, rec: Record) -> None:
         self.recorder.update(rec, OpState.DONE)

@@ -100,7 +100,8 @@ class LinkEngine(Protocol):
 
 # --------------------------------------------------------------------------- CPU test engine
 _LEN = struct.Struct("<Q")
-_ACK = b"\x06"
+_RTR = b"\xffRTR\xff\xff\xff\xff"  # ready to receive (never a plausible length: the top byte is 0xff)
+_ACK = b"\xffACK\xff\xff\xff\xff"  # received
 
 
 class _SocketConn:
@@ -152,6 +153,13 @@ class _SocketConn:
                 raise ConnectionResetError("the peer closed the link")
             got += n
 
+    def _expect(self, token: bytes, what: str) -> None:
+        got = bytearray(len(token))
+        self._read(memoryview(got))
+        if bytes(got) != token:
+            raise RuntimeError(f"link desynchronised: the peer sent something else where {what} was due "
+                               "(both sides sent at once: posts out of order)")
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -166,18 +174,18 @@ class _SocketConn:
                 view = tensor_bytes(data)
                 if kind == "send":
                     self._sock.sendall(_LEN.pack(len(view)))
+                    self._expect(_RTR, "its readiness to receive")  # both sides sending: out of order
                     self._sock.sendall(view)
-                    ack = bytearray(1)
-                    self._read(memoryview(ack))
-                    if bytes(ack) != _ACK:  # the peer is sending too: posts out of order (NCCL would hang)
-                        raise RuntimeError("link desynchronised: the peer sent data where a receive acknowledgement "
-                                           "was due (both sides sent at once: posts out of order)")
+                    self._expect(_ACK, "its receive acknowledgement")
                 else:
                     head = bytearray(_LEN.size)
                     self._read(memoryview(head))
+                    if bytes(head) in (_RTR, _ACK):
+                        raise RuntimeError("link desynchronised: a receive met the peer's receive (posts out of order)")
                     (n,) = _LEN.unpack(head)
                     if n != len(view):
                         raise RuntimeError(f"link desynchronised: a receive of {len(view)} bytes met a send of {n}")
+                    self._sock.sendall(_RTR)
                     self._read(view)
                     self._sock.sendall(_ACK)
             except BaseException as exc:  # the link is broken from here on

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -74,7 +75,7 @@ class Link:
         self.engine = engine
         self.dialer = dialer
         self.timeout = timeout
-        self.lock = threading.Lock()  # posts and the frames that announce them, in one order
+        self.lock = threading.RLock()  # posts and the frames that announce them, in one order
         self._state_lock = threading.Lock()
         self.state = "pending"
         self.reason = "the channel's NCCL link is being set up"
@@ -85,7 +86,9 @@ class Link:
         self._announced = False  # our NcclReady was handed to the channel
         self._settled: asyncio.Future[None] = channel.loop.create_future()
         self.bridge = CompletionBridge(channel.loop, f"transport-nccl-{channel.peer_name}")
-        self.awaiting_go: dict[int, Callable[[], None]] = {}  # listener: our ops waiting for the dialer's Go
+        # listener: our ops waiting for the dialer's Go: (post it, drop it unposted with an error or None)
+        self.awaiting_go: dict[int, tuple[Callable[[], None], Callable[[BaseException | None], None]]] = {}
+        self._answers: queue.SimpleQueue[Callable[[], None] | None] | None = None  # deliver-then-ack worker
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
@@ -196,7 +199,7 @@ class Link:
     def abort(self, why: BaseException | str) -> None:
         """Any thread, idempotent: the link is done. On a worker thread, abort the communicator
         (bounded), which stops whatever is in flight; then the bridge reports what is left."""
-        with self._state_lock:
+        with self.lock, self._state_lock:
             if self.state == "down" and self.conn is None:
                 first = False
             else:
@@ -205,9 +208,13 @@ class Link:
             if first:
                 self.reason = f"aborted: {why}"
             conn, self.conn = self.conn, None
-            waiting, self.awaiting_go = list(self.awaiting_go), {}
-        if waiting:
-            log.debug("channel %s: %d nccl ops never got their Go", self.channel.id, len(waiting))
+            waiting, self.awaiting_go = list(self.awaiting_go.values()), {}
+            answers, self._answers = self._answers, None
+        lost = why if isinstance(why, BaseException) else PeerLostError(str(why))
+        for _, drop in waiting:  # never posted: they end with the channel's error
+            drop(lost)
+        if answers is not None:
+            answers.put(None)
 
         def run() -> None:
             if conn is not None:
@@ -244,11 +251,41 @@ class Link:
         return last
 
     def completed(self, waitable: Any, callback: Callable[[BaseException | None], None]) -> None:
-        """``callback(error or None)`` on the bridge thread once ``waitable`` completed (now if None)."""
+        """``callback(error or None)`` on the bridge thread once ``waitable`` completed (now if None).
+        A completion seen once the link is down counts as a failure: after ``ncclCommAbort`` the
+        kernels exit and their events complete without an error, over partial data."""
         if waitable is None:
             callback(None)
             return
-        self.bridge.notify(waitable, callback)
+
+        def checked(exc: BaseException | None) -> None:
+            if exc is None and self.state == "down":
+                exc = PeerLostError(f"the NCCL link with {self.channel.peer_name!r} was aborted: {self.reason}")
+            callback(exc)
+
+        self.bridge.notify(waitable, checked)
+
+    def not_posted(self, op_id: int) -> bool:
+        """Reader thread, on a Fail: an op of ours the dialer rejected before its Go was never
+        posted; drop it (True if it was one)."""
+        with self.lock:
+            entry = self.awaiting_go.pop(op_id, None)
+        if entry is None:
+            return False
+        entry[1](None)
+        return True
+
+    def answer(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (deliver a notification, then acknowledge) on this link's answering thread:
+        delivery may wait for room in the application's queue, and the completion thread must not."""
+        with self._state_lock:
+            q = self._answers
+            if q is None and self.state != "down":
+                q = self._answers = queue.SimpleQueue()
+                threading.Thread(target=_answering, args=(q,), name="transport-nccl-answers", daemon=True).start()
+        if q is None:
+            return
+        q.put(job)
 
     # ------------------------------------------------------------------ target side
     def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
@@ -272,10 +309,15 @@ class Link:
             return
         if error is not None:  # the dialer posted its half already: match it, into or from scratch
             views = self._scratch(msg.items)
-        with self.lock:
-            last = self.post([] if is_put else views, views if is_put else [], None)
-            if self.dialer:
-                ch.send(Go(msg.op_id))
+        try:
+            with self.lock:
+                last = self.post([] if is_put else views, views if is_put else [], None)
+                if self.dialer:
+                    ch.send(Go(msg.op_id))
+        except TransportError:
+            raise
+        except Exception as exc:  # the link cannot follow the peer any more
+            raise PeerLostError(f"posting our half of nccl op #{msg.op_id} failed: {exc}") from exc
         op_id = msg.op_id
 
         def done(exc: BaseException | None) -> None:  # bridge thread
@@ -285,14 +327,21 @@ class Link:
                 ch.recorder.update(rec, OpState.FAILED, exc)
                 ch.lose(PeerLostError(f"the NCCL link with {ch.peer_name!r} failed: {exc}"))
                 return
+            def reply() -> None:
+                nonlocal error
+                if error is None and deliver is not None:
+                    error = deliver()
+                if error is not None:
+                    ch.recorder.update(rec, OpState.REJECTED, error)
+                    ch.send_quietly(Fail(op_id, error_kind(error), str(error)))
+                else:
+                    ch.recorder.update(rec, OpState.DONE)
+                    ch.send_quietly(Ack(op_id))
+
             if error is None and deliver is not None:
-                error = deliver()
-            if error is not None:
-                ch.recorder.update(rec, OpState.REJECTED, error)
-                ch.send_quietly(Fail(op_id, error_kind(error), str(error)))
+                self.answer(reply)
             else:
-                ch.recorder.update(rec, OpState.DONE)
-                ch.send_quietly(Ack(op_id))
+                reply()
 
         self.completed(last, done)
 
@@ -358,11 +407,15 @@ class NcclPlane(DataPlane):
                 pass
 
         def post() -> None:  # under link.lock
+            targets = views
             if into_local:
                 with op.lock:
-                    op.busy = True
+                    if op.abandoned:  # (a listener's get given up before its Go) the post must still happen
+                        targets = [engine.scratch(v.numel()) for v in views]
+                    else:
+                        op.busy = True
             try:
-                last = link.post([] if into_local else views, views if into_local else [], after)
+                last = link.post([] if into_local else targets, targets if into_local else [], after)
             except BaseException as exc:
                 finished(exc)
                 raise
@@ -379,8 +432,16 @@ class NcclPlane(DataPlane):
                 except BaseException as exc:  # noqa: BLE001 - the op fails; the channel is lost by then
                     self.channel.fail_op(op, PeerLostError(f"posting nccl {op.kind.value} #{op.op_id} failed: {exc}"))
 
+            def on_drop(exc: BaseException | None) -> None:  # never posted (rejected, or the link went down)
+                if into_local:
+                    op.quiet.set()
+                try:
+                    loop.call_soon_threadsafe(_resolve, after_fut, exc)
+                except RuntimeError:
+                    pass
+
             with link.lock:
-                link.awaiting_go[op.op_id] = on_go
+                link.awaiting_go[op.op_id] = (on_go, on_drop)
             try:
                 self.channel.send(header, op=op)
             except BaseException:
@@ -393,6 +454,17 @@ class NcclPlane(DataPlane):
 
     async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         self._start(op, pairs, Get(op.op_id, op.seq, [it for it, _ in pairs], self.name), into_local=True)
+
+
+def _answering(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    while True:
+        job = q.get()
+        if job is None:
+            return
+        try:
+            job()
+        except Exception:  # noqa: BLE001 - one answer's failure must not stop the others
+            log.exception("answering an nccl op failed")
 
 
 def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
