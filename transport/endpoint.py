@@ -106,8 +106,9 @@ class Endpoint:
             buffers then travel over ``cuda_ipc`` instead of ``shm``).
         nccl_engine: a zero-argument factory of the ``nccl`` plane's link
             engine (:class:`transport.p2p.LinkEngine`). None (the default)
-            uses NCCL on the current CUDA device at :meth:`open` when CUDA and
-            NCCL are available. ``transport.p2p.SocketLinkEngine`` runs the
+            uses NCCL on the current CUDA device of the thread that calls
+            :meth:`open` when CUDA and NCCL are available; for another device
+            pass ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``. ``transport.p2p.SocketLinkEngine`` runs the
             plane's protocol over a second TCP connection, on CPU memory (tests
             and debugging without GPUs; both endpoints need it).
     """
