@@ -264,3 +264,19 @@ class RemoteEndpoint:
             self.proc.join(timeout)
         self.kill()
         self._conn.close()
+
+
+# ---------------------------------------------------------------------------- test helpers
+async def until(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond()`` (bounded) from a test's event loop; AssertionError if it never holds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+def op_records(ep: Any, kind: str, role: str = "initiator") -> list[dict]:
+    """The flight-recorder records of ``ep``'s ops of ``kind`` in ``role``."""
+    return [r for r in ep.recorder.snapshot() if r["kind"] == kind and r["role"] == role]
+

@@ -22,6 +22,8 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import op_records as _ops
+from tests._remote import until as _until
 from transport.errors import PlaneUnavailableError, TransportTimeoutError, UnknownBufferError
 from transport.ipc import MappingCache, MemfdIpcEngine, Retention
 from transport.planes import choose_gpu_plane, validate_planes
@@ -33,18 +35,6 @@ _seeds = itertools.count(7000)
 
 def seed() -> int:
     return next(_seeds)
-
-
-async def _until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} did not hold within {timeout} s")
-        await asyncio.sleep(0.02)
-
-
-def _ops(ep: transport.Endpoint, kind: str) -> list[dict]:
-    return [r for r in ep.recorder.snapshot() if r["kind"] == kind and r["role"] == "initiator"]
 
 
 @pytest.fixture(scope="module")

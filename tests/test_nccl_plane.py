@@ -25,6 +25,8 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import op_records as _ops
+from tests._remote import until as _until
 from transport.errors import PeerLostError, TransportTimeoutError, UnknownBufferError
 from transport.p2p import SocketLinkEngine
 
@@ -42,18 +44,6 @@ class RefusingLinkEngine(SocketLinkEngine):
 
     def connect(self, unique_id, rank, timeout):
         raise RuntimeError("ncclInvalidUsage: Duplicate GPU detected")
-
-
-async def _until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} did not hold within {timeout} s")
-        await asyncio.sleep(0.02)
-
-
-def _ops(ep: transport.Endpoint, kind: str, role: str = "initiator") -> list[dict]:
-    return [r for r in ep.recorder.snapshot() if r["kind"] == kind and r["role"] == role]
 
 
 @pytest.fixture(scope="module")

@@ -346,7 +346,7 @@ class Channel:
         self._staged_names: frozenset[str] = frozenset()  # the peer's buffers on staged devices
         self._ipc_names: frozenset[str] = frozenset()  # the peer's buffers with a cuda_ipc export
         self._ipc: CudaIpcPlane | None = None  # ops over cuda_ipc (created on the first)
-        self._ipc_refused: set[str] = set()  # reasons already logged for ops that could not use cuda_ipc
+        self._refused: set[str] = set()  # reasons already logged for ops that could not use the GPU plane
         self.link: Link | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
         self._nccl: NcclPlane | None = None
         self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
@@ -451,29 +451,19 @@ class Channel:
                      "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
                      f"read from a CPU buffer of the peer is copied straight over {self.plane.name})")
         if self.gpu_plane == "nccl" and (remote or local):
-            why = self._nccl_refusal(pairs)
-            if why is None:
+            if self._usable("nccl", self._nccl_refusal(pairs)):
                 if self._nccl is None:
                     from .planes.nccl import NcclPlane
 
                     self._nccl = NcclPlane(self)
                 return self._nccl
-            if why not in self._ipc_refused:
-                self._ipc_refused.add(why)
-                log.warning("channel %s: an op with %r cannot use nccl (%s); it goes through the staged path",
-                            self.id, self.peer_name, why)
         if self.gpu_plane == "cuda_ipc" and (remote or ipc):
-            why = self._ipc_refusal(pairs)
-            if why is None:
+            if self._usable("cuda_ipc", self._ipc_refusal(pairs)):
                 if self._ipc is None:
                     from .planes.cuda_ipc import CudaIpcPlane
 
                     self._ipc = CudaIpcPlane(self)
                 return self._ipc
-            if why not in self._ipc_refused:
-                self._ipc_refused.add(why)
-                log.warning("channel %s: an op with %r cannot use cuda_ipc (%s); it goes through the staged path",
-                            self.id, self.peer_name, why)
         if not (remote or local):
             return self.plane
         if not remote and not self.plane.inline_payload:
@@ -483,6 +473,16 @@ class Channel:
 
             self._staged = StagedPlane(self)
         return self._staged
+
+    def _usable(self, plane: str, why: str | None) -> bool:
+        """Whether the chosen GPU plane takes this op (``why`` it cannot: logged once per reason)."""
+        if why is None:
+            return True
+        if why not in self._refused:
+            self._refused.add(why)
+            log.warning("channel %s: an op with %r cannot use %s (%s); it goes through the staged path",
+                        self.id, self.peer_name, plane, why)
+        return False
 
     def gpu_plane_choice(self) -> tuple[str, str]:
         """This peer's plane for GPU buffers and why (:func:`~transport.planes.choose_gpu_plane`)."""
@@ -494,7 +494,7 @@ class Channel:
     def link_changed(self) -> None:
         """Event loop: the NCCL link was set up or went down: choose the GPU plane again (logged)."""
         self.gpu_plane = self.gpu_plane_reason = None
-        self._ipc_refused.clear()
+        self._refused.clear()
 
     def _nccl_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
         """Why this op cannot go over the NCCL link (None if it can): every buffer, ours and the

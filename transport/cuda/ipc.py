@@ -33,6 +33,7 @@ import torch
 
 from ..errors import PlaneUnavailableError
 from ..wire import IpcHandle
+from .marks import caller_marks
 
 __all__ = ["CudaIpcEngine", "cuda_ipc_engine"]
 
@@ -235,12 +236,7 @@ class CudaIpcEngine:
         return _CudaMapping(index, ptr.value, handle.size)
 
     def mark(self, tensors: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
-        events = []
-        for device in {t.device for t in tensors if t.is_cuda}:
-            event = torch.cuda.Event(blocking=True)  # (awaited by a bridge thread for a get: no spinning)
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
-        return events
+        return caller_marks(tensors)
 
     def queue(self, device: str) -> _CudaQueue:
         index = _index_of(device)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import PlaneUnavailableError
+from .marks import caller_marks
 from .nccl_lib import Communicator, NcclUnavailableError, load_nccl
 
 __all__ = ["NcclConn", "NcclLinkEngine", "nccl_link_engine"]
@@ -90,12 +91,7 @@ class NcclLinkEngine:
             raise
 
     def mark(self, tensors: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
-        events = []
-        for device in {t.device for t in tensors if t.is_cuda}:
-            event = torch.cuda.Event(blocking=True)  # (awaited by a bridge thread for a get: no spinning)
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
-        return events
+        return caller_marks(tensors)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.index)
