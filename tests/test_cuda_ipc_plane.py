@@ -25,8 +25,10 @@ from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
 from tests._remote import op_records as _ops
 from tests._remote import until as _until
 from transport.errors import PlaneUnavailableError, TransportTimeoutError, UnknownBufferError
-from transport.ipc import MappingCache, MemfdIpcEngine, Retention
+from transport.ipc import MappingCache
+from transport.ipc_memfd import MemfdIpcEngine
 from transport.planes import choose_gpu_plane, validate_planes
+from transport.retention import Retention
 from transport.wire import HostInfo, IpcHandle
 
 SHAPES = [(), (0,), (1,), (1023,), (3, 1000), (257, 129)]

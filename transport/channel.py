@@ -327,7 +327,7 @@ class Channel:
         self.host: HostInfo = remote.host
         self.remote_planes: tuple[str, ...] = tuple(remote.planes)
         # same-host peers that both offer cuda_ipc confirm each registry update (Unmapped): the
-        # owner of an unregistered export holds its memory until they did (transport.ipc.Retention)
+        # owner of an unregistered export holds its memory until they did (transport.retention.Retention)
         self.ipc_acks = ("cuda_ipc" in self.remote_planes and "cuda_ipc" in core.planes
                          and same_host(local_host(), remote.host)[0])
         self.remote_epoch = remote.epoch

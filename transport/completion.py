@@ -29,7 +29,7 @@ from typing import Protocol, Union
 
 from .errors import EndpointClosedError, TransportError
 
-__all__ = ["CompletionBridge", "CompletionError", "Waitable"]
+__all__ = ["CompletionBridge", "CompletionError", "ThreadDone", "Waitable"]
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +190,26 @@ def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+class ThreadDone:
+    """A :class:`Waitable` that a worker thread completes: ``finished`` is set when the work is over,
+    ``error`` first if it failed (the CPU engines' stand-in for a CUDA event)."""
+
+    __slots__ = ("error", "finished")
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+    def query(self) -> bool:
+        if not self.finished.is_set():
+            return False
+        if self.error is not None:
+            raise RuntimeError(f"the operation failed: {self.error!r}")
+        return True
+
+    def synchronize(self) -> None:
+        self.finished.wait()
+        if self.error is not None:
+            raise RuntimeError(f"the operation failed: {self.error!r}")

@@ -37,13 +37,14 @@ from .errors import (
 )
 from .flight_recorder import FlightRecorder, OpKind
 from .hostinfo import local_host, same_host
-from .ipc import IpcEngine, IpcExport, Retention, export_ids
+from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
 from .planes.shm import Segment, export_buffer
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
+from .retention import Retention
 from .staging import Staging, StagingConfig
 from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, IpcHandle, Notify, Registry, WireBuffer
 
@@ -100,7 +101,7 @@ class Endpoint:
             bound); None uses the defaults (4 x 8 MiB per op).
         ipc_engine: a zero-argument factory of the ``cuda_ipc`` plane's
             engine (:class:`transport.ipc.IpcEngine`). None (the default)
-            uses CUDA's when CUDA is available. ``transport.ipc.MemfdIpcEngine``
+            uses CUDA's when CUDA is available. ``transport.ipc_memfd.MemfdIpcEngine``
             runs the plane's protocol over CPU shared memory, for tests and
             debugging without a GPU (both endpoints need it; their CPU
             buffers then travel over ``cuda_ipc`` instead of ``shm``).
@@ -440,7 +441,7 @@ class Endpoint:
 
     def _unexport(self, buf: LocalBuffer, detach: bool = False) -> None:
         ipc = buf.exports.pop("cuda_ipc", None)
-        if ipc is not None:  # held until every same-host peer confirmed it unmapped (see transport.ipc)
+        if ipc is not None:  # held until every same-host peer confirmed it unmapped (see transport.retention)
             self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, self._registry.epoch)
         exp = buf.exports.pop("shm", None)
         if exp is not None and exp.close() and detach:

@@ -44,8 +44,8 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from .completion import ThreadDone
 from .errors import PlaneUnavailableError
-from .ipc import _ThreadDone
 from .registry import tensor_bytes
 
 __all__ = ["LinkConn", "LinkEngine", "SocketLinkEngine"]
@@ -116,14 +116,14 @@ class _SocketConn:
         self._worker = threading.Thread(target=self._run, name="transport-p2p-socket", daemon=True)
         self._worker.start()
 
-    def send(self, data: torch.Tensor, after: Any) -> _ThreadDone:
+    def send(self, data: torch.Tensor, after: Any) -> ThreadDone:
         return self._post("send", data)
 
-    def recv(self, data: torch.Tensor, after: Any) -> _ThreadDone:
+    def recv(self, data: torch.Tensor, after: Any) -> ThreadDone:
         return self._post("recv", data)
 
-    def _post(self, kind: str, data: torch.Tensor) -> _ThreadDone:
-        done = _ThreadDone()
+    def _post(self, kind: str, data: torch.Tensor) -> ThreadDone:
+        done = ThreadDone()
         with self._lock:
             if self._broken is not None:
                 done.error = self._broken
