@@ -97,9 +97,10 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .ipc import IpcEngine
+    from .link import Link
     from .planes.base import DataPlane
     from .planes.cuda_ipc import CudaIpcPlane
-    from .planes.nccl import Link, NcclPlane
+    from .planes.nccl import NcclPlane
     from .planes.staged import StagedPlane
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake", "specs_from_wire"]
@@ -1103,7 +1104,7 @@ class Channel:
 
     def _serve_p2p(self, msg: Put | Get, rec: Record) -> None:
         """Reader thread: the peer's op over the NCCL link; the link posts our half and answers
-        from its completion (see :meth:`transport.planes.nccl.Link.serve`)."""
+        from its completion (see :meth:`transport.link.Link.serve`)."""
         link = self.link
         if link is not None and link.state == "pending":
             link.settle_for_peer_op()

@@ -503,7 +503,7 @@ class Endpoint:
         if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
             self._ipc_retention.watch(ch.id, sent_epoch)
         if self._wants_link(remote):
-            from .planes.nccl import Link
+            from .link import Link
 
             assert self.nccl_engine is not None
             ch.link = Link(ch, self.nccl_engine, dialer=dialer, timeout=self.timeout)

@@ -1,0 +1,364 @@
+"""The ``nccl`` plane's per-channel link: set-up, the order of posts, the target's half, abort.
+
+One :class:`Link` per channel whose endpoints both offer ``nccl`` (see :mod:`transport.p2p` for the
+protocol and :mod:`transport.planes.nccl` for the initiator's half). Thread-safe; :attr:`Link.lock`
+orders every post with the frame that announces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .completion import CompletionBridge
+from .errors import (
+    PeerLostError,
+    Phase,
+    PlaneUnavailableError,
+    ProtocolError,
+    TransportError,
+    TransportTimeoutError,
+    error_kind,
+)
+from .flight_recorder import OpState
+from .p2p import LinkConn, LinkEngine
+from .wire import Ack, Fail, Get, Go, Item, NcclReady, NcclSetup, Put
+
+if TYPE_CHECKING:
+    from .channel import Channel
+
+__all__ = ["Link", "bytes_of", "resolve"]
+
+log = logging.getLogger(__name__)
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor (what the link moves)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class Link:
+    """One channel's point-to-point link: set-up, post order, completion, abort.
+
+    Created on the event loop when the channel is adopted, if both endpoints advertise ``nccl``.
+    States: ``pending`` (joining), ``ready`` (both sides joined), ``down`` (failed, aborted or
+    closed; :attr:`reason` says why). Thread-safe; :attr:`lock` orders posts with their frames.
+    """
+
+    def __init__(self, channel: Channel, engine: LinkEngine, *, dialer: bool, timeout: float) -> None:
+        self.channel = channel
+        self.engine = engine
+        self.dialer = dialer
+        self.timeout = timeout
+        self.lock = threading.RLock()  # posts and the frames that announce them, in one order
+        self._state_lock = threading.Lock()
+        self.state = "pending"
+        self.reason = "the channel's NCCL link is being set up"
+        self.conn: LinkConn | None = None
+        self.peer_device = ""
+        self._mine: tuple[bool, str, str] | None = None
+        self._theirs: tuple[bool, str, str] | None = None
+        self._announced = False  # our NcclReady was handed to the channel
+        self._settled: asyncio.Future[None] = channel.loop.create_future()
+        self.bridge = CompletionBridge(channel.loop, f"transport-nccl-{channel.peer_name}")
+        # listener: our ops waiting for the dialer's Go: (post it, drop it unposted with an error or None)
+        self.awaiting_go: dict[int, tuple[Callable[[], None], Callable[[BaseException | None], None]]] = {}
+        self._answers: queue.SimpleQueue[Callable[[], None] | None] | None = None  # deliver-then-ack worker
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> None:
+        """Dialer (event loop): make the unique id, send it, join as rank 0 on a worker thread."""
+        try:
+            uid = self.engine.unique_id()
+        except Exception as exc:  # noqa: BLE001 - reported to the peer and logged
+            self._joined(None, f"no unique id: {type(exc).__name__}: {exc}")
+            return
+        self.channel.send(NcclSetup(uid))
+        threading.Thread(target=self._join, args=(uid, 0), name="transport-nccl-join", daemon=True).start()
+
+    def on_setup(self, msg: NcclSetup) -> None:
+        """Listener (reader thread): join as rank 1."""
+        if self.dialer or self._mine is not None:
+            raise ProtocolError("unexpected NcclSetup")
+        threading.Thread(target=self._join, args=(msg.unique_id, 1), name="transport-nccl-join", daemon=True).start()
+
+    def _join(self, uid: bytes, rank: int) -> None:
+        try:
+            conn = self.engine.connect(uid, rank, self.timeout)
+        except Exception as exc:  # noqa: BLE001 - reported to the peer and logged
+            self._joined(None, f"joining the link failed: {type(exc).__name__}: {exc}")
+            return
+        self._joined(conn, "")
+
+    def _joined(self, conn: LinkConn | None, reason: str) -> None:
+        with self._state_lock:
+            late = self.state == "down"
+            if not late:
+                self.conn = conn
+                self._mine = (conn is not None, self.engine.device, reason)
+        if late:  # torn down meanwhile
+            if conn is not None:
+                conn.abort()
+            return
+        try:
+            self.channel.send(NcclReady(conn is not None, self.engine.device, reason))
+        except PeerLostError:
+            pass
+        with self._state_lock:
+            self._announced = True  # only now may our own ops use the link: they follow our NcclReady
+        self._maybe_settle()
+
+    def on_ready(self, msg: NcclReady) -> None:
+        """The peer's verdict (reader thread)."""
+        with self._state_lock:
+            self._theirs = (msg.ok, msg.device, msg.reason)
+        self._maybe_settle()
+
+    def settle_for_peer_op(self) -> None:
+        """Reader thread: the peer sent an op over the link, so it is ready, so it had our NcclReady
+        (sent once we joined) and we had its own (frames arrive in order): settle now, even if our
+        joining thread has not got round to it yet."""
+        self._maybe_settle(peer_op=True)
+
+    def _maybe_settle(self, peer_op: bool = False) -> None:
+        with self._state_lock:
+            if self.state != "pending":
+                return
+            mine, theirs = self._mine, self._theirs
+            if theirs is not None and not theirs[0]:
+                why = f"the peer could not join the channel's NCCL link: {theirs[2]}"
+            elif mine is not None and not mine[0]:
+                why = mine[2]
+            elif mine is not None and theirs is not None and (self._announced or peer_op):
+                why = ""
+            else:
+                return
+            if why:
+                self.state, self.reason = "down", why
+                conn, self.conn = self.conn, None
+            else:
+                self.state, self.peer_device = "ready", theirs[1]  # type: ignore[index]
+                self.reason = f"the channel's 2-rank NCCL link is up ({self.engine.device} <-> {self.peer_device})"
+                conn = None
+        if conn is not None:
+            threading.Thread(target=conn.abort, name="transport-nccl-abort", daemon=True).start()
+        ch = self.channel
+        if why:
+            log.warning("channel %s: no NCCL link with %r: %s; its GPU ops take the staged path", ch.id,
+                        ch.peer_name, why)
+        else:
+            log.info("channel %s: %s", ch.id, self.reason)
+        try:
+            ch.loop.call_soon_threadsafe(self._settle_future)
+        except RuntimeError:
+            pass
+
+    def _settle_future(self) -> None:
+        if not self._settled.done():
+            self._settled.set_result(None)
+        self.channel.link_changed()
+
+    async def wait(self, deadline: float) -> bool:
+        """Event loop: wait (bounded) until the link is set up or failed; True if it is usable."""
+        if self.state == "pending":
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.shield(self._settled)
+            except TimeoutError:
+                raise TransportTimeoutError(
+                    f"the NCCL link with {self.channel.peer_name!r} was still being set up at the op's deadline",
+                    Phase.CONNECT) from None
+        return self.state == "ready"
+
+    # ------------------------------------------------------------------ teardown
+    def abort(self, why: BaseException | str) -> None:
+        """Any thread, idempotent: the link is done. On a worker thread, abort the communicator
+        (bounded), which stops whatever is in flight; then the bridge reports what is left."""
+        with self.lock, self._state_lock:
+            if self.state == "down" and self.conn is None:
+                first = False
+            else:
+                first = True
+            self.state = "down"
+            if first:
+                self.reason = f"aborted: {why}"
+            conn, self.conn = self.conn, None
+            waiting, self.awaiting_go = list(self.awaiting_go.values()), {}
+            answers, self._answers = self._answers, None
+        lost = why if isinstance(why, BaseException) else PeerLostError(str(why))
+        for _, drop in waiting:  # never posted: they end with the channel's error
+            drop(lost)
+        if answers is not None:
+            answers.put(None)
+
+        def run() -> None:
+            if conn is not None:
+                try:
+                    conn.abort()
+                except Exception:  # noqa: BLE001
+                    log.exception("aborting the NCCL link of channel %s failed", self.channel.id)
+            end = time.monotonic() + 5.0  # the aborted operations complete (with errors): let the bridge report them
+            while self.bridge.pending and time.monotonic() < end:
+                time.sleep(0.01)
+            self.bridge.close(timeout=5.0)
+
+        threading.Thread(target=run, name="transport-nccl-abort", daemon=True).start()
+        try:
+            self.channel.loop.call_soon_threadsafe(self._settle_future)
+        except RuntimeError:
+            pass
+
+    # ------------------------------------------------------------------ posting
+    def _conn(self) -> LinkConn:
+        conn = self.conn
+        if conn is None or self.state != "ready":
+            raise PeerLostError(f"the NCCL link with {self.channel.peer_name!r} is down: {self.reason}")
+        return conn
+
+    def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], after: Any) -> Any:
+        """Post (under :attr:`lock`, held by the caller) sends then receives; the last waitable."""
+        conn = self._conn()
+        last = None
+        for t in sends:
+            last = conn.send(t, after)
+        for t in recvs:
+            last = conn.recv(t, after)
+        return last
+
+    def completed(self, waitable: Any, callback: Callable[[BaseException | None], None]) -> None:
+        """``callback(error or None)`` on the bridge thread once ``waitable`` completed (now if None).
+        A completion seen once the link is down counts as a failure: after ``ncclCommAbort`` the
+        kernels exit and their events complete without an error, over partial data."""
+        if waitable is None:
+            callback(None)
+            return
+
+        def checked(exc: BaseException | None) -> None:
+            if exc is None and self.state == "down":
+                exc = PeerLostError(f"the NCCL link with {self.channel.peer_name!r} was aborted: {self.reason}")
+            callback(exc)
+
+        self.bridge.notify(waitable, checked)
+
+    def not_posted(self, op_id: int) -> bool:
+        """Reader thread, on a Fail: an op of ours the dialer rejected before its Go was never
+        posted; drop it (True if it was one)."""
+        with self.lock:
+            entry = self.awaiting_go.pop(op_id, None)
+        if entry is None:
+            return False
+        entry[1](None)
+        return True
+
+    def answer(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (deliver a notification, then acknowledge) on this link's answering thread:
+        delivery may wait for room in the application's queue, and the completion thread must not."""
+        with self._state_lock:
+            q = self._answers
+            if q is None and self.state != "down":
+                q = self._answers = queue.SimpleQueue()
+                threading.Thread(target=_answering, args=(q,), name="transport-nccl-answers", daemon=True).start()
+        if q is None:
+            return
+        q.put(job)
+
+    # ------------------------------------------------------------------ target side
+    def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
+              rec: Any, deliver: Callable[[], TransportError | None] | None) -> None:
+        """Reader thread: the peer's nccl op ``msg`` arrived; ``ranges`` (buffer, offset, nbytes) if
+        it was accepted, else ``error``. Post our half (into/from scratch if rejected: the peer's
+        half may be posted already), then answer from its completion (``deliver`` runs first, for a
+        put's notification)."""
+        ch = self.channel
+        is_put = isinstance(msg, Put)
+        if error is None:
+            assert ranges is not None
+            views = [bytes_of(buf.tensor)[off : off + n] for buf, off, n in ranges if n]
+            wrong = [buf.spec.name for buf, _, n in ranges if n and not self.engine.handles(buf.tensor)]
+            if wrong:
+                error = PlaneUnavailableError(f"buffers {wrong} are not on the device of this side's NCCL link "
+                                              f"({self.engine.device})")
+        if error is not None and self.dialer:  # the listener posts only after our Go: it has posted nothing
+            ch.recorder.update(rec, OpState.REJECTED, error)
+            ch.send(Fail(msg.op_id, error_kind(error), str(error)))
+            return
+        if error is not None:  # the dialer posted its half already: match it, into or from scratch
+            views = self._scratch(msg.items)
+        try:
+            with self.lock:
+                last = self.post([] if is_put else views, views if is_put else [], None)
+                if self.dialer:
+                    ch.send(Go(msg.op_id))
+        except TransportError:
+            raise
+        except Exception as exc:  # the link cannot follow the peer any more
+            raise PeerLostError(f"posting our half of nccl op #{msg.op_id} failed: {exc}") from exc
+        op_id = msg.op_id
+
+        def done(exc: BaseException | None) -> None:  # bridge thread
+            nonlocal error
+            keep = views  # noqa: F841 - the memory stays referenced until the operation is over
+            if exc is not None:
+                ch.recorder.update(rec, OpState.FAILED, exc)
+                ch.lose(PeerLostError(f"the NCCL link with {ch.peer_name!r} failed: {exc}"))
+                return
+            def reply() -> None:
+                nonlocal error
+                if error is None and deliver is not None:
+                    error = deliver()
+                if error is not None:
+                    ch.recorder.update(rec, OpState.REJECTED, error)
+                    ch.send_quietly(Fail(op_id, error_kind(error), str(error)))
+                else:
+                    ch.recorder.update(rec, OpState.DONE)
+                    ch.send_quietly(Ack(op_id))
+
+            if error is None and deliver is not None:
+                self.answer(reply)
+            else:
+                reply()
+
+        self.completed(last, done)
+
+    def _scratch(self, items: list[Item]) -> list[torch.Tensor]:
+        """One view per non-empty item (the peer posts one operation per item, of its size)."""
+        sizes = [n for n in (self.channel._item_bytes(it) for it in items) if n]
+        if not sizes:
+            return []
+        try:
+            mem = self.engine.scratch(sum(sizes))
+        except Exception as exc:
+            raise ProtocolError(f"cannot allocate {sum(sizes)} bytes of scratch memory to keep the NCCL link in "
+                                f"step with a rejected op: {exc}") from exc
+        out, pos = [], 0
+        for n in sizes:
+            out.append(mem[pos : pos + n])
+            pos += n
+        return out
+
+
+def _answering(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    while True:
+        job = q.get()
+        if job is None:
+            return
+        try:
+            job()
+        except Exception:  # noqa: BLE001 - one answer's failure must not stop the others
+            log.exception("answering an nccl op failed")
+
+
+def resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
