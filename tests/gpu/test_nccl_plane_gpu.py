@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import signal
 import time
 import uuid
 
@@ -113,3 +114,36 @@ def test_two_processes_on_one_gpu_cannot_join_and_say_so(store_url):
         with_init(store_url, body)
     finally:
         t.stop()
+
+
+@two_gpus
+def test_a_frozen_peer_aborts_the_channels_communicator_and_a_new_channel_works(store_url):
+    """The peer freezes mid-put: the op times out, the channel's communicator is aborted
+    (ncclCommAbort) and the channel closed; once the peer runs again the next op builds a new
+    channel with a new communicator and moves the bytes."""
+    t = _spawn_target(store_url, 1)
+    try:
+        async def body(init: transport.Endpoint) -> None:
+            await call(t, "register", "w", "uint8", (256 * MiB,), "cuda:0")
+            await init.put(t.name, {"w": make_tensor("uint8", (256 * MiB,), seed()).to("cuda:0")})
+            old = init._channels[t.name]
+            assert old.link is not None and old.link.state == "ready"
+            t.signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(transport.TransportTimeoutError):
+                    await init.put(t.name, {"w": make_tensor("uint8", (256 * MiB,), seed()).to("cuda:0")}, timeout=2)
+                assert time.monotonic() - t0 < 30
+                assert not old.is_open and old.link.state == "down"
+            finally:
+                t.signal(signal.SIGCONT)
+            s = seed()
+            await init.put(t.name, {"w": make_tensor("uint8", (256 * MiB,), s).to("cuda:0")}, timeout=60)
+            assert await call(t, "check", "w", s)
+            new = init._channels[t.name]
+            assert new is not old and new.link is not None and new.link.state == "ready"
+
+        with_init(store_url, body)
+    finally:
+        t.kill()
+
