@@ -128,8 +128,8 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
             t.call("register", name, "float32", (1000,))
             await ep.connect(t.name)
             task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("float32", (1000,), seed())}))
-            await _until(lambda: any(r["plane"] == "cuda_ipc" for r in _ops(ep, "put")), what="the put started")
-            await asyncio.sleep(0.2)  # the copy is running (1 s)
+            await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
+                         and bool(ch._ipc._busy), what="our copy is running")  # (it takes 1 s)
             t.call("unregister", name)
             assert len(t.call("ipc_held")) == 1  # we have not confirmed: our copy runs
             await asyncio.sleep(0.3)
@@ -141,31 +141,53 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
         t.stop()
 
 
-async def test_a_closed_channel_holds_until_the_peer_process_exits(store_url, uname):
-    """A channel that closes while its peer process lives may still have copies in flight: the
-    memory stays held (closing an endpoint does not prove its copies are over) until that process
-    exits; a killed initiator releases it. A peer that confirmed the update holds nothing."""
+async def test_a_killed_initiator_releases_what_it_held(store_url, uname):
+    """The initiator dies mid-copy into an export the target has just unregistered: the target held
+    the memory while the copy ran, and releases it once that process is gone (pidfd)."""
     t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
-    slow = functools.partial(MemfdIpcEngine, copy_delay=30.0)
+    slow = functools.partial(MemfdIpcEngine, copy_delay=6.0)
     i = RemoteEndpoint(uname("ipc-init"), store=store_url, ipc_engine=slow)
     try:
         name = uname("w")
         t.call("register", name, "uint8", (4096,))
-        i.start("put", t.name, {name: ("uint8", (4096,), seed())}, 60)  # its copy takes 30 s
-        async with transport.Endpoint(uname("ipc-other"), store=store_url, timeout=30,
-                                      ipc_engine=MemfdIpcEngine) as ep:  # this process lives on after close
-            other = uname("v")
-            t.call("register", other, "uint8", (64,))
-            await ep.put(t.name, {other: make_tensor("uint8", (64,), seed())})
-            await asyncio.sleep(0.5)  # the put's copy is running
-            t.call("unregister", name)
-            await _until(lambda: len(t.call("ipc_held")) == 1, what="one export held")
+        i.call("put", t.name, {name: ("uint8", (4096,), seed())}, 60)  # connected and mapped (6 s)
+        i.start("put", t.name, {name: ("uint8", (4096,), seed())}, 60)  # its copy starts at once, takes 6 s
+        await asyncio.sleep(1.0)
+        t.call("unregister", name)
         await asyncio.sleep(0.5)
-        assert len(t.call("ipc_held")) == 1  # we confirmed before closing: only the slow peer holds it
-        i.kill()  # the initiator dies mid-copy: its channel closes, its process is gone
+        assert len(t.call("ipc_held")) == 1, "released while the initiator's copy was running"
+        i.kill()
         await _until(lambda: not t.call("ipc_held"), what="the export released once the peer process exited")
     finally:
         i.kill()
+        t.stop()
+
+
+async def test_a_channel_lost_while_its_process_lives_holds_what_existed_then(store_url, uname):
+    """Our channel breaks (no Bye) while our copy into the target runs: the target cannot know the
+    copy is over, so it holds that export as long as this process lives; exports it makes later
+    are not held on our account."""
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        slow = functools.partial(MemfdIpcEngine, copy_delay=2.0)
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+            name = uname("w")
+            t.call("register", name, "uint8", (4096,))
+            task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("uint8", (4096,), seed())}))
+            await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
+                         and bool(ch._ipc._busy), what="our copy is running")
+            ep._channels[t.name].lose(transport.PeerLostError("test: the channel breaks"))
+            with pytest.raises(transport.PeerLostError):
+                await asyncio.wait_for(task, 10)
+            t.call("unregister", name)
+            await asyncio.sleep(2.5)  # our copy is over by now, but the target cannot know it
+            assert len(t.call("ipc_held")) == 1
+            later = uname("later")
+            t.call("register", later, "uint8", (64,))
+            await ep.put(t.name, {later: make_tensor("uint8", (64,), seed())})  # a new channel
+            t.call("unregister", later)
+            await _until(lambda: len(t.call("ipc_held")) == 1, what="the later export released")
+    finally:
         t.stop()
 
 
@@ -176,8 +198,10 @@ async def test_timed_out_put_leaves_the_channel_usable(store_url, uname):
         async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
             name = uname("w")
             t.call("register", name, "float32", (100,))
-            with pytest.raises(TransportTimeoutError):
+            await ep.put(t.name, {name: make_tensor("float32", (100,), seed())})  # connected, mapped
+            with pytest.raises(TransportTimeoutError):  # (the copy takes 0.5 s)
                 await ep.put(t.name, {name: make_tensor("float32", (100,), seed())}, timeout=0.1)
+            assert _ops(ep, "put")[-1]["plane"] == "cuda_ipc"
             s = seed()
             await ep.put(t.name, {name: make_tensor("float32", (100,), s)}, timeout=10)
             assert t.call("check", name, s)
@@ -196,9 +220,11 @@ async def test_get_abandoned_mid_copy_writes_nothing_after_it_raised(store_url, 
             name = uname("w")
             s = seed()
             t.call("register_data", name, "uint8", (1 << 16,), s)
+            await ep.get(t.name, {name: poisoned("uint8", (1 << 16,))})  # connected, mapped
             out = poisoned("uint8", (1 << 16,))
-            with pytest.raises(TransportTimeoutError) as info:
+            with pytest.raises(TransportTimeoutError) as info:  # (the copy takes 0.4 s)
                 await ep.get(t.name, {name: out}, timeout=0.1)
+            assert _ops(ep, "get")[-1]["plane"] == "cuda_ipc"
             assert "may still land" not in str(info.value)
             after = out.clone()
             await asyncio.sleep(0.6)
@@ -271,8 +297,8 @@ def test_retention_releases_once_every_holder_confirmed_the_epoch():
     r = Retention(released.append)
     r.retire(1, "a", 3)  # no holder: released at once
     assert released == ["a"]
-    r.watch("ch1", 4)
-    r.watch("hs", 4)  # a handshake in progress: its peer may map what our Hello (epoch 4) named
+    r.watch("ch1", 4, None)
+    r.watch("hs", 4, None)  # a handshake in progress: its peer may map what our Hello (epoch 4) named
     r.retire(2, "b", 5)
     r.acked("ch1", 5)
     assert released == ["a"] and r.held == {2: 5}
@@ -281,11 +307,11 @@ def test_retention_releases_once_every_holder_confirmed_the_epoch():
     r.retire(3, "c", 6)
     r.acked("ch1", 5)  # an older epoch confirms nothing new
     assert r.held == {3: 6}
-    r.closed("ch1", None)  # closed, and its process is not on this host: nothing in flight here
+    r.closed("ch1", 3)  # closed, and its process is not on this host: nothing in flight here
     assert released == ["a", "b", "c"] and r.holders == {}
 
 
-def test_retention_waits_for_a_closed_peers_process():
+def test_retention_waits_for_a_closed_peers_process_for_what_existed_then():
     import subprocess
     import sys
 
@@ -293,20 +319,48 @@ def test_retention_waits_for_a_closed_peers_process():
     r = Retention(released.append)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        r.watch("ch", 1)
+        r.watch("ch", 1, child.pid)
         r.retire(7, "x", 2)
-        r.closed("ch", child.pid)  # its channel closed, its process lives: it may still copy
+        r.closed("ch", 7)  # its channel closed (no Bye), its process lives: it may still copy into 7
+        r.retire(8, "y", 3)  # made after it closed: not its concern
         time.sleep(0.3)
-        assert released == []
+        assert released == ["y"]
+        r.closed("ch", 9)  # (a second close changes nothing)
+        child.kill()
+        child.wait(10)
+        end = time.monotonic() + 10
+        while len(released) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert released == ["y", "x"] and r.holders == {}
+    finally:
+        child.kill()
+
+
+def test_retention_at_shutdown_holds_for_live_peer_processes():
+    import subprocess
+    import sys
+
+    from transport.retention import NEVER
+
+    released = []
+    r = Retention(released.append)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        r.watch("live", 5, child.pid)
+        r.watch("far", 5, None)  # not on this host: nothing of ours mapped there
+        r.retire(1, "registered", NEVER)  # still registered when the endpoint closed
+        r.shutdown(1)
+        r.watch("late", 1, child.pid)  # no new holders after shutdown
+        time.sleep(0.3)
+        assert released == [] and set(r.holders) == {"live"}
         child.kill()
         child.wait(10)
         end = time.monotonic() + 10
         while not released and time.monotonic() < end:
             time.sleep(0.05)
-        assert released == ["x"]
+        assert released == ["registered"]
     finally:
         child.kill()
-        r.release_all()
 
 
 class _CountingEngine(MemfdIpcEngine):

@@ -264,9 +264,11 @@ async def test_an_abandoned_get_writes_nothing_after_it_raised(store_url, uname)
                                       nccl_engine=slow) as ep:
             s = seed()
             t.call("register_data", "w", "uint8", (1 << 16,), s)
+            await ep.get(t.name, {"w": poisoned("uint8", (1 << 16,))})  # the channel and its link are up
             out = poisoned("uint8", (1 << 16,))
-            with pytest.raises(TransportTimeoutError):
+            with pytest.raises(TransportTimeoutError):  # (each operation of our side takes 1.5 s)
                 await ep.get(t.name, {"w": out}, timeout=0.3)
+            assert _ops(ep, "get")[-1]["plane"] == "nccl"
             after = out.clone()
             await asyncio.sleep(2.0)
             assert torch.equal(out, after)  # the link was aborted: the receive is over

@@ -329,8 +329,10 @@ class Channel:
         self.remote_planes: tuple[str, ...] = tuple(remote.planes)
         # same-host peers that both offer cuda_ipc confirm each registry update (Unmapped): the
         # owner of an unregistered export holds its memory until they did (transport.retention.Retention)
+        here = local_host()
         self.ipc_acks = ("cuda_ipc" in self.remote_planes and "cuda_ipc" in core.planes
-                         and same_host(local_host(), remote.host)[0])
+                         and same_host(here, remote.host)[0] and here.pid != remote.host.pid)
+        self.holder: str | None = None  # its key in the endpoint's Retention, if it is a holder
         self.remote_epoch = remote.epoch
         self.remote_wire: dict[str, WireBuffer] = {b.name: b for b in remote.buffers}
         self.peer_specs: dict[str, BufferSpec] = specs_from_wire(remote.buffers)
@@ -350,6 +352,7 @@ class Channel:
         self._refused: set[str] = set()  # reasons already logged for ops that could not use the GPU plane
         self.link: Link | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
         self._nccl: NcclPlane | None = None
+        self._bye = False  # say_bye ran: no new cuda_ipc plane (its copies were quiesced)
         self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
         self.gpu_plane_reason: str | None = None
         self._sock = sock
@@ -461,6 +464,8 @@ class Channel:
         if self.gpu_plane == "cuda_ipc" and (remote or ipc):
             if self._usable("cuda_ipc", self._ipc_refusal(pairs)):
                 if self._ipc is None:
+                    if self._bye:
+                        raise PeerLostError(f"channel to {self.peer_name!r} is closing")
                     from .planes.cuda_ipc import CudaIpcPlane
 
                     self._ipc = CudaIpcPlane(self)
@@ -823,9 +828,11 @@ class Channel:
         """First step of an orderly close: queue a Bye behind everything already queued (any
         thread but the loop's: it may wait, at most 1 s, for our cuda_ipc copies to be over, since
         a Bye tells the peer that nothing of ours writes into its memory any more; if they are not,
-        no Bye is sent and the peer holds its unregistered exports until this process exits)."""
-        if not self.is_open:
+        no Bye is sent and the peer holds its unregistered exports until this process exits).
+        Once called, no new cuda_ipc copy starts on this channel. Idempotent."""
+        if not self.is_open or self._bye:
             return
+        self._bye = True
         if self._ipc is not None and not self._ipc.quiesce(1.0):
             log.warning("channel %s: cuda_ipc copies to %r still running at close; closing without a Bye",
                         self.id, self.peer_name)

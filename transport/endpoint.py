@@ -9,6 +9,7 @@ without the application posting any receive.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import socket
@@ -44,7 +45,7 @@ from .planes.shm import Segment, export_buffer
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
-from .retention import Retention
+from .retention import NEVER, Retention
 from .staging import Staging, StagingConfig
 from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, IpcHandle, Notify, Registry, WireBuffer
 
@@ -56,6 +57,15 @@ _Tensors = Mapping[str, "torch.Tensor | At"]
 _MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
 _ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
 _DUMP_INTERVAL = 5.0  # at most one automatic flight-recorder dump per this many seconds
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's current CUDA device if this process already uses CUDA, else None
+    (never starts CUDA)."""
+    try:
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - e.g. a forked child of a CUDA process: no nccl here
+        return None
 
 
 class _Retry(Exception):
@@ -107,9 +117,12 @@ class Endpoint:
             buffers then travel over ``cuda_ipc`` instead of ``shm``).
         nccl_engine: a zero-argument factory of the ``nccl`` plane's link
             engine (:class:`transport.p2p.LinkEngine`). None (the default)
-            uses NCCL on the current CUDA device of the thread that calls
-            :meth:`open` when CUDA and NCCL are available; for another device
-            pass ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``. ``transport.p2p.SocketLinkEngine`` runs the
+            uses NCCL on the current CUDA device of the thread that creates
+            the endpoint, if the process already uses CUDA then (an endpoint
+            never starts CUDA itself) and NCCL loads; for another device
+            pass ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``.
+            Each channel to a peer that offers nccl too then gets its own
+            communicator (leave ``nccl`` out of ``planes=`` to avoid that). ``transport.p2p.SocketLinkEngine`` runs the
             plane's protocol over a second TCP connection, on CPU memory (tests
             and debugging without GPUs; both endpoints need it).
     """
@@ -150,11 +163,17 @@ class Endpoint:
         self._ipc_engine: IpcEngine | None = None
         self._ipc_reason: str | None = None
         self._ipc_retention = Retention(self._ipc_release)
+        self._newest_export: int | None = None  # the newest cuda_ipc export id made (None: none yet)
+        self._holder_ids = itertools.count(1)
         if nccl_engine is not None and not callable(nccl_engine):
             raise ValueError(f"nccl_engine must be a zero-argument factory of a link engine, got {nccl_engine!r}")
         self._nccl_factory = nccl_engine
         self.nccl_engine: LinkEngine | None = None  # set at open() when this endpoint can offer nccl
         self.nccl_reason = "not probed yet (the endpoint is not open)"
+        # the device an NCCL link would use: the creating thread's current device, if that thread's
+        # process already uses CUDA (an endpoint never starts CUDA itself: CPU-only users on GPU
+        # machines, and processes forked after CUDA started, must not pay for or trip over it)
+        self._nccl_device = _current_cuda_device() if "nccl" in self.planes and nccl_engine is None else None
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
@@ -211,8 +230,12 @@ class Endpoint:
             lsock.setblocking(False)
             self._listener = lsock
             self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host())
-            if "nccl" in self.planes:
-                self.nccl_engine, self.nccl_reason = link_engine_probe(self._nccl_factory)
+            if "nccl" in self.planes and self._nccl_factory is None and self._nccl_device is None:
+                self.nccl_reason = ("CUDA was not in use in this process when the endpoint was created (call "
+                                    "torch.cuda.set_device(...) first to offer nccl)")
+                log.info("endpoint %r does not offer the nccl plane: %s", self.name, self.nccl_reason)
+            elif "nccl" in self.planes:
+                self.nccl_engine, self.nccl_reason = link_engine_probe(self._nccl_factory, self._nccl_device)
                 if self.nccl_engine is None:
                     log.info("endpoint %r does not offer the nccl plane: %s", self.name, self.nccl_reason)
             else:
@@ -300,8 +323,8 @@ class Endpoint:
             self._listener.close()
             self._listener = None
         for buf in self._registry.snapshot()[1]:
-            self._unexport(buf)
-        self._ipc_retention.release_all()
+            self._unexport(buf, closing=True)
+        self._ipc_retention.shutdown(self._newest_export)  # live peers may still write: held until they exit
         self._rdv.close()
 
     def _spawn(self, coro: Any) -> None:
@@ -422,6 +445,7 @@ class Endpoint:
             return
         ipc = IpcHandle(engine.name, device, handle, size, offset, next(export_ids))
         buf.exports["cuda_ipc"] = IpcExport(ipc, (t.untyped_storage(), keep))
+        self._newest_export = ipc.export_id
 
     def _ipc_release(self, keep: Any) -> None:
         _storage, engine_keep = keep
@@ -430,7 +454,8 @@ class Endpoint:
 
     def ipc_unmapped(self, ch: Channel, epoch: int) -> None:
         """A peer confirmed registry ``epoch`` (reader thread): release what no one may use any more."""
-        self._ipc_retention.acked(ch.id, epoch)
+        if ch.holder is not None:
+            self._ipc_retention.acked(ch.holder, epoch)
 
     # ------------------------------------------------------------------ exports
     def _export(self, buf: LocalBuffer) -> None:
@@ -439,10 +464,10 @@ class Endpoint:
         self._export_ipc(buf)
         buf.ptr = buf.tensor.data_ptr()
 
-    def _unexport(self, buf: LocalBuffer, detach: bool = False) -> None:
+    def _unexport(self, buf: LocalBuffer, detach: bool = False, closing: bool = False) -> None:
         ipc = buf.exports.pop("cuda_ipc", None)
         if ipc is not None:  # held until every same-host peer confirmed it unmapped (see transport.retention)
-            self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, self._registry.epoch)
+            self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, NEVER if closing else self._registry.epoch)
         exp = buf.exports.pop("shm", None)
         if exp is not None and exp.close() and detach:
             t = buf.tensor
@@ -500,8 +525,6 @@ class Endpoint:
                dialer: bool) -> Channel:
         plane, reason = choose_cpu_plane(local_host(), remote.host, self.planes, tuple(remote.planes))
         ch = Channel(self, sock, remote, channel_id, plane, reason, registry=self._registry, recorder=self.recorder)
-        if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
-            self._ipc_retention.watch(ch.id, sent_epoch)
         if self._wants_link(remote):
             from .link import Link
 
@@ -518,6 +541,9 @@ class Endpoint:
             self._channels[remote.name] = ch
         self._all.add(ch)
         ch.start()
+        if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
+            ch.holder = f"channel-{next(self._holder_ids)}"
+            self._ipc_retention.watch(ch.holder, sent_epoch, remote.host.pid)
         if ch.link is not None and dialer:
             ch.link.start()
         log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, self.name, remote.name,
@@ -541,14 +567,18 @@ class Endpoint:
         self._handshaking += 1
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = self._hello("")
-        pending = f"handshake#{id(sock)}"  # it may map what our Hello announces before it is adopted
-        self._ipc_retention.watch(pending, hello.epoch)
+        pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
+        self._ipc_retention.watch(pending, hello.epoch, None)
+        adopted = False
         try:
             remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False)
+            self._ipc_retention.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
+                                      else None)
             if self._state != "open":
                 raise EndpointClosedError("endpoint is closing")
             sock.setblocking(True)
             self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch, dialer=False)
+            adopted = True
         except ProtocolError as exc:
             log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
             sock.close()
@@ -557,7 +587,10 @@ class Endpoint:
             sock.close()
         finally:
             self._handshaking -= 1
-            self._ipc_retention.forget(pending)  # (adopted: tracked as its channel from here)
+            if adopted:  # tracked as its channel from here
+                self._ipc_retention.forget(pending)
+            else:  # it had our Hello and may have adopted its side: as a channel closed without a Bye
+                self._ipc_retention.closed(pending, self._newest_export)
 
     async def _channel(self, peer: str, deadline: float) -> Channel:
         self._check_open()
@@ -602,20 +635,27 @@ class Endpoint:
                 skip.add(rec.incarnation)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pending = f"handshake#{channel_id}"  # it may map what our Hello announces before it is adopted
+            pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
+            adopted = False
             try:
-                return await self._dial_once(sock, peer, rec, channel_id, pending, deadline, skip)
+                ch = await self._dial_once(sock, peer, rec, channel_id, pending, deadline, skip)
+                adopted = True
+                return ch
             except _Retry:
                 continue
             finally:
-                self._ipc_retention.forget(pending)
+                if adopted:
+                    self._ipc_retention.forget(pending)
+                else:  # it may have had our Hello and adopted its side: as a channel closed without a Bye
+                    self._ipc_retention.closed(pending, self._newest_export)
 
     async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
                          deadline: float, skip: set[int]) -> Channel:
         """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
         try:
             hello = self._hello(channel_id)
-            self._ipc_retention.watch(pending, hello.epoch)
+            self._ipc_retention.watch(pending, hello.epoch,
+                                      rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             remote = await handshake(sock, hello, deadline, dialer=True)
             sock.setblocking(True)
         except TimeoutError:
@@ -649,7 +689,8 @@ class Endpoint:
         self._all.discard(ch)
         # its process may still have copies in flight into our exports: held until it exits
         # (a Bye promised that nothing of its writes into our memory any more)
-        self._ipc_retention.closed(ch.id, ch.host.pid if ch.ipc_acks and not ch.orderly else None)
+        if ch.holder is not None:
+            self._ipc_retention.closed(ch.holder, None if ch.orderly else self._newest_export)
         if self._channels.get(ch.peer_name) is ch:
             del self._channels[ch.peer_name]
             # another open channel to the same peer (accepted while we dialled) takes over

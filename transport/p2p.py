@@ -250,13 +250,16 @@ class SocketLinkEngine:
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def link_engine_probe(factory: Callable[[], LinkEngine] | None) -> tuple[LinkEngine | None, str]:
-    """The engine an endpoint's ``nccl`` plane would use here, or None and why not."""
+def link_engine_probe(factory: Callable[[], LinkEngine] | None,
+                      device: int | None = None) -> tuple[LinkEngine | None, str]:
+    """The engine an endpoint's ``nccl`` plane would use here (on CUDA ``device``, default the
+    current one), or None and why not. Never raises."""
     if factory is not None:
         engine = factory()
         return engine, f"engine {engine.name!r} (nccl_engine=)"
     try:
         from .cuda.nccl_link import nccl_link_engine
-    except ImportError as exc:
-        return None, f"the NCCL link engine cannot be imported: {exc}"
-    return nccl_link_engine()
+
+        return nccl_link_engine(device)
+    except Exception as exc:  # noqa: BLE001 - ImportError, a CUDA error in a forked child...: no nccl here
+        return None, f"the NCCL link engine is unavailable: {type(exc).__name__}: {exc}"
