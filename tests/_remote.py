@@ -67,7 +67,12 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
     loop = asyncio.new_event_loop()
     state: dict[str, Any] = {"bufs": {}}
 
+    cuda_device = kwargs.pop("cuda_device", None)
+
     async def open_ep() -> transport.Endpoint:
+        if cuda_device is not None:  # use CUDA before creating the endpoint (it offers nccl only then)
+            torch.cuda.set_device(cuda_device)
+            torch.cuda.init()
         ep = transport.Endpoint(name, **kwargs)
         await ep.open()
         return ep

@@ -36,6 +36,7 @@ def seed() -> int:
 def with_init(store_url: str, body) -> None:
     async def main() -> None:
         torch.cuda.set_device(0)
+        torch.cuda.init()  # the endpoint offers nccl only if this process already uses CUDA
         async with transport.Endpoint(f"nccl-gpu-init-{uuid.uuid4().hex[:8]}", store=store_url, timeout=60,
                                       planes=PLANES) as ep:
             await asyncio.wait_for(body(ep), 240)
@@ -52,7 +53,7 @@ def _spawn_target(store_url: str, device: int) -> RemoteEndpoint:
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = str(device)  # its cuda:0 is our cuda:<device>
     try:
-        return RemoteEndpoint(f"nccl-gpu-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES)
+        return RemoteEndpoint(f"nccl-gpu-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES, cuda_device=0)
     finally:
         if old is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
