@@ -285,3 +285,18 @@ def op_records(ep: Any, kind: str, role: str = "initiator") -> list[dict]:
     """The flight-recorder records of ``ep``'s ops of ``kind`` in ``role``."""
     return [r for r in ep.recorder.snapshot() if r["kind"] == kind and r["role"] == role]
 
+
+async def put_get_every_shape(init: Any, target: RemoteEndpoint, dtype: str, shapes: Any, uname: Any,
+                              seed: Any) -> None:
+    """For each shape: the target registers a poisoned buffer, ``init`` puts fresh data into it
+    (checked there) and gets it back into a poisoned tensor (checked here)."""
+    for shape in shapes:
+        name = uname("w")
+        target.call("register", name, dtype, shape)
+        s = seed()
+        await init.put(target.name, {name: make_tensor(dtype, shape, s)})
+        assert target.call("check", name, s), (dtype, shape)
+        out = poisoned(dtype, shape)
+        await init.get(target.name, {name: out})
+        assert same_bytes(out, make_tensor(dtype, shape, s)), (dtype, shape)
+

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_get_every_shape, same_bytes
 from tests._remote import op_records as _ops
 from tests._remote import until as _until
 from transport.errors import PeerLostError, TransportTimeoutError, UnknownBufferError
@@ -65,15 +65,7 @@ async def init(store_url, uname):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
 async def test_put_and_get_over_the_link(init, target, dtype, uname):
-    for shape in SHAPES:
-        name = uname("w")
-        target.call("register", name, dtype, shape)
-        s = seed()
-        await init.put(target.name, {name: make_tensor(dtype, shape, s)})
-        assert target.call("check", name, s), (dtype, shape)
-        out = poisoned(dtype, shape)
-        await init.get(target.name, {name: out})
-        assert same_bytes(out, make_tensor(dtype, shape, s)), (dtype, shape)
+    await put_get_every_shape(init, target, dtype, SHAPES, uname, seed)
     peer = await init.connect(target.name)
     assert peer.gpu_plane == "nccl", peer.gpu_plane_reason
     assert {r["plane"] for r in _ops(init, "put") + _ops(init, "get")} == {"nccl"}
