@@ -707,9 +707,11 @@ class GatedMarks(Counting):
         self.afters: list[object] = []
         self.open_next = False
         self.fail_next = False
+        self.stream = None
 
     def mark(self):
         g = Gate(opened=self.open_next, fails=self.fail_next)
+        g.stream = self.stream  # the caller's current stream (like a CUDA StreamMark)
         self.gates.append(g)
         return g
 
@@ -771,6 +773,34 @@ async def test_staged_ops_await_the_callers_work_before_the_channel_sees_them(en
         assert torch.equal(local, w)
     assert ie.calls > 0 and all(x is None for x in ie.afters), "a copy was told to wait for the caller's stream"
     await settle(a, b)
+
+
+async def test_marks_of_different_streams_are_awaited_independently(endpoints):
+    """A caller's long work on one stream holds up only the ops marked on that stream: an op to
+    another peer, marked on another stream whose work is done first, goes ahead."""
+    ie = GatedMarks()
+    a, b = await endpoints(ie, None)
+    _, c = await endpoints(None, None)
+    for t in (b, c):
+        t.register("w", torch.zeros(4 * CHUNK, dtype=torch.uint8))
+        await a.connect(t.name)
+    try:
+        ie.stream = 1
+        slow = asyncio.create_task(a.put(b.name, {"w": torch.ones(4 * CHUNK, dtype=torch.uint8)}, timeout=20))
+        await _until(lambda: len(ie.gates) == 1)
+        ie.stream = 2
+        fast = asyncio.create_task(a.put(c.name, {"w": torch.ones(4 * CHUNK, dtype=torch.uint8)}, timeout=20))
+        await _until(lambda: len(ie.gates) == 2)
+        await asyncio.sleep(0.1)
+        ie.gates[1].ev.set()  # stream 2's work is done; stream 1's is not
+        await asyncio.wait_for(fast, 10)
+        assert not slow.done()
+        ie.gates[0].ev.set()
+        await asyncio.wait_for(slow, 10)
+    finally:
+        for g in ie.gates:
+            g.ev.set()
+    await settle(a, b, c)
 
 
 async def test_a_staged_op_times_out_while_the_callers_work_is_pending(endpoints):

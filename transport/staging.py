@@ -62,6 +62,7 @@ from .registry import tensor_bytes
 __all__ = [
     "DEFAULT_BUFFERS",
     "DEFAULT_CHUNK_BYTES",
+    "MAX_STREAM_BRIDGES",
     "BounceRing",
     "CopyEngine",
     "CopyHandle",
@@ -77,6 +78,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_BUFFERS = 4
+MAX_STREAM_BRIDGES = 8  # per device: threads awaiting callers' marks, one per stream seen
 
 
 class CopyHandle(Protocol):
@@ -444,7 +446,7 @@ class Staging:
         self._allocated = 0
         # copies that outlived their bound, with the memory they may still touch (held until they end)
         self._parked: list[tuple[CopyHandle, tuple[torch.Tensor, ...]]] = []
-        self._bridges: dict[torch.device, CompletionBridge] = {}  # awaiting callers' marks, per device
+        self._bridges: dict[tuple[torch.device, Any], CompletionBridge] = {}  # awaiting callers' marks, per stream
 
     def stages(self, device: str | torch.device) -> bool:
         """Whether bytes of a tensor on ``device`` go through bounce buffers."""
@@ -532,15 +534,21 @@ class Staging:
         finally:
             ring.release()
 
-    def bridge(self, device: torch.device) -> CompletionBridge:
-        """The bridge that awaits callers' marks on ``device`` (event loop thread; created on
-        first use). One per device: marks of one device's current stream complete in order."""
+    def bridge(self, device: torch.device, stream: Any = None) -> CompletionBridge:
+        """The bridge that awaits callers' marks on ``device``'s ``stream`` (event loop thread;
+        created on first use). One per stream, since the marks of one stream complete in order
+        while those of different streams do not (a long kernel on one must not hold up a mark of
+        another); past :data:`MAX_STREAM_BRIDGES` streams of one device, the others share one."""
         loop = asyncio.get_running_loop()
-        b = self._bridges.get(device)
+        key = (device, stream)
+        b = self._bridges.get(key)
+        if b is None and stream is not None and sum(1 for d, _ in self._bridges if d == device) >= MAX_STREAM_BRIDGES:
+            key = (device, None)
+            b = self._bridges.get(key)
         if b is None or b.loop is not loop:
             if b is not None:
                 b.close(0.0)
-            b = self._bridges[device] = CompletionBridge(loop, f"transport-mark-{device}")
+            b = self._bridges[key] = CompletionBridge(loop, f"transport-mark-{device}")
         return b
 
     def close(self) -> None:

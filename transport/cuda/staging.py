@@ -31,7 +31,7 @@ import torch
 
 from ..errors import StagingError
 
-__all__ = ["CudaCopyEngine", "CudaCopyHandle", "cuda_engine"]
+__all__ = ["CudaCopyEngine", "CudaCopyHandle", "StreamMark", "cuda_engine"]
 
 
 class CudaCopyHandle:
@@ -61,6 +61,23 @@ class CudaCopyHandle:
             raise StagingError(f"a staged CUDA copy failed: {exc}") from exc
 
 
+class StreamMark:
+    """A caller's mark: the event recorded on its current stream, and that stream (``stream``: its
+    handle), so that marks of different streams are awaited independently."""
+
+    __slots__ = ("event", "stream")
+
+    def __init__(self, event: torch.cuda.Event, stream: int) -> None:
+        self.event = event
+        self.stream = stream
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
 class CudaCopyEngine:
     """Copies between one CUDA device and pinned host memory on dedicated streams."""
 
@@ -75,11 +92,13 @@ class CudaCopyEngine:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def mark(self) -> Any:
+        stream = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event(blocking=True)  # awaited by a CompletionBridge thread: sleeps, no spin
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        event.record(stream)
+        return StreamMark(event, stream.cuda_stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CudaCopyHandle:
+        after = after.event if isinstance(after, StreamMark) else after
         stream = self.h2d if dst.device.type == "cuda" else self.d2h
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if after is not None:

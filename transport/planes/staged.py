@@ -84,7 +84,7 @@ class StagedPlane(DataPlane):
             if done:
                 continue
             try:
-                await staging.bridge(device).wait(mark)
+                await staging.bridge(device, getattr(mark, "stream", None)).wait(mark)
             except CompletionError as exc:
                 raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
                                    f"failed: {exc}") from exc
