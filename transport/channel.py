@@ -611,8 +611,10 @@ class Channel:
             if op.p2p:  # its NCCL operations cannot be called back: abort the link (and the channel)
                 self.lose(PeerLostError(f"{op.kind.value} #{op.op_id} over the NCCL link with {self.peer_name!r} "
                                         "timed out: the channel's communicator was aborted and the channel closed"))
-            note = await self._abandon(op)
-            self.recorder.update(op.record, OpState.TIMED_OUT)
+            try:
+                note = await self._abandon(op)
+            finally:  # (even if cancelled again meanwhile: the record always ends)
+                self.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.peer_name!r} did not complete before "
                 f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else ""),
@@ -621,12 +623,16 @@ class Channel:
             self.core.on_timeout(self, op, exc)
             raise exc from None
         except asyncio.CancelledError:
-            await self._abandon(op)
-            self.recorder.update(op.record, OpState.CANCELLED)
+            try:
+                await self._abandon(op)
+            finally:
+                self.recorder.update(op.record, OpState.CANCELLED)
             raise
         except Exception as exc:
-            await self._abandon(op)
-            self.recorder.update(op.record, OpState.FAILED, exc)
+            try:
+                await self._abandon(op)
+            finally:
+                self.recorder.update(op.record, OpState.FAILED, exc)
             raise
         except BaseException as exc:  # KeyboardInterrupt, GeneratorExit...: no await here
             bound = self._abandon_now(op)
@@ -946,6 +952,9 @@ class Channel:
         except (EOFError, OSError) as exc:
             self._fail_serving(exc)
             self.lose(PeerLostError(f"connection to {self.peer_name!r} lost: {exc}"))
+        except PeerLostError as exc:  # an answer could not be sent: the channel is already lost
+            self._fail_serving(exc)
+            self.lose(exc)
         except BaseException as exc:  # a bug: never leave the peer hanging
             self._fail_serving(exc)
             log.exception("channel %s reader crashed", self.id)
@@ -1188,10 +1197,11 @@ class Channel:
 
             # the writer copies each staged part out chunk by chunk (a later failure breaks the
             # channel) and settles the record: the reader is long gone by then
-            self._serving = None
             with self._lock:
-                self._replies[id(rec)] = rec
+                if self.state is ChannelState.OPEN:  # (else lose() has run: the send below raises)
+                    self._replies[id(rec)] = rec
             self.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
+            self._serving = None  # only now: until here a failure settles the record through _fail_serving
             return
         views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
         self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
