@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..completion import CompletionBridge, CompletionError
-from ..errors import PeerLostError, PlaneUnavailableError, StaleBufferError, TransportError
+from ..errors import EndpointClosedError, PeerLostError, PlaneUnavailableError, StaleBufferError, TransportError
 from ..hostinfo import same_host
 from ..ipc import IpcMapping, IpcQueue, mapping_cache
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
@@ -281,6 +281,9 @@ class CudaIpcPlane(DataPlane):
         for fut in futs:
             try:
                 await fut
+            except EndpointClosedError as exc:  # the channel closed (its bridges with it) meanwhile
+                raise PeerLostError(f"{op.kind.value} #{op.op_id}: the channel to {self.channel.peer_name!r} closed "
+                                    f"while its cuda_ipc copy was in flight: {self.channel.error}") from exc
             except CompletionError as exc:
                 raise TransportError(f"{op.kind.value} #{op.op_id}: a cuda_ipc copy with {self.channel.peer_name!r} "
                                      f"failed: {exc}") from exc
@@ -292,6 +295,9 @@ class CudaIpcPlane(DataPlane):
         for mark in marks:
             try:
                 await self._marks.wait(mark)
+            except EndpointClosedError as exc:
+                raise PeerLostError(f"{op.kind.value} #{op.op_id}: the channel to {self.channel.peer_name!r} closed: "
+                                    f"{self.channel.error}") from exc
             except CompletionError as exc:
                 raise TransportError(f"{op.kind.value} #{op.op_id}: the work queued on the caller's stream before "
                                      f"the call failed: {exc}") from exc
