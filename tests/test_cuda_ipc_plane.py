@@ -112,7 +112,7 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
     """Retention: while our copy into an export runs, the peer unregisters it; the peer holds
     that memory until the copy is over and we confirmed the registry update, then releases it.
     The op itself fails cleanly (stale export, then the buffer is gone)."""
-    slow = functools.partial(MemfdIpcEngine, copy_delay=1.0)
+    slow = functools.partial(MemfdIpcEngine, copy_delay=3.0)
     t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
     try:
         async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
@@ -121,7 +121,7 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
             await ep.connect(t.name)
             task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("float32", (1000,), seed())}))
             await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
-                         and bool(ch._ipc._busy), what="our copy is running")  # (it takes 1 s)
+                         and bool(ch._ipc._busy), what="our copy is running")  # (it takes 3 s)
             t.call("unregister", name)
             assert len(t.call("ipc_held")) == 1  # we have not confirmed: our copy runs
             await asyncio.sleep(0.3)
