@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ..errors import PlaneUnavailableError
+from ..errors import PlaneUnavailableError, StagingError
 from .marks import caller_marks
 from .nccl_lib import Communicator, NcclUnavailableError, load_nccl
+from .staging import CudaCopyHandle
 
 __all__ = ["NcclConn", "NcclLinkEngine", "nccl_link_engine"]
 
@@ -84,7 +85,10 @@ class NcclLinkEngine:
                     comm.recv(back.data_ptr(), 1, conn.peer, conn._handle)
                 event = torch.cuda.Event()
                 event.record(conn.stream)
-            _wait(event, timeout, "the NCCL link's first exchange")
+            try:  # (the staged path's bounded event poll)
+                CudaCopyHandle(event).wait(timeout)
+            except StagingError as exc:
+                raise PlaneUnavailableError(f"the NCCL link's first exchange: {exc}") from exc
             return conn
         except BaseException:
             comm.abort()
@@ -95,18 +99,6 @@ class NcclLinkEngine:
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.index)
-
-
-def _wait(event: torch.cuda.Event, timeout: float, what: str) -> None:
-    import time
-
-    end = time.monotonic() + timeout
-    delay = 1e-4
-    while not event.query():
-        if time.monotonic() >= end:
-            raise PlaneUnavailableError(f"{what} did not complete within {timeout:g} s")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.01)
 
 
 _lock = threading.Lock()
