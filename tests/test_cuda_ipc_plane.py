@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import threading
 import time
 import uuid
 
@@ -406,3 +407,41 @@ def test_mapping_cache_open_failure_counts_nothing():
     with pytest.raises(PlaneUnavailableError):
         cache.acquire(IpcHandle("memfd", "d", b"x", 10, 0, 1))
     assert len(cache) == 0
+
+
+def test_mapping_cache_never_reopens_an_allocation_while_it_is_being_unmapped():
+    """The driver may refuse to open a handle whose unmapping is still under way (and a refusal
+    would send that allocation staged for good): an acquire that comes in meanwhile waits for it."""
+    events: list[str] = []
+    unmapping = threading.Event()
+
+    class Slow(_CountingEngine):
+        def open(self, handle):
+            events.append("open")
+            m = super().open(handle)
+            real = m.close
+
+            def close():
+                events.append("close-start")
+                unmapping.set()
+                time.sleep(0.3)
+                real()
+                events.append("close-end")
+
+            m.close = close
+            return m
+
+    cache = MappingCache(Slow())
+    h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
+    cache.acquire(h)
+    cache.retire(h)
+    closer = threading.Thread(target=cache.release, args=(h,))  # the last user: unmaps (slowly)
+    closer.start()
+    assert unmapping.wait(5)
+    cache.acquire(h)  # meanwhile: waits for the unmap, then maps anew
+    closer.join(5)
+    assert events == ["open", "close-start", "close-end", "open"], events
+    assert len(cache) == 1 and cache.refusal(h) is None
+    cache.release(h)
+    cache.close()
+    assert events[-2:] == ["close-start", "close-end"] and len(cache) == 0

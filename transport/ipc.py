@@ -167,6 +167,7 @@ class MappingCache:
         self._lock = threading.Lock()
         self._maps: dict[bytes, _Entry] = {}
         self._opening: dict[bytes, threading.Lock] = {}
+        self._closing: dict[bytes, threading.Event] = {}  # being unmapped: not to be opened again until done
         self._refused: dict[bytes, str] = {}  # allocations that could not be mapped here, and why
 
     def refusal(self, handle: IpcHandle) -> str | None:
@@ -187,7 +188,12 @@ class MappingCache:
                     entry.exports.add(handle.export_id)
                     entry.users += 1
                     return entry.mapping
-                gate = self._opening.setdefault(key, threading.Lock())
+                closing = self._closing.get(key)
+                if closing is None:
+                    gate = self._opening.setdefault(key, threading.Lock())
+            if closing is not None:  # the driver may refuse a handle whose unmapping is still under way
+                closing.wait()
+                continue
             with gate:  # one opener per allocation; the others wait for its mapping
                 with self._lock:
                     if key in self._maps:
@@ -223,19 +229,26 @@ class MappingCache:
             if entry.users > 0 or entry.exports:
                 return
             del self._maps[key]
+            done = self._closing[key] = threading.Event()
+        self._unmap(key, entry, done)
+
+    def _unmap(self, key: bytes, entry: _Entry, done: threading.Event) -> None:
         try:
             entry.mapping.close()
         except Exception:  # noqa: BLE001 - an unmap failure must not break the channel
             log.exception("cuda_ipc: unmapping a peer allocation failed")
+        finally:
+            with self._lock:
+                if self._closing.get(key) is done:
+                    del self._closing[key]
+            done.set()
 
     def close(self) -> None:
         with self._lock:
-            entries, self._maps = list(self._maps.values()), {}
-        for e in entries:
-            try:
-                e.mapping.close()
-            except Exception:  # noqa: BLE001
-                log.exception("cuda_ipc: unmapping a peer allocation failed")
+            entries, self._maps = dict(self._maps), {}
+            dones = {key: self._closing.setdefault(key, threading.Event()) for key in entries}
+        for key, e in entries.items():
+            self._unmap(key, e, dones[key])
 
     def __len__(self) -> int:
         with self._lock:
