@@ -208,3 +208,37 @@ def test_a_callers_long_kernel_delays_only_its_own_op(store_url, target, plane):
         assert await asyncio.to_thread(target.call, "check", fast_name, s_fast)
 
     with_init(store_url, plane, body)
+
+
+def test_side_stream_work_is_ordered_before_the_copy_of_a_gpu_tensor_with_a_cpu_buffer(store_url, target, plane):
+    """Our CUDA tensor with the peer's CPU buffer (over shm: copied straight between the device
+    and the peer's segment; over tcp: staged). Put: the bytes a side stream writes right before
+    the call, behind a long kernel, are the ones that land. Get: the fetched bytes land after a
+    write the side stream still has queued on the destination, so they are what the caller sees."""
+
+    async def body(init: transport.Endpoint) -> None:
+        name = f"cpu-buf-{uuid.uuid4().hex[:8]}"
+        shape = (MiB + 3,)
+        await asyncio.to_thread(target.call, "register", name, "float32", shape, "cpu")
+        await peer_has(init, target.name, name)
+        s = seed()
+        want = make_tensor("float32", shape, s).to(DEV)
+        src = torch.zeros(shape, device=DEV)
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)  # keep the side stream busy, then write src on it
+            src.copy_(want)
+            await init.put(target.name, {name: src}, timeout=60)
+        assert await asyncio.to_thread(target.call, "check", name, s), f"{plane}: the put sent stale bytes"
+
+        dst = torch.zeros(shape, device=DEV)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)
+            dst.fill_(7.0)  # queued before the get: the get's bytes must land after it
+            await init.get(target.name, {name: dst}, timeout=60)
+            side.synchronize()
+        assert same_bytes(dst.cpu(), make_tensor("float32", shape, s)), f"{plane}: the get's bytes were overwritten"
+
+    with_init(store_url, plane, body)

@@ -122,6 +122,17 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
 
 
+def _caller_marks(tensors: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event]:
+    """An event per CUDA device of ``tensors``, recorded on the calling thread's current stream."""
+    marks: dict[torch.device, torch.cuda.Event] = {}
+    for t in tensors:
+        if t.is_cuda and t.device not in marks:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            marks[t.device] = event
+    return marks
+
+
 def _map(handle: ShmHandle) -> torch.Tensor:
     path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
@@ -192,15 +203,23 @@ class ShmPlane(DataPlane):
         """Copy every item of one op; return the export id of each item's buffer (0 if empty).
 
         Runs on a worker thread when the op is large or a segment still has to be
-        mapped; a cancelled or timed-out op stops at the next chunk boundary.
+        mapped; a cancelled or timed-out op stops at the next chunk boundary. A CUDA
+        tensor of ours (the peer's buffer is CPU memory) is copied with synchronous
+        ``copy_`` calls on the copying thread's current stream, which first waits (on the
+        GPU) for the work queued on the caller's current stream at the call: bytes a side
+        stream writes just before a put are the ones sent, and a get's bytes land after
+        the caller's queued work on the destination.
         """
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
         if not jobs:
             return ids
+        marks = _caller_marks([t for _, t, _ in jobs])  # here, in the caller's thread, before any await
 
         def work() -> None:
+            for device, mark in marks.items():  # the copies (on this thread's stream) follow the caller's work
+                torch.cuda.current_stream(device).wait_event(mark)
             views = [self._view(item, h, t.element_size()).view(t.dtype) for item, t, h in jobs]  # maps first
             if not into_peer:  # about to write into the caller's tensors: tell _abandon
                 with op.lock:
