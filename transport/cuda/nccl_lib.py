@@ -804,7 +804,6 @@ def _locate_system() -> tuple[str, str]:
 _POLL_FIRST_S = 1e-5
 _POLL_MAX_S = 2e-3
 _ABORT_LOCK_WAIT_S = 2.0
-_ABORT_WAIT_S = 10.0
 
 
 def _warn_unclosed(handle: int, version: str) -> None:
@@ -1106,9 +1105,10 @@ class Communicator:
     def abort(self) -> None:
         """``ncclCommAbort``: stop everything in flight and free the communicator. Idempotent.
 
-        Local: needs no peer. Bounded: NCCL's abort flag makes its internal waits give up (about
-        1 s seen on an H200); an ``ncclInProgress`` answer is polled for at most 10 s. A failure
-        is logged, not raised, since abort runs on paths that are already handling an error.
+        Local: needs no peer. Bounded: NCCL's abort flag makes its internal waits give up. The
+        communicator is freed before ``ncclCommAbort`` returns (NCCL reclaims it inline outside a
+        group), so its handle is never touched again, not even to poll an error. A failure is
+        logged, not raised, since abort runs on paths that are already handling an error.
         """
         acquired = self._lock.acquire(timeout=_ABORT_LOCK_WAIT_S)
         try:
@@ -1119,18 +1119,8 @@ class Communicator:
             self._handle = None
             self._finalizer.detach()
             rc = fn(handle)
-            if rc == NcclResult.IN_PROGRESS and self._lib.has("ncclCommGetAsyncError"):
-                state = _result_t(rc)
-                deadline = time.monotonic() + _ABORT_WAIT_S
-                while state.value == NcclResult.IN_PROGRESS and time.monotonic() < deadline:
-                    time.sleep(_POLL_MAX_S)
-                    if self._lib._fn("ncclCommGetAsyncError")(handle, ctypes.byref(state)) != NcclResult.SUCCESS:
-                        break
-                rc = state.value
-            if rc not in (NcclResult.SUCCESS, NcclResult.IN_PROGRESS):
+            if rc != NcclResult.SUCCESS:
                 log.warning("%s", NcclError.from_result(rc, self._lib, "ncclCommAbort"))
-            elif rc == NcclResult.IN_PROGRESS:
-                log.warning("ncclCommAbort of communicator 0x%x still in progress after %.0f s", handle, _ABORT_WAIT_S)
         finally:
             if acquired:
                 self._lock.release()

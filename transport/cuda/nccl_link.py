@@ -11,6 +11,7 @@ blocking-sync event that the link's completion bridge sleeps on. Abort is ``nccl
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,12 @@ class NcclLinkEngine:
         return self.lib.get_unique_id()
 
     def connect(self, unique_id: bytes, rank: int, timeout: float) -> NcclConn:
+        """Join the 2-rank communicator and do the first exchange; all of it within ``timeout``."""
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 1e-3)
+
         comm = Communicator.init_rank(self.lib, 2, unique_id, rank, blocking=False, device=self.index, timeout=timeout)
         try:
             conn = NcclConn(comm, self.index)
@@ -80,13 +87,13 @@ class NcclLinkEngine:
                 out = torch.zeros(1, dtype=torch.uint8, device=self.index)
                 back = torch.empty(1, dtype=torch.uint8, device=self.index)
                 torch.cuda.current_stream(self.index).synchronize()
-                with comm.group(timeout=timeout):  # set the p2p connection up now, in both directions
+                with comm.group(timeout=left()):  # set the p2p connection up now, in both directions
                     comm.send(out.data_ptr(), 1, conn.peer, conn._handle)
                     comm.recv(back.data_ptr(), 1, conn.peer, conn._handle)
                 event = torch.cuda.Event()
                 event.record(conn.stream)
             try:  # (the staged path's bounded event poll)
-                CudaCopyHandle(event).wait(timeout)
+                CudaCopyHandle(event).wait(left())
             except StagingError as exc:
                 raise PlaneUnavailableError(f"the NCCL link's first exchange: {exc}") from exc
             return conn
