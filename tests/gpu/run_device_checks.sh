@@ -5,16 +5,20 @@
 #     run(command="bash tests/gpu/run_device_checks.sh", timeout_s=540, carry=[".whl"])
 # The log, doctor.json and gpu.json come back from $OUT (device_checks.log has everything; the last
 # lines of the output are one SUMMARY line per step). Call give_back afterwards unless rerunning.
+# Device time: the machine's start counts too, and it goes back about 30 s after a command ends, so
+# a second run has to follow at once and be short: e.g. DEVICE_CHECKS_BUDGET_S=150
+# DEVICE_CHECKS_RL_SYNC=0 with DEVICE_CHECKS_PYTEST_ARGS="-k <the tests that failed>" .
 #
-# That machine has no network and no .venv of this repo: its python3 (3.12) has torch, cuda-python,
-# nvidia-nccl-cu13, pytest and pytest-timeout, but NOT msgspec (transport cannot be imported
-# without it) nor pytest-asyncio. Carry the missing wheels: here, once, before the run:
+# That machine has no network and no .venv of this repo: its python3 (3.12.3) has torch, numpy,
+# cuda-python, nvidia-nccl-cu13, pytest, pytest-timeout and hypothesis, but NOT msgspec (transport
+# cannot be imported without it) nor pytest-asyncio. Carry the missing wheels (one version of each,
+# for Python 3.12): here, once, before the run (.whl/ may already hold it from an earlier session):
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #         -d .whl msgspec==0.23.0
 # (.whl/ is git-ignored, hence carry=[".whl"]; a wheels/ folder is used the same way.) This script
-# installs every wheel it finds there with pip --no-index into a private folder on PYTHONPATH, and
-# reports the imports still missing. Without pytest-asyncio, pyproject's asyncio options are
+# installs each wheel it finds there whose package does not import already, with pip --no-index,
+# into a private folder on PYTHONPATH, and reports the imports still missing. Without pytest-asyncio, pyproject's asyncio options are
 # unknown to pytest: that warning is ignored (the GPU tests that need an event loop run it
 # themselves with asyncio.run, so none needs the plugin).
 #
@@ -104,19 +108,35 @@ fi
 log "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))"
 
 # -- wheels carried for packages the machine lacks -----------------------------------------------------
+# One at a time, and only a wheel whose package does not import here: a carried wheel never shadows
+# what the machine has (its numpy is the one its torch was built with), and a wheel for another
+# Python is reported, not fatal to the others.
 SITE=/tmp/device-checks-site
-for d in wheels .whl; do
-    if compgen -G "$ROOT/$d/*.whl" >/dev/null; then
-        step check "wheels-$d" 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --upgrade --target "$SITE" "$ROOT/$d"/*.whl
-        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+for w in "$ROOT"/wheels/*.whl "$ROOT"/.whl/*.whl; do
+    [ -e "$w" ] || continue
+    mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
+    if timeout 60 "$PY" -c "import $mod" >/dev/null 2>&1; then
+        log "wheel $(basename "$w"): $mod is importable here already; not installed"
+    elif timeout 60 "$PY" -m pip --version >/dev/null 2>&1; then
+        if timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$SITE" "$w" >>"$LOG" 2>&1; then
+            log "wheel $(basename "$w"): installed into $SITE"
+        else
+            log "wheel $(basename "$w"): NOT installed: pip refused it (another Python or platform? see above)"
+        fi
+    elif mkdir -p "$SITE" && timeout 60 "$PY" -m zipfile -e "$w" "$SITE" >>"$LOG" 2>&1 \
+            && timeout 60 "$PY" -c "import $mod" >/dev/null 2>&1; then
+        log "wheel $(basename "$w"): no pip here; unpacked into $SITE, and $mod imports"
+    else
+        log "wheel $(basename "$w"): NOT installed (no pip here, and unpacked it does not import)"
     fi
 done
 
 MISSING=$(timeout 60 "$PY" - <<'EOF' 2>/dev/null
 import importlib
 missing = []
-for name in ("torch", "msgspec", "tqdm", "pytest", "pytest_timeout", "pytest_asyncio", "hypothesis",
+for name in ("torch", "numpy", "msgspec", "tqdm", "pytest", "pytest_timeout", "pytest_asyncio", "hypothesis",
              "cuda.bindings", "cuda.pathfinder"):
     try:
         importlib.import_module(name)
@@ -129,6 +149,7 @@ has() { case " $MISSING " in *" $1 "*) return 1 ;; *) return 0 ;; esac; }
 if [ -n "$MISSING" ]; then
     log "MISSING imports: $MISSING"
     has torch || log "  torch: nothing here can run"
+    has numpy || log "  numpy: transport hands CPU tensors' bytes around as numpy-backed views, and cuda_ipc builds its views through numpy; carry a numpy wheel (see the header)"
     has msgspec || log "  msgspec: transport cannot be imported, so every test and the bench's NCCL part fail; carry its wheel in .whl/ (see the header)"
     has tqdm || log "  tqdm: transport may fail to import; carry its wheel"
     has pytest || log "  pytest: the test steps cannot run"
@@ -145,7 +166,9 @@ fi
 PYTEST=(env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -p no:cacheprovider)
 if has pytest_timeout; then PYTEST+=(-p pytest_timeout --timeout 120); fi
 if has pytest_asyncio; then PYTEST+=(-p pytest_asyncio.plugin); fi
-if ! has pytest_timeout || ! has pytest_asyncio; then PYTEST+=(-W ignore::pytest.PytestConfigWarning); fi
+# pyproject's asyncio options are unknown to pytest without pytest-asyncio, and an old one may not
+# know asyncio_default_fixture_loop_scope: with filterwarnings=error that would stop pytest at start
+PYTEST+=(-W ignore::pytest.PytestConfigWarning)
 
 # -- what this machine is --------------------------------------------------------------------------
 step info nvidia-smi 15 nvidia-smi
@@ -196,7 +219,9 @@ else
 fi
 
 # -- the checks ------------------------------------------------------------------------------------
-step check gpu-tests 200 "${PYTEST[@]}" tests/gpu -v -rA
+# DEVICE_CHECKS_PYTEST_ARGS (split on spaces; e.g. "-k ipc") narrows the GPU tests of a short rerun
+read -r -a EXTRA <<<"${DEVICE_CHECKS_PYTEST_ARGS:-}"
+step check gpu-tests 240 "${PYTEST[@]}" tests/gpu -v -rA --durations=15 "${EXTRA[@]}"
 annotate "$(pytest_note gpu-tests)"
 
 step check cpu-binding 110 "${PYTEST[@]}" tests/test_nccl_binding.py -v

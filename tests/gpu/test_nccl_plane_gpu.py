@@ -1,11 +1,14 @@
 """The ``nccl`` plane on GPUs: the channel's own 2-rank communicator between two processes.
 
-NCCL refuses two ranks on one GPU, so the put/get test needs ``torch.cuda.device_count() >= 2``
-(this process on cuda:0, the target on cuda:1); on a one-GPU machine it is skipped, and what runs is
-the refusal itself: two processes on the same GPU cannot join a link, both sides say why, and GPU
-ops take the staged path (logged, in ``peer.gpu_plane_reason``). Fresh random data, destinations
-poisoned first, byte equality read back; every wait is bounded. ``cuda_ipc`` is left out of
-``planes=`` so that same-host processes use ``nccl``.
+NCCL refuses two ranks on one GPU of one host. With two GPUs, this process is on cuda:0 and the
+target on cuda:1. With one GPU, the target is started with its own ``NCCL_HOSTID``: NCCL then takes
+the two processes for two hosts (no duplicate-GPU refusal) and connects them through its network
+transport over this host's sockets, so the link's whole data path (set-up, warm-up exchange, posts
+in the dialer's order, completion, abort) still runs. Without that, what runs is the refusal itself:
+two processes on the same GPU cannot join a link, both sides say why, and GPU ops take the staged
+path (logged, in ``peer.gpu_plane_reason``). Fresh random data, destinations poisoned first, byte
+equality read back; every wait is bounded. ``cuda_ipc`` is left out of ``planes=`` so that
+same-host processes use ``nccl``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
 MiB = 1 << 20
 PLANES = ("tcp", "nccl")
 _seeds = itertools.count(15000)
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU: needs 2 GPUs")
 
 
 def seed() -> int:
@@ -48,23 +50,34 @@ async def call(t: RemoteEndpoint, *args):
     return await asyncio.to_thread(t.call, *args)
 
 
-def _spawn_target(store_url: str, device: int) -> RemoteEndpoint:
-    """A target process whose current device (hence its link's) is ``device``."""
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)  # its cuda:0 is our cuda:<device>
+def _spawn_target(store_url: str, device: int, *, nccl_hostid: str | None = None) -> RemoteEndpoint:
+    """A target process whose current device (hence its link's) is ``device``; ``nccl_hostid``
+    makes NCCL in it take this host for another one."""
+    env = {"CUDA_VISIBLE_DEVICES": str(device)}  # its cuda:0 is our cuda:<device>
+    if nccl_hostid is not None:
+        env["NCCL_HOSTID"] = nccl_hostid
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # (a spawned child takes the environment of the moment)
     try:
         return RemoteEndpoint(f"nccl-gpu-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES, cuda_device=0)
     finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-@two_gpus
+def _link_target(store_url: str) -> RemoteEndpoint:
+    """A target the link can reach: on cuda:1, or on our one GPU as another NCCL "host"."""
+    if torch.cuda.device_count() >= 2:
+        return _spawn_target(store_url, 1)
+    return _spawn_target(store_url, 0, nccl_hostid=f"transport-gpu-test-{uuid.uuid4().hex}")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
 def test_put_and_get_over_the_link(store_url, dtype):
-    t = _spawn_target(store_url, 1)
+    t = _link_target(store_url)
     try:
         async def body(init: transport.Endpoint) -> None:
             for shape in [(1,), (1023,), (3, 1000), (64 * MiB + 3,)]:
@@ -117,12 +130,11 @@ def test_two_processes_on_one_gpu_cannot_join_and_say_so(store_url):
         t.stop()
 
 
-@two_gpus
 def test_a_frozen_peer_aborts_the_channels_communicator_and_a_new_channel_works(store_url):
     """The peer freezes mid-put: the op times out, the channel's communicator is aborted
     (ncclCommAbort) and the channel closed; once the peer runs again the next op builds a new
     channel with a new communicator and moves the bytes."""
-    t = _spawn_target(store_url, 1)
+    t = _link_target(store_url)
     try:
         async def body(init: transport.Endpoint) -> None:
             await call(t, "register", "w", "uint8", (256 * MiB,), "cuda:0")
