@@ -7,6 +7,7 @@ Imported by the scripts in this folder as ``_common`` (a script's own folder is 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import subprocess
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "loadavg", "usable_cpus"]
+__all__ = ["environment", "loadavg", "usable_cpus", "write_results"]
 
 
 def usable_cpus() -> int:
@@ -57,3 +58,10 @@ def environment(root: Path, threads: int, idle_fraction: Callable[[], float | No
         "start_method": "spawn",
         "argv": sys.argv,
     }
+
+
+def write_results(path: Path, doc: dict[str, Any]) -> None:
+    """Write a results document as JSON (creating its folder) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"results written to {path}")

@@ -85,7 +85,6 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -1362,9 +1361,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_s": total,
         "killed_stragglers": killed,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"results written to {args.json}")
+    _common.write_results(args.json, doc)
     return 1 if errors else 0
 
 

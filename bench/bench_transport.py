@@ -3,7 +3,10 @@
 
 Usage::
 
-    python bench/bench_transport.py [--quick] [--max-mib N] [--threads N] [--rounds N] [--json PATH]
+    python bench/bench_transport.py [--quick] [--max-mib N] [--threads N] [--rounds N] [--only PHASES] [--json PATH]
+
+``--only raw,tcp`` runs just those phases (copy, raw, gloo, shm, tcp), e.g. to repeat the
+``tcp`` against raw-socket comparison many times; ratios whose reference did not run are left out.
 
 This is a benchmark, not a test: it never asserts on a number. It prints a
 table and a "targets" section (PASS/MISS) and writes everything as JSON
@@ -55,7 +58,6 @@ import argparse
 import asyncio
 import functools
 import importlib
-import json
 import math
 import multiprocessing as mp
 import os
@@ -842,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="run every phase this many times, rotating their order, and pool the repetitions "
                          "(default: 3, --quick: 1); spreads slow drifts of a shared machine over all cases")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated phases to run (copy, raw, gloo, shm, tcp; default: all); "
+                         "a ratio whose reference phase did not run is left out")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "transport.json",
                     help="where to write the results (default: bench/results/transport.json)")
     args = ap.parse_args(argv)
@@ -854,6 +859,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--threads must be >= 1")
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    keep = None
+    if args.only is not None:
+        keep = {p.strip() for p in args.only.split(",") if p.strip()}
+        known = {"copy", "raw", "gloo", "shm", "tcp"}
+        if not keep or keep - known:
+            ap.error(f"--only: unknown phase(s) {sorted(keep - known) or args.only!r}; choose from {sorted(known)}")
     cfg = make_config(args)
     if not cfg["sizes"]:
         ap.error(f"--max-mib {args.max_mib} leaves no size to measure (smallest is 1 MiB)")
@@ -875,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
     for plane in ("shm", "tcp"):
         phases.append((f"transport_{plane}", [("target", "transport_target", (plane,)),
                                               ("initiator", "transport_initiator", (plane, cfg))], 2, "initiator"))
+    if keep is not None:
+        phases = [ph for ph in phases if ph[0].removeprefix("transport_") in keep]
     try:
         for rnd in range(cfg["rounds"]):
             k = rnd % len(phases)
@@ -924,9 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_s": total,
         "killed_stragglers": STRAGGLERS,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"results written to {args.json}")
+    _common.write_results(args.json, doc)
     return 1 if errors else 0
 
 

@@ -20,3 +20,23 @@ def test_bench_quick_runs(tmp_path):
     assert any("transport shm put" in c for c in cases) and any("transport tcp put" in c for c in cases)
     assert any("raw socket" in c for c in cases) and any("gloo" in c for c in cases)
     assert "targets" in doc
+
+
+def test_bench_only_runs_the_named_phases(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--max-mib", "1", "--only", "raw,tcp",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    cases = {row["case"] for row in doc["rows"]}
+    assert "raw socket" in cases and "transport tcp put" in cases
+    assert not any("shm" in c or "gloo" in c or "copy_" in c for c in cases), cases
+    tcp = next(row for row in doc["rows"] if row["case"] == "transport tcp put")
+    assert tcp["ratio_vs"] == "raw socket" and tcp["verified"]
+
+
+def test_bench_only_rejects_an_unknown_phase(tmp_path):
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--only", "raw,nixl",
+                        "--json", str(tmp_path / "b.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown phase" in r.stderr and "nixl" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "b.json").exists()

@@ -15,7 +15,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -787,21 +787,7 @@ class Endpoint:
         if notify is not None:
             _check_payload(notify)
         ch = await self._channel(peer, deadline)
-        for retry in (False, True):
-            pairs = await self._plan(ch, tensors, deadline)
-            plane = await self._plane(ch, pairs, deadline)
-            op = ch.new_op(OpKind.PUT, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
-            try:
-                await ch.run(op, lambda: plane.put(op, pairs, notify), deadline)  # noqa: B023
-                return
-            except PlaneUnavailableError:
-                if retry or plane.name != "cuda_ipc":
-                    raise
-                # the peer's allocation could not be mapped here (logged): the op goes staged
-            except StaleBufferError:
-                if retry:
-                    raise
-                await ch.sync_registry(deadline)  # the peer re-registered a buffer: look again, once
+        await self._transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify))
 
     async def get(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> None:
         """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
@@ -815,17 +801,23 @@ class Endpoint:
         """
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
+        await self._transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs))
+
+    async def _transfer(self, ch: Channel, kind: OpKind, tensors: _Tensors, deadline: float,
+                        start: Callable[[Any, Any, list[Any]], Awaitable[None]]) -> None:
+        """Plan, pick the plane and run one put or get (``start(plane, op, pairs)`` sends it).
+        Retried once: after a registry sync if the peer re-registered a buffer, and staged if a
+        ``cuda_ipc`` mapping could not be opened here (logged)."""
         for retry in (False, True):
             pairs = await self._plan(ch, tensors, deadline)
             plane = await self._plane(ch, pairs, deadline)
-            op = ch.new_op(OpKind.GET, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
+            op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
             try:
-                await ch.run(op, lambda: plane.get(op, pairs), deadline)  # noqa: B023
+                await ch.run(op, lambda: start(plane, op, pairs), deadline)  # noqa: B023
                 return
             except PlaneUnavailableError:
                 if retry or plane.name != "cuda_ipc":
                     raise
-                # the peer's allocation could not be mapped here (logged): the op goes staged
             except StaleBufferError:
                 if retry:
                     raise
