@@ -2,7 +2,7 @@
 # The GPU checks of this repo in ONE command of a few minutes, for a lent GPU machine (one H200).
 #
 # Through the device tool, from a session whose checkout is this repo:
-#     run(command="bash tests/gpu/run_device_checks.sh", timeout_s=540, carry=[".whl"])
+#     run(command="bash tests/gpu/run_device_checks.sh", timeout_s=540)
 # The log, doctor.json and gpu.json come back from $OUT (device_checks.log has everything; the last
 # lines of the output are one SUMMARY line per step). Call give_back afterwards unless rerunning.
 # Device time: the machine's start counts too, and it goes back about 30 s after a command ends, so
@@ -11,16 +11,12 @@
 #
 # That machine has no network and no .venv of this repo: its python3 (3.12.3) has torch, numpy,
 # cuda-python, nvidia-nccl-cu13, pytest, pytest-timeout and hypothesis, but NOT msgspec (transport
-# cannot be imported without it) nor pytest-asyncio. Carry the missing wheels (one version of each,
-# for Python 3.12): here, once, before the run (.whl/ may already hold it from an earlier session):
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#         -d .whl msgspec==0.23.0
-# (.whl/ is git-ignored, hence carry=[".whl"]; a wheels/ folder is used the same way.) This script
-# installs each wheel it finds there whose package does not import already, with pip --no-index,
-# into a private folder on PYTHONPATH, and reports the imports still missing. Without pytest-asyncio, pyproject's asyncio options are
-# unknown to pytest: that warning is ignored (the GPU tests that need an event loop run it
-# themselves with asyncio.run, so none needs the plugin).
+# cannot be imported without it) nor pytest-asyncio (not needed: the GPU tests that need an event
+# loop run their own with asyncio.run; pyproject's asyncio options are then unknown to pytest, and
+# that warning is ignored). msgspec's wheel for Python 3.12 is in this repo (tests/gpu/wheels/, see
+# its README), so nothing has to be carried. Each wheel found in tests/gpu/wheels/, wheels/ or .whl/
+# whose package does not import already is installed with pip --no-index into a private folder on
+# PYTHONPATH; the imports still missing are reported.
 #
 # Anywhere else: bash tests/gpu/run_device_checks.sh [OUTDIR]   (default $OUT, else /tmp/device-out)
 # On a machine without CUDA it runs end to end too: GPU tests and bench skipped, CPU tests run.
@@ -28,8 +24,9 @@
 # Steps (each under `timeout`, all within a total budget of DEVICE_CHECKS_BUDGET_S = 480 s; a
 # failing step does not stop the next): nvidia-smi; python/torch/CUDA/NCCL versions;
 # `python -m transport doctor --json`; pytest tests/gpu (the NCCL binding on a GPU, CUDA tensors
-# through the staged path between two processes: test_staged_gpu.py, and over cuda_ipc between
-# two processes on the GPU: test_ipc_gpu.py); pytest tests/test_nccl_binding.py;
+# through the staged path between two processes: test_staged_gpu.py, over cuda_ipc between two
+# processes on the GPU: test_ipc_gpu.py, over the nccl plane between two processes:
+# test_nccl_plane_gpu.py); pytest tests/test_nccl_binding.py;
 # bench/bench_gpu.py (copies, NCCL library/raw, put over cuda_ipc and staged with their ratios
 # against d2d copy_ and pinned h2d); bench/bench_rl_sync.py (CPU: the
 # fan-out target on a 16-core host; info only, with what is left of the budget). Exit status 0
@@ -113,7 +110,7 @@ log "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))"
 # Python is reported, not fatal to the others.
 SITE=/tmp/device-checks-site
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-for w in "$ROOT"/wheels/*.whl "$ROOT"/.whl/*.whl; do
+for w in "$ROOT"/tests/gpu/wheels/*.whl "$ROOT"/wheels/*.whl "$ROOT"/.whl/*.whl; do
     [ -e "$w" ] || continue
     mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
     if timeout 60 "$PY" -c "import $mod" >/dev/null 2>&1; then

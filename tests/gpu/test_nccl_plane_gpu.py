@@ -1,10 +1,12 @@
 """The ``nccl`` plane on GPUs: the channel's own 2-rank communicator between two processes.
 
-NCCL refuses two ranks on one GPU of one host. With two GPUs, this process is on cuda:0 and the
-target on cuda:1. With one GPU, the target is started with its own ``NCCL_HOSTID``: NCCL then takes
-the two processes for two hosts (no duplicate-GPU refusal) and connects them through its network
-transport over this host's sockets, so the link's whole data path (set-up, warm-up exchange, posts
-in the dialer's order, completion, abort) still runs. Without that, what runs is the refusal itself:
+NCCL refuses two ranks on one GPU of one host. The put/get and abort tests run in two topologies:
+``two-gpus`` (this process on cuda:0, the target on cuda:1; skipped unless
+``torch.cuda.device_count() >= 2``) and ``one-gpu-two-nccl-hosts`` (both on cuda:0, the target
+started with its own ``NCCL_HOSTID``: NCCL takes the two processes for two hosts, so no duplicate-GPU
+refusal, and connects them through its network transport over this host's sockets; the link's whole
+data path, set-up, warm-up exchange, posts in the dialer's order, completion and abort, still runs
+on a one-GPU machine). Without ``NCCL_HOSTID``, what runs is the refusal itself:
 two processes on the same GPU cannot join a link, both sides say why, and GPU ops take the staged
 path (logged, in ``peer.gpu_plane_reason``). Fresh random data, destinations poisoned first, byte
 equality read back; every wait is bounded. ``cuda_ipc`` is left out of ``planes=`` so that
@@ -68,16 +70,25 @@ def _spawn_target(store_url: str, device: int, *, nccl_hostid: str | None = None
                 os.environ[k] = v
 
 
-def _link_target(store_url: str) -> RemoteEndpoint:
-    """A target the link can reach: on cuda:1, or on our one GPU as another NCCL "host"."""
-    if torch.cuda.device_count() >= 2:
+# Where the link's target runs: on cuda:1 (skipped unless there are two GPUs), or on our cuda:0
+# as another NCCL "host" (any GPU count).
+TOPOLOGIES = [
+    pytest.param("two-gpus", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                      reason="NCCL refuses two ranks on one GPU: needs 2 GPUs")),
+    "one-gpu-two-nccl-hosts",
+]
+
+
+def _link_target(store_url: str, topology: str) -> RemoteEndpoint:
+    if topology == "two-gpus":
         return _spawn_target(store_url, 1)
     return _spawn_target(store_url, 0, nccl_hostid=f"transport-gpu-test-{uuid.uuid4().hex}")
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
-def test_put_and_get_over_the_link(store_url, dtype):
-    t = _link_target(store_url)
+def test_put_and_get_over_the_link(store_url, dtype, topology):
+    t = _link_target(store_url, topology)
     try:
         async def body(init: transport.Endpoint) -> None:
             for shape in [(1,), (1023,), (3, 1000), (64 * MiB + 3,)]:
@@ -130,11 +141,12 @@ def test_two_processes_on_one_gpu_cannot_join_and_say_so(store_url):
         t.stop()
 
 
-def test_a_frozen_peer_aborts_the_channels_communicator_and_a_new_channel_works(store_url):
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_a_frozen_peer_aborts_the_channels_communicator_and_a_new_channel_works(store_url, topology):
     """The peer freezes mid-put: the op times out, the channel's communicator is aborted
     (ncclCommAbort) and the channel closed; once the peer runs again the next op builds a new
     channel with a new communicator and moves the bytes."""
-    t = _link_target(store_url)
+    t = _link_target(store_url, topology)
     try:
         async def body(init: transport.Endpoint) -> None:
             await call(t, "register", "w", "uint8", (256 * MiB,), "cuda:0")
