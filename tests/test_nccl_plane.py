@@ -6,8 +6,8 @@ operations run in posting order, one at a time per side, and a send completes on
 receive took the bytes, so two sides that post in different orders deadlock (reported there as a
 link error instead of a hang). Everything else is the plane's real code: set-up frames, the
 dialer's order (``Go``), target serving from the link's completion, rejections that keep both
-sides in step, abort on timeout and loss. Only the engine differs from a GPU run
-(tests/gpu/test_nccl_plane_gpu.py, which needs two GPUs). Fresh random data, destinations poisoned
+sides in step, abort on timeout and loss, a restarted peer. Only the engine differs from a GPU
+run (tests/gpu/test_nccl_plane_gpu.py). Fresh random data, destinations poisoned
 first, byte equality read back; every wait is bounded.
 """
 
@@ -207,6 +207,45 @@ async def test_a_peer_killed_mid_transfer_fails_the_op_at_once(store_url, uname)
         t.kill()
 
 
+async def test_a_killed_peer_restarted_gets_a_new_channel_and_link(store_url, uname):
+    """A peer killed mid-transfer: the op fails with PeerLostError, the channel's link is aborted;
+    the peer restarted under the same name (a new incarnation) is reached over a new channel with
+    a new link, and the bytes move over it."""
+    name = uname("nccl-restart")
+    slow = functools.partial(SocketLinkEngine, delay=2.0)
+    t = RemoteEndpoint(name, store=store_url, planes=PLANES, nccl_engine=slow)
+    t2 = None
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine) as ep:
+            t.call("register", "w", "uint8", (1 << 16,))
+            first = await ep.connect(name)
+            old = ep._channels[name]
+            await _until(lambda: old.link is not None and old.link.state == "ready", 10, "the first link up")
+            conn = old.link.conn
+            put = asyncio.ensure_future(ep.put(name, {"w": make_tensor("uint8", (1 << 16,), seed())}, timeout=30))
+            await asyncio.sleep(0.5)
+            t.kill()
+            with pytest.raises(PeerLostError):
+                await asyncio.wait_for(put, 15)
+            await _until(lambda: isinstance(conn._broken, ConnectionAbortedError), 10,
+                         "the old link's communicator aborted")
+            t2 = RemoteEndpoint(name, store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+            t2.call("register", "w", "uint8", (1 << 16,))
+            s = seed()
+            await ep.put(name, {"w": make_tensor("uint8", (1 << 16,), s)}, timeout=30)
+            assert t2.call("check", "w", s)
+            peer = await ep.connect(name)
+            new = ep._channels[name]
+            assert peer.incarnation != first.incarnation and new is not old
+            assert new.link is not None and new.link.state == "ready" and new.link.conn is not conn
+            assert {r["plane"] for r in _ops(ep, "put")[-1:]} == {"nccl"}
+    finally:
+        t.kill()
+        if t2 is not None:
+            t2.stop()
+
+
 async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(store_url, uname):
     """A frozen peer: the op times out, the channel's link is aborted and the channel closed
     (other ops on it fail with PeerLostError), another peer's channel is untouched, and once the
@@ -220,6 +259,7 @@ async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(s
                 r.call("register", "w", "uint8", (1 << 20,))
                 await ep.put(r.name, {"w": make_tensor("uint8", (1 << 20,), seed())})
             old = ep._channels[a.name]
+            conn = old.link.conn  # the channel's "communicator"
             a.signal(signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
@@ -232,6 +272,8 @@ async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(s
                 with pytest.raises(PeerLostError):
                     await asyncio.wait_for(slow, 10)
                 assert not old.is_open and old.link is not None and old.link.state == "down"
+                await _until(lambda: isinstance(conn._broken, ConnectionAbortedError), 10,
+                             "the old link's communicator aborted")
                 s = seed()
                 await ep.put(b.name, {"w": make_tensor("uint8", (1 << 20,), s)}, timeout=10)
                 assert b.call("check", "w", s)

@@ -64,7 +64,8 @@ def target(store_url, plane, sides):
 @pytest.fixture
 async def init(store_url, uname, plane, sides):
     """The initiator, staging or not. (Over shm, a plain initiator copies straight into a staging
-    target's CPU buffers: only a GPU buffer, which no CPU test can have, forces those ops inline.)"""
+    target's CPU buffers: only a GPU buffer, which no CPU test can have, forces those ops inline;
+    a staging initiator copies through its bounce buffers into the target's segments.)"""
     staging = STAGED if sides != "target-stages" else None
     async with transport.Endpoint(uname("init"), store=store_url, planes=(plane,), timeout=30,
                                   staging=staging) as ep:
@@ -72,7 +73,7 @@ async def init(store_url, uname, plane, sides):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
-async def test_put_and_get_between_processes(init, target, dtype, uname):
+async def test_put_and_get_between_processes(init, target, sides, dtype, uname):
     for shape in SHAPES:
         name = uname("w")
         target.call("register", name, dtype, shape)
@@ -83,6 +84,11 @@ async def test_put_and_get_between_processes(init, target, dtype, uname):
         await init.get(target.name, {name: out})
         assert same_bytes(out, make_tensor(dtype, shape, s)), f"get {dtype}{shape}: other bytes came back"
     await settle(init)
+    st = init.staging.statistics()
+    if sides != "target-stages":  # our tensors went through our bounce buffers, over shm too (into the segments)
+        assert st.peak_in_use > 0 and st.in_use == 0, st
+    else:
+        assert st.peak_in_use == 0, st
     end = time.monotonic() + 10  # the target's writer returns a ring once it has sent the last chunk
     while target.call("staging_stats")["in_use"]:
         assert time.monotonic() < end, "the target still holds bounce buffers"
@@ -853,3 +859,132 @@ async def test_a_finished_mark_does_not_queue_behind_another_callers_pending_one
         for g in ie.gates:
             g.ev.set()
     await settle(a, b, c)
+
+
+# ------------------------------------------------ our staged tensors, the peer's CPU buffers over shm
+# (a GPU tensor of ours meeting a peer's CPU buffer on the same host: StagedShmPlane. On CPU, the
+# initiator stages its CPU tensors and keeps the peer's CPU buffers for what they are.)
+def shm_config(engine: ThreadCopyEngine) -> StagingConfig:
+    return StagingConfig(chunk_bytes=CHUNK, buffers=3, stall_timeout=5.0, cpu_engine=lambda: engine,
+                         cpu_engine_peers=False)
+
+
+@pytest.fixture(scope="module")
+def shm_target(store_url):
+    t = RemoteEndpoint(f"stg-shm-{uuid.uuid4().hex[:6]}", store=store_url, planes=("shm",))
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
+async def test_staged_tensors_into_a_peers_segments(store_url, shm_target, uname, dtype):
+    engine = Counting()
+    async with transport.Endpoint(uname("init"), store=store_url, planes=("shm",), timeout=30,
+                                  staging=shm_config(engine)) as ep:
+        for shape in SHAPES:
+            name = uname("w")
+            shm_target.call("register", name, dtype, shape)
+            s = seed()
+            await ep.put(shm_target.name, {name: make_tensor(dtype, shape, s)})
+            assert shm_target.call("check", name, s), f"put {dtype}{shape}"
+            out = poisoned(dtype, shape)
+            await ep.get(shm_target.name, {name: out})
+            assert same_bytes(out, make_tensor(dtype, shape, s)), f"get {dtype}{shape}"
+        a, b = uname("a"), uname("b")  # sub-ranges and several buffers in one op
+        shm_target.call("register", a, dtype, (5000,))
+        shm_target.call("register", b, dtype, (10, 300))
+        sa, sb = seed(), seed()
+        part, whole = make_tensor(dtype, (1500,), sa), make_tensor(dtype, (10, 300), sb)
+        await ep.put(shm_target.name, {a: transport.At(part, 1234), b: whole})
+        assert shm_target.call("check_range", a, sa, 1234, 1500) and shm_target.call("check", b, sb)
+        back = {a: transport.At(poisoned(dtype, (1500,)), 1234), b: poisoned(dtype, (10, 300))}
+        await ep.get(shm_target.name, back)
+        assert same_bytes(back[a].tensor, part) and same_bytes(back[b], whole)
+        await settle(ep)
+        st = ep.staging.statistics()
+        assert engine.calls > 0 and 0 < st.peak_in_use <= 3, st  # through at most `buffers` bounce buffers
+        assert (await ep.connect(shm_target.name)).plane == "shm"
+        recs = [r for r in ep.recorder.snapshot() if r["role"] == "initiator" and r["kind"] in ("put", "get")]
+        assert {r["plane"] for r in recs} == {"shm"} and {r["state"] for r in recs} == {"done"}
+
+
+@pytest.fixture
+async def shm_pair(store_url, uname):
+    """make(engine): an initiator staging through ``engine`` and a plain target, over shm, in this process."""
+    opened: list[transport.Endpoint] = []
+
+    async def make(engine: ThreadCopyEngine):
+        for staging in (shm_config(engine), None):
+            ep = transport.Endpoint(uname("s"), store=store_url, planes=("shm",), timeout=10, staging=staging)
+            await ep.open()
+            opened.append(ep)
+        return opened[-2], opened[-1]
+
+    yield make
+    for ep in opened:
+        await ep.close()
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_a_failed_copy_into_or_out_of_a_peers_segment_fails_the_op_and_keeps_the_channel(shm_pair, op):
+    a, b = await shm_pair(Counting(fail_at=3))
+    w = torch.randint(0, 256, (10 * CHUNK + 1,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    data = torch.randint(0, 256, w.shape, dtype=torch.uint8)
+    with pytest.raises(StagingError, match="injected device error in copy 3"):
+        if op == "put":
+            await a.put(b.name, {"w": data}, notify=b"not delivered")
+        else:
+            await a.get(b.name, {"w": torch.zeros_like(w)})
+    assert peer.connected, "nothing was sent: the channel is intact"
+    await settle(a)
+    if op == "put":
+        await a.put(b.name, {"w": data}, notify=b"delivered")
+        assert torch.equal(w, data)
+        assert (await b.next_notification(timeout=5)).payload == b"delivered"
+    else:
+        out = torch.full_like(w, 0xA5)
+        await a.get(b.name, {"w": out})
+        assert torch.equal(out, w)
+    assert peer.connected
+
+
+async def test_a_timed_out_get_from_a_peers_segment_never_writes_after_returning(shm_pair):
+    a, b = await shm_pair(Counting(delay=0.01))
+    w = torch.randint(0, 256, (100 * CHUNK,), dtype=torch.uint8)
+    b.register("w", w)
+    peer = await a.connect(b.name)
+    out = torch.full_like(w, 0xA5)
+    with pytest.raises(transport.TransportTimeoutError):
+        await a.get(b.name, {"w": out}, timeout=0.2)
+    snapshot = out.clone()
+    await asyncio.sleep(0.5)
+    assert torch.equal(out, snapshot), "bytes landed in the caller's tensor after the get returned"
+    assert not torch.equal(out, w) and peer.connected
+    await settle(a)
+    out.fill_(0xA5)
+    await a.get(b.name, {"w": out})
+    assert torch.equal(out, w)
+
+
+async def test_ops_after_a_staged_shm_put_reach_the_peer_after_it(shm_pair):
+    """The staged shm put waits before its header (the caller's device work, then the copies):
+    a notification and a put issued right after it, without awaiting it, still arrive after it."""
+    a, b = await shm_pair(Counting(delay=0.002))
+    w = torch.zeros(40 * CHUNK, dtype=torch.uint8)
+    b.register("w", w)
+    seen: list[bytes] = []
+    b.on_notification(lambda note: seen.append(bytes(w[:4].tolist())) if note.payload == b"after" else None)
+    await a.connect(b.name)
+    first = torch.full_like(w, 1)
+    slow = asyncio.ensure_future(a.put(b.name, {"w": first}))
+    await asyncio.sleep(0)  # the put has started (its copies are running on the engine)
+    await asyncio.gather(a.notify(b.name, b"after"), slow)
+    end = time.monotonic() + 5
+    while not seen:
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+    assert seen == [bytes([1, 1, 1, 1])], "the notification overtook the put"

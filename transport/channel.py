@@ -346,7 +346,8 @@ class Channel:
         self.staging = core.staging
         self._staged: StagedPlane | None = None  # ops touching GPU memory (created on the first)
         self._staged_of: dict[str, BufferSpec] | None = None  # the peer_specs _staged_names was computed from
-        self._staged_names: frozenset[str] = frozenset()  # the peer's buffers on staged devices
+        self._staged_shm: DataPlane | None = None  # shm ops whose tensors here are staged
+        self._staged_names: frozenset[str] = frozenset()  # the peer's buffers not in CPU memory (on GPUs)
         self._ipc_names: frozenset[str] = frozenset()  # the peer's buffers with a cuda_ipc export
         self._ipc: CudaIpcPlane | None = None  # ops over cuda_ipc (created on the first)
         self._refused: set[str] = set()  # reasons already logged for ops that could not use the GPU plane
@@ -414,13 +415,16 @@ class Channel:
         GPU memory on either side: the GPU plane of this peer (see :meth:`gpu_plane_choice`):
         ``cuda_ipc`` when it was chosen and every buffer of the op has an export this process
         can map (else the reason is logged once and the op is staged), otherwise the staged
-        path, except that a GPU tensor of ours meeting the peer's CPU buffers over ``shm`` is
-        copied straight between the device and the mapped segment. A peer's GPU buffer is never
-        in shared memory, so staged ops on one travel inline on this channel's socket."""
+        path, except that a GPU tensor of ours meeting the peer's CPU buffers over ``shm`` goes
+        through our bounce buffers straight into (or out of) the peer's mapped segments
+        (:class:`~transport.planes.shm.StagedShmPlane`). A peer's GPU buffer is never in shared
+        memory, so staged ops on one travel inline on this channel's socket."""
         specs = self.peer_specs  # replaced whole by the reader on a registry update
         if specs is not self._staged_of:
             wire = self.remote_wire
-            self._staged_names = frozenset(n for n, sp in specs.items() if self.staging.stages(sp.device))
+            cfg = self.staging.config
+            cpu_too = cfg.cpu_engine is not None and cfg.cpu_engine_peers  # (tests: see StagingConfig)
+            self._staged_names = frozenset(n for n, sp in specs.items() if sp.device != "cpu" or cpu_too)
             self._ipc_names = frozenset(n for n, wb in wire.items() if wb.ipc is not None)
             self._staged_of = specs
         remote = local = ipc = False
@@ -453,7 +457,8 @@ class Channel:
                      "" if self.plane.inline_payload or self.gpu_plane == "cuda_ipc" else
                      f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
                      "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
-                     f"read from a CPU buffer of the peer is copied straight over {self.plane.name})")
+                     "read from a CPU buffer of the peer goes through our bounce buffers into or out of its "
+                     f"{self.plane.name} segment)")
         if self.gpu_plane == "nccl" and (remote or local):
             if self._usable("nccl", self._nccl_refusal(pairs)):
                 if self._nccl is None:
@@ -472,7 +477,15 @@ class Channel:
                 return self._ipc
         if not (remote or local):
             return self.plane
-        if not remote and not self.plane.inline_payload:
+        if not remote and not self.plane.inline_payload:  # the peer's buffers are in its shm segments
+            for _, t in pairs:
+                if self.staging.stages(t.device):  # through our pinned bounce buffers, into the segments
+                    if self._staged_shm is None:
+                        from .planes.shm import ShmPlane, StagedShmPlane
+
+                        assert isinstance(self.plane, ShmPlane)
+                        self._staged_shm = StagedShmPlane(self, self.plane)
+                    return self._staged_shm
             return self.plane
         if self._staged is None:
             from .planes.staged import StagedPlane

@@ -49,7 +49,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -196,12 +196,19 @@ class StagingConfig:
     ``cpu_engine``: a factory of a :class:`CopyEngine` to stage CPU tensors
     too (tests and debugging: it runs the GPU path's pipeline on a CPU
     machine; None, the default, sends CPU tensors straight from their memory).
+    ``cpu_engine_peers``: with ``cpu_engine``, whether peers' CPU buffers are
+    taken for GPU buffers too (the default: ops on them travel inline on the
+    channel's socket, as ops on a peer's GPU buffer do); False leaves them
+    what they are, so that over ``shm`` our staged tensors are copied through
+    the bounce buffers into the peer's segments, as a GPU tensor of ours with
+    a peer's CPU buffer is.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     buffers: int = DEFAULT_BUFFERS
     stall_timeout: float = 30.0
     cpu_engine: Callable[[], CopyEngine] | None = None
+    cpu_engine_peers: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
@@ -290,7 +297,8 @@ def _issue(engine: CopyEngine, dst: torch.Tensor, src: torch.Tensor, after: Any)
         raise StagingError(f"{engine.name}: cannot issue a staged copy: {exc}") from exc
 
 
-def stage_out(src: torch.Tensor, ring: BounceRing, stall_timeout: float, after: Any = None) -> Iterator[memoryview]:
+def stage_out(src: torch.Tensor, ring: BounceRing, stall_timeout: float,
+              after: Any = None) -> Generator[memoryview, None, None]:
     """Yield the bytes of ``src`` (a flat ``uint8`` tensor on the engine's device) chunk by chunk,
     each one a view of a bounce buffer whose copy has completed.
 

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -172,3 +173,70 @@ def test_a_frozen_peer_aborts_the_channels_communicator_and_a_new_channel_works(
     finally:
         t.kill()
 
+
+
+def _threads_cpu() -> dict[int, float]:
+    """CPU seconds used so far by each Python thread of this process (NCCL's own threads are not
+    Python threads: what is measured is this library's and the test's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for th in threading.enumerate():
+        tid = th.native_id
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_a_put_waits_for_the_callers_stream_without_blocking_the_loop_or_spinning(store_url, topology):
+    """The caller's side stream runs a long kernel, then writes the source: the put sends those
+    bytes (its send waits for an event of that stream, on the GPU), and meanwhile the event loop
+    keeps serving other tasks and this process's threads stay almost idle (completion is a
+    blocking-sync event a bridge thread sleeps on, no polling loop)."""
+    t = _link_target(store_url, topology)
+    try:
+        async def body(init: transport.Endpoint) -> None:
+            name, shape = f"w-{uuid.uuid4().hex[:8]}", (4 * MiB,)
+            await call(t, "register", name, "float32", shape, "cuda:0")
+            end = time.monotonic() + 10
+            while name not in (await init.connect(t.name)).buffers:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.02)
+            await init.put(t.name, {name: torch.zeros(shape, device="cuda:0")})  # the link is up
+            assert (await init.connect(t.name)).gpu_plane == "nccl"
+            s = seed()
+            want = make_tensor("float32", shape, s).to("cuda:0")
+            src = torch.zeros(shape, device="cuda:0")
+            side = torch.cuda.Stream()
+            torch.cuda.synchronize()
+            ticks, stop = 0, False
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not stop:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            tick_task = asyncio.ensure_future(ticker())
+            cpu0, t0 = _threads_cpu(), time.monotonic()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, then src is written
+                src.copy_(want)
+                await init.put(t.name, {name: src}, timeout=60)
+            wall = time.monotonic() - t0
+            cpu1 = _threads_cpu()
+            stop = True
+            await tick_task
+            used = sum(v - cpu0.get(tid, 0.0) for tid, v in cpu1.items())
+            assert wall > 0.4, f"the kernel took {wall:.2f} s: too short to show anything (raise the sleep)"
+            assert await call(t, "check", name, s), "the put sent bytes the side stream had not written yet"
+            assert ticks >= 0.5 * wall / 0.01, f"the loop ticked {ticks} times in {wall:.2f} s"
+            assert used < 0.3 * wall, f"this process's threads used {used:.2f} s of CPU in {wall:.2f} s"
+
+        with_init(store_url, body)
+    finally:
+        t.stop()

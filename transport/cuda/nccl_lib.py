@@ -260,8 +260,9 @@ class NcclConfig(ctypes.Structure):
     NCCL copies ``min(size, sizeof(its own ncclConfig_t))`` bytes, checks ``magic``, and resets
     every field newer than ``version`` to its default; with ``version`` = 2.14.0 that leaves
     ``blocking`` as the one field it honours (2.17+ also resets ``cgaClusterSize``, ``minCTAs``,
-    ``maxCTAs`` and ``netName``, which 2.14-2.16 read: they are left unset here). Seen working
-    on NCCL 2.28.9 (docs/DESIGN.md). ``NCCL_COMM_BLOCKING`` in the environment overrides
+    ``maxCTAs`` and ``netName``, which 2.14-2.16 read: they are left unset here). A non-blocking
+    communicator built this way was seen working with NCCL 2.28.9 on an H200 (the team's
+    design notes; this binding itself has not run on a GPU yet). ``NCCL_COMM_BLOCKING`` in the environment overrides
     ``blocking``; :class:`Communicator` copes with either mode.
     """
 

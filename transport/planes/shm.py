@@ -38,10 +38,11 @@ import torch
 from ..errors import PlaneUnavailableError, StaleBufferError
 from ..hostinfo import same_host
 from ..registry import LocalBuffer
+from ..staging import stage_out
 from ..wire import Get, HostInfo, Item, Put, ShmHandle
 from .base import DataPlane
 
-__all__ = ["Segment", "ShmExport", "ShmPlane", "export_buffer"]
+__all__ = ["Segment", "ShmExport", "ShmPlane", "StagedShmPlane", "export_buffer"]
 
 # Copies of at least this many bytes per op run on a worker thread so the event loop stays free.
 THREAD_COPY_BYTES = 1 << 20
@@ -122,17 +123,6 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
 
 
-def _caller_marks(tensors: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event]:
-    """An event per CUDA device of ``tensors``, recorded on the calling thread's current stream."""
-    marks: dict[torch.device, torch.cuda.Event] = {}
-    for t in tensors:
-        if t.is_cuda and t.device not in marks:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(t.device))
-            marks[t.device] = event
-    return marks
-
-
 def _map(handle: ShmHandle) -> torch.Tensor:
     path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
@@ -203,24 +193,16 @@ class ShmPlane(DataPlane):
         """Copy every item of one op; return the export id of each item's buffer (0 if empty).
 
         Runs on a worker thread when the op is large or a segment still has to be
-        mapped; a cancelled or timed-out op stops at the next chunk boundary. A CUDA
-        tensor of ours (the peer's buffer is CPU memory) is copied with synchronous
-        ``copy_`` calls on the copying thread's current stream, which first waits (on the
-        GPU) for the work queued on the caller's current stream at the call: bytes a side
-        stream writes just before a put are the ones sent, and a get's bytes land after
-        the caller's queued work on the destination.
+        mapped; a cancelled or timed-out op stops at the next chunk boundary.
         """
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
         if not jobs:
             return ids
-        marks = _caller_marks([t for _, t, _ in jobs])  # here, in the caller's thread, before any await
 
         def work() -> None:
-            for device, mark in marks.items():  # the copies (on this thread's stream) follow the caller's work
-                torch.cuda.current_stream(device).wait_event(mark)
-            views = [self._view(item, h, t.element_size()).view(t.dtype) for item, t, h in jobs]  # maps first
+            views = [self._view(item, h, t.element_size()) for item, t, h in jobs]  # maps first
             if not into_peer:  # about to write into the caller's tensors: tell _abandon
                 with op.lock:
                     if op.abandoned:
@@ -228,24 +210,34 @@ class ShmPlane(DataPlane):
                     op.busy = True
             try:
                 for (_, t, _), remote in zip(jobs, views, strict=True):
-                    local = t.reshape(-1)
-                    step = max(1, _CHUNK // t.element_size())
-                    for i in range(0, local.numel(), step):
-                        if op.abandoned:
-                            return
-                        if into_peer:
-                            remote[i : i + step].copy_(local[i : i + step])
-                        else:
-                            local[i : i + step].copy_(remote[i : i + step])
+                    if op.abandoned or not self._copy_one(op, t, remote, into_peer):
+                        return
             finally:
                 op.quiet.set()
 
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
-        if total >= THREAD_COPY_BYTES or any(h.inode not in self._maps for _, _, h in jobs):
+        if self.always_threaded or total >= THREAD_COPY_BYTES or any(h.inode not in self._maps for _, _, h in jobs):
             await asyncio.get_running_loop().run_in_executor(None, work)
         else:
             work()
         return ids
+
+    #: copy on a worker thread whatever the size (a copy that waits for a device)
+    always_threaded = False
+
+    def _copy_one(self, op, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
+        """Copy between ``t`` and ``remote`` (its bytes in the peer's segment), in chunks; False if
+        the op was abandoned meanwhile (the copy stopped)."""
+        local, remote = t.reshape(-1), remote.view(t.dtype)
+        step = max(1, _CHUNK // t.element_size())
+        for i in range(0, local.numel(), step):
+            if op.abandoned:
+                return False
+            if into_peer:
+                remote[i : i + step].copy_(local[i : i + step])
+            else:
+                local[i : i + step].copy_(remote[i : i + step])
+        return True
 
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
         ids = await self._copy(op, pairs, into_peer=True)
@@ -262,3 +254,66 @@ class ShmPlane(DataPlane):
 
     def close(self) -> None:
         self._maps.clear()
+
+
+class StagedShmPlane(ShmPlane):
+    """``shm`` for ops whose tensors on this side are staged (on a GPU), with the peer's buffers
+    in its CPU segments: the bytes go through this endpoint's pinned bounce buffers
+    (:mod:`transport.staging`), in pipelined chunks with bounded memory, between the device and
+    the peer's mapped segment. A put copies chunk after chunk device -> bounce buffer
+    (asynchronously, up to the ring's size ahead) and bounce buffer -> segment; a get copies
+    segment -> bounce buffer, then bounce buffer -> device. Before any of it, the caller's
+    queued GPU work is awaited on the event loop (:func:`~transport.planes.staged.await_callers_work`),
+    as on the staged plane: the op is *gated* (later ops on the channel go out after it), and
+    its copies wait for nothing. The wire is ``shm``'s: the header follows the copy. A copy that
+    fails or stalls fails the op with :class:`~transport.errors.StagingError`; nothing was sent,
+    the channel stays usable, and a put may have written part of the peer's buffer (as any
+    failed or cancelled ``shm`` put). It shares the channel's ``shm`` plane's mappings."""
+
+    sends_at_once = False
+    always_threaded = True
+
+    def __init__(self, channel, base: ShmPlane) -> None:
+        super().__init__(channel)
+        self._maps = base._maps  # one mapping per segment for both (the base drops stale ones)
+
+    async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
+        from .staged import await_callers_work
+
+        await await_callers_work(self.channel, op, [t for _, t in pairs])
+        if not into_peer:
+            op.staged = True  # an abandoned get waits for its copies up to the staging bound
+        return await super()._copy(op, pairs, into_peer)
+
+    def _copy_one(self, op, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
+        staging = self.channel.staging
+        if not staging.stages(t.device):
+            return super()._copy_one(op, t, remote, into_peer)
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        if into_peer:
+            ring = staging.ring(staging.engine(t.device), flat.numel())
+            chunks = stage_out(flat, ring, staging.config.stall_timeout)
+            try:
+                pos = 0
+                for view in chunks:
+                    if op.abandoned:
+                        return False
+                    chunk = torch.frombuffer(view, dtype=torch.uint8)
+                    remote[pos : pos + chunk.numel()].copy_(chunk)
+                    pos += chunk.numel()
+            finally:
+                chunks.close()  # waits for the copies in flight (bounded)
+                ring.release()
+            return True
+        pos = 0
+
+        def fill(view: memoryview, more: int) -> None:
+            nonlocal pos
+            n = len(view)
+            torch.frombuffer(view, dtype=torch.uint8).copy_(remote[pos : pos + n])
+            pos += n
+
+        def stuck() -> None:
+            op.stuck = True
+
+        return staging.receive(flat, fill, stop=lambda: op.abandoned, on_stuck=stuck)

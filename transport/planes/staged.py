@@ -18,7 +18,7 @@ is local to each side (:mod:`transport.staging`):
 Ordering with the caller's GPU work: before the op is handed to the channel
 (a put's header and payload, a get's request), the plane awaits, on the
 event loop, an event recorded on the caller's current stream at the call
-(:meth:`StagedPlane._after_callers_work`); the copies are then issued
+(:func:`await_callers_work`, which the ``shm`` plane's staged ops use too); the copies are then issued
 waiting for nothing, so no channel thread, and no copy stream shared by all
 channels, ever waits on an application's stream.
 
@@ -45,7 +45,35 @@ from ..wire import Get, HostInfo, Item, Put
 from .base import DataPlane
 from .tcp import TcpPlane
 
-__all__ = ["StagedPlane"]
+__all__ = ["StagedPlane", "await_callers_work"]
+
+
+async def await_callers_work(channel: Any, op: Any, tensors: list[torch.Tensor]) -> None:
+    """Await, on the event loop, the work the caller queued on its current stream(s) before
+    the call (per staged device, an event the engine records there): the op's copies must
+    see the tensors as that work leaves them. Only then is the op handed to the channel,
+    and its copies are issued waiting for nothing, so the channel's reader and writer (and
+    the engine's streams, shared by every channel) never wait on an application's stream.
+    The wait runs on a :class:`~transport.completion.CompletionBridge` thread (blocking-sync
+    events: no spinning), bounded by the op's deadline; it fails the op with
+    :class:`StagingError` if that work failed."""
+    staging = channel.staging
+    marks = staging.mark(tensors)  # here, in the caller's thread: on its current streams
+    for device, mark in marks.items():
+        if mark is None:
+            continue
+        try:
+            done = mark.query()  # done already: no need to queue behind other callers' marks
+        except Exception as exc:  # the work it tracks failed
+            raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
+                               f"failed: {exc}") from exc
+        if done:
+            continue
+        try:
+            await staging.bridge(device, getattr(mark, "stream", None)).wait(mark)
+        except CompletionError as exc:
+            raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
+                               f"failed: {exc}") from exc
 
 
 class StagedPlane(DataPlane):
@@ -63,31 +91,7 @@ class StagedPlane(DataPlane):
         return True, "the channel's socket reaches any host"
 
     async def _after_callers_work(self, op: Any, tensors: list[torch.Tensor]) -> None:
-        """Await, on the event loop, the work the caller queued on its current stream(s) before
-        the call (per staged device, an event the engine records there): the op's copies must
-        see the tensors as that work leaves them. Only then is the op handed to the channel,
-        and its copies are issued waiting for nothing, so the channel's reader and writer (and
-        the engine's streams, shared by every channel) never wait on an application's stream.
-        The wait runs on a :class:`~transport.completion.CompletionBridge` thread (blocking-sync
-        events: no spinning), bounded by the op's deadline; it fails the op with
-        :class:`StagingError` if that work failed."""
-        staging = self.channel.staging
-        marks = staging.mark(tensors)  # here, in the caller's thread: on its current streams
-        for device, mark in marks.items():
-            if mark is None:
-                continue
-            try:
-                done = mark.query()  # done already: no need to queue behind other callers' marks
-            except Exception as exc:  # the work it tracks failed
-                raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
-                                   f"failed: {exc}") from exc
-            if done:
-                continue
-            try:
-                await staging.bridge(device, getattr(mark, "stream", None)).wait(mark)
-            except CompletionError as exc:
-                raise StagingError(f"{op.kind.value} #{op.op_id}: the work queued on {device} before the call "
-                                   f"failed: {exc}") from exc
+        await await_callers_work(self.channel, op, tensors)
 
     async def put(self, op: Any, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
         tensors = [t for _, t in pairs]
