@@ -782,6 +782,11 @@ class Endpoint:
         Cancelling stops the wait: bytes already handed to the wire still go
         (the source tensors stay referenced until then) and the endpoint stays
         usable; the target's buffer may then hold a mix of old and new bytes.
+
+        CUDA tensors: the op waits for the work queued on this thread's current
+        stream of each tensor's device when it starts (at the call, unless it
+        first waits for a connection, a link or an earlier op of the channel);
+        leave the source unmodified until the call returns.
         """
         deadline = self._deadline(timeout)
         if notify is not None:
