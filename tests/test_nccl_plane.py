@@ -228,7 +228,7 @@ async def test_a_killed_peer_restarted_gets_a_new_channel_and_link(store_url, un
             t.kill()
             with pytest.raises(PeerLostError):
                 await asyncio.wait_for(put, 15)
-            await _until(lambda: isinstance(conn._broken, ConnectionAbortedError), 10,
+            await _until(lambda: conn.aborted, 10,
                          "the old link's communicator aborted")
             t2 = RemoteEndpoint(name, store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
             t2.call("register", "w", "uint8", (1 << 16,))
@@ -272,7 +272,7 @@ async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(s
                 with pytest.raises(PeerLostError):
                     await asyncio.wait_for(slow, 10)
                 assert not old.is_open and old.link is not None and old.link.state == "down"
-                await _until(lambda: isinstance(conn._broken, ConnectionAbortedError), 10,
+                await _until(lambda: conn.aborted, 10,
                              "the old link's communicator aborted")
                 s = seed()
                 await ep.put(b.name, {"w": make_tensor("uint8", (1 << 20,), s)}, timeout=10)

@@ -112,6 +112,7 @@ class _SocketConn:
         self._delay = delay
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._broken: BaseException | None = None
+        self.aborted = False  # abort() was called (as ncclCommAbort would be)
         self._lock = threading.Lock()
         self._worker = threading.Thread(target=self._run, name="transport-p2p-socket", daemon=True)
         self._worker.start()
@@ -134,6 +135,7 @@ class _SocketConn:
 
     def abort(self) -> None:
         with self._lock:
+            self.aborted = True
             if self._broken is None:
                 self._broken = ConnectionAbortedError("the link was aborted")
         try:
