@@ -347,3 +347,38 @@ async def test_no_link_without_nccl_on_both_sides(store_url, uname):
             assert "nccl: the peer does not offer it" in peer.gpu_plane_reason
     finally:
         t.stop()
+
+
+async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is(store_url, uname, monkeypatch):
+    """An endpoint whose process did not use CUDA yet when it was created offers no nccl on its first
+    channels; once CUDA is in use, the next channel it sets up offers nccl and gets a link. (On CPU:
+    CUDA "comes into use" by patching the check, and the engine found then is the socket engine.)"""
+    import transport.endpoint as E
+
+    state = {"device": None}
+    monkeypatch.setattr(E, "_current_cuda_device", lambda: state["device"])
+    monkeypatch.setattr(E, "link_engine_probe",
+                        lambda factory, device=None: (SocketLinkEngine(), f"socket engine on device {device}"))
+    early = RemoteEndpoint(uname("nccl-early"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    late = RemoteEndpoint(uname("nccl-late"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES) as ep:
+            assert ep.nccl_engine is None and "CUDA was not in use" in ep.nccl_reason
+            first = await ep.connect(early.name)
+            assert ep._channels[early.name].link is None and "nccl: the peer" not in first.gpu_plane_reason
+            state["device"] = 0  # the application starts using CUDA
+            peer = await ep.connect(late.name)
+            ch = ep._channels[late.name]
+            assert ep.nccl_engine is not None and "device 0" in ep.nccl_reason
+            assert ch.link is not None
+            await _until(lambda: ch.link.state == "ready", 10, "the link is up")
+            late.call("register", "w", "uint8", (4096,))
+            await _until(lambda: "w" in peer.buffers, 10, "the peer's registry names w")
+            s = seed()
+            await ep.put(late.name, {"w": make_tensor("uint8", (4096,), s)})
+            assert late.call("check", "w", s)
+            assert _ops(ep, "put")[-1]["plane"] == "nccl" and peer.gpu_plane == "nccl"
+            assert ep._channels[early.name].link is None  # a channel set up before keeps going without one
+    finally:
+        early.stop()
+        late.stop()

@@ -119,7 +119,10 @@ class Endpoint:
             engine (:class:`transport.p2p.LinkEngine`). None (the default)
             uses NCCL on the current CUDA device of the thread that creates
             the endpoint, if the process already uses CUDA then (an endpoint
-            never starts CUDA itself) and NCCL loads; for another device
+            never starts CUDA itself) and NCCL loads; if CUDA comes into use
+            only later, on the event loop thread's current device as of the
+            first channel set up after that (channels set up before keep
+            going without a link: their GPU ops are staged); for another device
             pass ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``.
             Each channel to a peer that offers nccl too then gets its own
             communicator (leave ``nccl`` out of ``planes=`` to avoid that). ``transport.p2p.SocketLinkEngine`` runs the
@@ -508,24 +511,43 @@ class Endpoint:
         """The planes this endpoint's Hello offers: those allowed, less nccl if it cannot use it."""
         return [p for p in self.planes if p != "nccl" or self.nccl_engine is not None]
 
+    def _late_nccl(self) -> None:
+        """Event loop, before each Hello: an endpoint created before its process used CUDA offers
+        nccl from the first channel set up once CUDA is in use (probed once, logged)."""
+        if (self._nccl_device is not None or self._nccl_factory is not None or self.nccl_engine is not None
+                or "nccl" not in self.planes or self._state != "open"):
+            return
+        device = _current_cuda_device()
+        if device is None:
+            return
+        self._nccl_device = device
+        self.nccl_engine, self.nccl_reason = link_engine_probe(None, device)
+        if self.nccl_engine is None:
+            log.info("endpoint %r does not offer the nccl plane: %s", self.name, self.nccl_reason)
+        else:
+            log.info("endpoint %r offers the nccl plane from now on (CUDA came into use after it was created): %s",
+                     self.name, self.nccl_reason)
+
     def _hello(self, channel_id: str) -> Hello:
+        self._late_nccl()
         epoch, bufs = self.wire_registry()
         return Hello(PROTOCOL_VERSION, self.name, self.incarnation, local_host(), self._offered(), epoch, bufs,
                      channel_id)
 
-    def _wants_link(self, remote: Hello) -> bool:
-        """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos:
-        both offer nccl, and they are not two same-host endpoints that both allow cuda_ipc."""
-        if self.nccl_engine is None or "nccl" not in remote.planes:
+    def _wants_link(self, remote: Hello, offered: list[str]) -> bool:
+        """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos
+        (``offered``: the planes our Hello offered): both offer nccl, and they are not two same-host
+        endpoints that both allow cuda_ipc."""
+        if self.nccl_engine is None or "nccl" not in offered or "nccl" not in remote.planes:
             return False
         both_ipc = "cuda_ipc" in self.planes and "cuda_ipc" in remote.planes
         return not (both_ipc and same_host(local_host(), remote.host)[0])
 
     def _adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
-               dialer: bool) -> Channel:
+               dialer: bool, offered: list[str]) -> Channel:
         plane, reason = choose_cpu_plane(local_host(), remote.host, self.planes, tuple(remote.planes))
         ch = Channel(self, sock, remote, channel_id, plane, reason, registry=self._registry, recorder=self.recorder)
-        if self._wants_link(remote):
+        if self._wants_link(remote, offered):
             from .link import Link
 
             assert self.nccl_engine is not None
@@ -577,7 +599,8 @@ class Endpoint:
             if self._state != "open":
                 raise EndpointClosedError("endpoint is closing")
             sock.setblocking(True)
-            self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch, dialer=False)
+            self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch, dialer=False,
+                        offered=hello.planes)
             adopted = True
         except ProtocolError as exc:
             log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
@@ -678,7 +701,7 @@ class Endpoint:
             skip.add(rec.incarnation)
             raise _Retry
         try:
-            ch = self._adopt(sock, remote, channel_id, hello.epoch, dialer=True)
+            ch = self._adopt(sock, remote, channel_id, hello.epoch, dialer=True, offered=hello.planes)
         except PlaneUnavailableError:
             sock.close()
             raise

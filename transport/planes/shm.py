@@ -31,6 +31,7 @@ import asyncio
 import itertools
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ from ..errors import PlaneUnavailableError, StaleBufferError
 from ..hostinfo import same_host
 from ..registry import LocalBuffer
 from ..staging import stage_out
-from ..wire import Get, HostInfo, Item, Put, ShmHandle
+from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
 from .base import DataPlane
 
 __all__ = ["Segment", "ShmExport", "ShmPlane", "StagedShmPlane", "export_buffer"]
@@ -189,17 +190,19 @@ class ShmPlane(DataPlane):
         start = h.offset + item.offset * itemsize
         return seg[start : start + item.count * itemsize]
 
-    async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
-        """Copy every item of one op; return the export id of each item's buffer (0 if empty).
+    async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
+                    header: Callable[[list[int]], Message]) -> None:
+        """Copy every item of one op, then send ``header(ids)`` (the export id of each item's
+        buffer, 0 if empty) from the copying thread, unless the op was abandoned meanwhile.
 
         Runs on a worker thread when the op is large or a segment still has to be
-        mapped; a cancelled or timed-out op stops at the next chunk boundary.
+        mapped (that thread sends the header as soon as the copy is over: no trip back
+        through the event loop); a cancelled or timed-out op stops at the next chunk
+        boundary and sends nothing.
         """
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
-        if not jobs:
-            return ids
 
         def work() -> None:
             views = [self._view(item, h, t.element_size()) for item, t, h in jobs]  # maps first
@@ -214,13 +217,15 @@ class ShmPlane(DataPlane):
                         return
             finally:
                 op.quiet.set()
+            if not op.abandoned:
+                self.channel.send(header(ids), op=op)
 
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
-        if self.always_threaded or total >= THREAD_COPY_BYTES or any(h.inode not in self._maps for _, _, h in jobs):
+        if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES
+                     or any(h.inode not in self._maps for _, _, h in jobs)):
             await asyncio.get_running_loop().run_in_executor(None, work)
         else:
             work()
-        return ids
 
     #: copy on a worker thread whatever the size (a copy that waits for a device)
     always_threaded = False
@@ -240,12 +245,12 @@ class ShmPlane(DataPlane):
         return True
 
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
-        ids = await self._copy(op, pairs, into_peer=True)
-        self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify, ids), op=op)
+        items = [it for it, _ in pairs]
+        await self._copy(op, pairs, True, lambda ids: Put(op.op_id, op.seq, self.name, items, notify, ids))
 
     async def get(self, op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
-        ids = await self._copy(op, pairs, into_peer=False)
-        self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, ids), op=op)
+        items = [it for it, _ in pairs]
+        await self._copy(op, pairs, False, lambda ids: Get(op.op_id, op.seq, items, self.name, ids))
 
     def registry_changed(self) -> None:
         live = {wb.shm.inode for wb in self.channel.remote_wire.values() if wb.shm is not None}
@@ -277,13 +282,14 @@ class StagedShmPlane(ShmPlane):
         super().__init__(channel)
         self._maps = base._maps  # one mapping per segment for both (the base drops stale ones)
 
-    async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
+    async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
+                    header: Callable[[list[int]], Message]) -> None:
         from .staged import await_callers_work
 
         await await_callers_work(self.channel, op, [t for _, t in pairs])
         if not into_peer:
             op.staged = True  # an abandoned get waits for its copies up to the staging bound
-        return await super()._copy(op, pairs, into_peer)
+        await super()._copy(op, pairs, into_peer, header)
 
     def _copy_one(self, op, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
         staging = self.channel.staging
