@@ -445,3 +445,75 @@ def test_mapping_cache_never_reopens_an_allocation_while_it_is_being_unmapped():
     cache.release(h)
     cache.close()
     assert events[-2:] == ["close-start", "close-end"] and len(cache) == 0
+
+
+def test_mapping_cache_an_opener_that_waited_on_the_gate_does_not_reopen_during_an_unmap():
+    """A thread that was waiting to open an allocation while another opened it, and gets its turn
+    only once that mapping is already being unmapped, waits for the unmap too."""
+    events: list[str] = []
+    second_waits, unmapping = threading.Event(), threading.Event()
+
+    class Gate:  # the allocation's opening lock; its second user is descheduled right after getting it
+        def __init__(self) -> None:
+            self._lock, self._users = threading.Lock(), 0
+
+        def __enter__(self) -> None:
+            self._users += 1
+            n = self._users
+            if n == 2:
+                second_waits.set()
+            self._lock.acquire()
+            if n == 2:
+                unmapping.wait(5)
+
+        def __exit__(self, *exc) -> None:
+            self._lock.release()
+
+    class Slow(_CountingEngine):
+        def open(self, handle):
+            events.append("open")
+            if events.count("open") == 1:
+                assert second_waits.wait(5)
+                time.sleep(0.05)
+            m = super().open(handle)
+            real = m.close
+
+            def close():
+                events.append("close-start")
+                unmapping.set()
+                time.sleep(0.3)
+                real()
+                events.append("close-end")
+
+            m.close = close
+            return m
+
+    cache = MappingCache(Slow())
+    h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
+    cache._opening[h.handle] = Gate()
+    first = threading.Thread(target=cache.acquire, args=(h,))
+    first.start()
+    time.sleep(0.02)
+    second = threading.Thread(target=cache.acquire, args=(h,))
+    second.start()
+    first.join(5)
+    cache.retire(h)
+    closer = threading.Thread(target=cache.release, args=(h,))  # the first user leaves: unmapped
+    closer.start()
+    second.join(5)
+    closer.join(5)
+    assert events == ["open", "close-start", "close-end", "open"], events
+    assert len(cache) == 1 and cache.refusal(h) is None
+
+
+def test_mapping_cache_a_non_blocking_acquire_counts_only_what_is_mapped():
+    engine = _CountingEngine()
+    cache = MappingCache(engine)
+    h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
+    assert cache.acquire(h, block=False) is None and engine.opened == [] and len(cache) == 0
+    cache.acquire(h)
+    assert cache.acquire(h, block=False) is not None and engine.opened == [b"alloc-1"]
+    cache.release(h)
+    cache.release(h)
+    cache.retire(h)
+    assert engine.closed == [b"alloc-1"]

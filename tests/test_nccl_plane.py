@@ -361,6 +361,7 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
                         lambda factory, device=None: (SocketLinkEngine(), f"socket engine on device {device}"))
     early = RemoteEndpoint(uname("nccl-early"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
     late = RemoteEndpoint(uname("nccl-late"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    dialer = RemoteEndpoint(uname("nccl-dialer"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES) as ep:
             assert ep.nccl_engine is None and "CUDA was not in use" in ep.nccl_reason
@@ -379,6 +380,15 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
             assert late.call("check", "w", s)
             assert _ops(ep, "put")[-1]["plane"] == "nccl" and peer.gpu_plane == "nccl"
             assert ep._channels[early.name].link is None  # a channel set up before keeps going without one
+            # the other direction: a peer dials us now, and puts into our buffer over its link
+            ours = poisoned("uint8", (4096,))
+            ep.register("ours", ours)
+            s = seed()
+            await asyncio.to_thread(dialer.call, "put", ep.name, {"ours": ("uint8", (4096,), s)}, 30)
+            assert same_bytes(ours, make_tensor("uint8", (4096,), s))
+            assert ep._channels[dialer.name].link is not None
+            assert _ops(ep, "put", role="target")[-1]["plane"] == "nccl"
     finally:
         early.stop()
         late.stop()
+        dialer.stop()

@@ -725,7 +725,7 @@ class Channel:
                 f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                 f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
         if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted
-            return 20.0  # (ncclCommAbort is bounded at about 12 s, then the completions are reported)
+            return 20.0  # (ncclCommAbort is bounded: NCCL's abort flag ends its waits; then the completions are reported)
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
             return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0

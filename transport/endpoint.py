@@ -177,6 +177,8 @@ class Endpoint:
         # process already uses CUDA (an endpoint never starts CUDA itself: CPU-only users on GPU
         # machines, and processes forked after CUDA started, must not pay for or trip over it)
         self._nccl_device = _current_cuda_device() if "nccl" in self.planes and nccl_engine is None else None
+        self._nccl_probe: asyncio.Future[tuple[LinkEngine | None, str]] | None = None  # see _late_nccl
+        self._nccl_probe_device = 0
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
@@ -511,25 +513,32 @@ class Endpoint:
         """The planes this endpoint's Hello offers: those allowed, less nccl if it cannot use it."""
         return [p for p in self.planes if p != "nccl" or self.nccl_engine is not None]
 
-    def _late_nccl(self) -> None:
-        """Event loop, before each Hello: an endpoint created before its process used CUDA offers
-        nccl from the first channel set up once CUDA is in use (probed once, logged)."""
+    async def _late_nccl(self) -> None:
+        """Before each handshake: an endpoint created before its process used CUDA offers nccl from
+        the first channel set up once CUDA is in use (on the event loop thread's current device;
+        probed once, on a worker thread: loading NCCL takes a while; logged). Raises nothing but a
+        cancellation."""
         if (self._nccl_device is not None or self._nccl_factory is not None or self.nccl_engine is not None
                 or "nccl" not in self.planes or self._state != "open"):
             return
-        device = _current_cuda_device()
-        if device is None:
-            return
-        self._nccl_device = device
-        self.nccl_engine, self.nccl_reason = link_engine_probe(None, device)
-        if self.nccl_engine is None:
-            log.info("endpoint %r does not offer the nccl plane: %s", self.name, self.nccl_reason)
-        else:
-            log.info("endpoint %r offers the nccl plane from now on (CUDA came into use after it was created): %s",
-                     self.name, self.nccl_reason)
+        if self._nccl_probe is None:
+            device = _current_cuda_device()  # (a cheap check while CUDA is not in use)
+            if device is None:
+                return
+            self._nccl_probe = asyncio.ensure_future(asyncio.to_thread(link_engine_probe, None, device))
+            self._nccl_probe_device = device
+        probe = self._nccl_probe
+        engine, reason = await asyncio.shield(probe)
+        if self._nccl_device is None:  # the first one back from the probe publishes it
+            self._nccl_device = self._nccl_probe_device
+            self.nccl_engine, self.nccl_reason = engine, reason
+            if engine is None:
+                log.info("endpoint %r does not offer the nccl plane: %s", self.name, reason)
+            else:
+                log.info("endpoint %r offers the nccl plane from now on (CUDA came into use after it was "
+                         "created): %s", self.name, reason)
 
     def _hello(self, channel_id: str) -> Hello:
-        self._late_nccl()
         epoch, bufs = self.wire_registry()
         return Hello(PROTOCOL_VERSION, self.name, self.incarnation, local_host(), self._offered(), epoch, bufs,
                      channel_id)
@@ -587,8 +596,14 @@ class Endpoint:
             sock.close()
             return
         self._handshaking += 1
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = self._hello("")
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await self._late_nccl()
+            hello = self._hello("")
+        except BaseException:
+            self._handshaking -= 1
+            sock.close()
+            raise
         pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
         self._ipc_retention.watch(pending, hello.epoch, None)
         adopted = False
@@ -676,6 +691,7 @@ class Endpoint:
                          deadline: float, skip: set[int]) -> Channel:
         """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
         try:
+            await self._late_nccl()
             hello = self._hello(channel_id)
             self._ipc_retention.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)

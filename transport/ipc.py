@@ -140,6 +140,7 @@ class _Entry:
         self.users = 0
 
 
+_UNMAP_WAIT_S = 10.0  # how long an acquire waits for the unmapping of the same allocation to end
 _caches: dict[int, tuple[Any, MappingCache]] = {}
 _caches_lock = threading.Lock()
 
@@ -174,12 +175,10 @@ class MappingCache:
         """Why ``handle``'s allocation could not be mapped here (None if it was not refused)."""
         return self._refused.get(handle.handle)
 
-    def mapped(self, handle: IpcHandle) -> bool:
-        with self._lock:
-            return handle.handle in self._maps
-
-    def acquire(self, handle: IpcHandle) -> IpcMapping:
-        """Map (if needed, blocking) and count one user in; pair with :meth:`release`."""
+    def acquire(self, handle: IpcHandle, *, block: bool = True) -> IpcMapping | None:
+        """Map (if needed, blocking) and count one user in; pair with :meth:`release`. With
+        ``block=False``: only an allocation mapped right now is counted in, else None (nothing
+        counted): for callers that must not wait (the event loop)."""
         key = handle.handle
         while True:
             with self._lock:
@@ -188,15 +187,19 @@ class MappingCache:
                     entry.exports.add(handle.export_id)
                     entry.users += 1
                     return entry.mapping
+                if not block:
+                    return None
                 closing = self._closing.get(key)
                 if closing is None:
                     gate = self._opening.setdefault(key, threading.Lock())
             if closing is not None:  # the driver may refuse a handle whose unmapping is still under way
-                closing.wait()
+                if not closing.wait(_UNMAP_WAIT_S):
+                    raise PlaneUnavailableError(f"cuda_ipc: the peer allocation is still being unmapped after "
+                                                f"{_UNMAP_WAIT_S:g} s; the op goes staged")
                 continue
             with gate:  # one opener per allocation; the others wait for its mapping
                 with self._lock:
-                    if key in self._maps:
+                    if key in self._maps or key in self._closing:  # (mapped, or unmapped since: look again)
                         continue
                 try:
                     mapping = self.engine.open(handle)  # may raise: nothing was counted
@@ -246,9 +249,19 @@ class MappingCache:
     def close(self) -> None:
         with self._lock:
             entries, self._maps = dict(self._maps), {}
-            dones = {key: self._closing.setdefault(key, threading.Event()) for key in entries}
-        for key, e in entries.items():
-            self._unmap(key, e, dones[key])
+            dones = {}
+            for key in entries:
+                dones[key] = self._closing[key] = threading.Event()
+        try:
+            for key, e in entries.items():
+                self._unmap(key, e, dones.pop(key))
+        finally:  # (an unmap interrupted by a BaseException: never leave the others waited for forever)
+            with self._lock:
+                for key, done in dones.items():
+                    if self._closing.get(key) is done:
+                        del self._closing[key]
+            for done in dones.values():
+                done.set()
 
     def __len__(self) -> int:
         with self._lock:

@@ -1120,7 +1120,7 @@ class Communicator:
             self._handle = None
             self._finalizer.detach()
             rc = fn(handle)
-            if rc != NcclResult.SUCCESS:
+            if rc not in (NcclResult.SUCCESS, NcclResult.IN_PROGRESS):  # (older NCCL: in progress, finishing alone)
                 log.warning("%s", NcclError.from_result(rc, self._lib, "ncclCommAbort"))
         finally:
             if acquired:

@@ -208,13 +208,19 @@ class CudaIpcPlane(DataPlane):
                 self._queues[device] = q
         return q
 
-    def _acquire(self, handles: Sequence[IpcHandle]) -> list[IpcMapping]:
-        """Map every allocation (blocking the first time); all or nothing."""
+    def _acquire(self, handles: Sequence[IpcHandle], block: bool = True) -> list[IpcMapping] | None:
+        """Map every allocation (blocking the first time); all or nothing. ``block=False``: None
+        unless every allocation is mapped right now (nothing counted then)."""
         got: list[IpcHandle] = []
         maps = []
         try:
             for h in handles:
-                maps.append(self.cache.acquire(h))
+                m = self.cache.acquire(h, block=block)
+                if m is None:
+                    for g in got:
+                        self.cache.release(g)
+                    return None
+                maps.append(m)
                 got.append(h)
         except BaseException:
             for h in got:
@@ -244,13 +250,12 @@ class CudaIpcPlane(DataPlane):
         used = [h for h in handles if h is not None]
         if not used:
             return ids
-        if all(self.cache.mapped(h) for h in used):
-            try:
-                maps = self._acquire(used)
-            except BaseException:
-                self._leave(used)
-                raise
-        else:  # opening a mapping blocks (driver call, mmap): off the loop
+        try:
+            maps = self._acquire(used, block=False)  # all mapped already: no wait, here on the loop
+        except BaseException:
+            self._leave(used)
+            raise
+        if maps is None:  # opening a mapping blocks (driver call, mmap): off the loop
             opening = asyncio.ensure_future(asyncio.to_thread(self._acquire, used))
             try:
                 maps = await asyncio.shield(opening)
@@ -260,6 +265,7 @@ class CudaIpcPlane(DataPlane):
                 else:
                     opening.add_done_callback(functools.partial(self._opened_late, used))
                 raise
+        assert maps is not None  # (blocking acquires return the mappings or raise)
         groups: dict[str, list[tuple[torch.Tensor, torch.Tensor, IpcHandle]]] = {}
         try:
             for (it, t), h, m in zip(jobs, used, maps, strict=True):

@@ -217,8 +217,9 @@ class ShmPlane(DataPlane):
                         return
             finally:
                 op.quiet.set()
-            if not op.abandoned:
-                self.channel.send(header(ids), op=op)
+            with op.lock:  # atomic with _abandon_now: once it returns, the header went out or never will
+                if not op.abandoned:
+                    self.channel.send(header(ids), op=op)
 
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
         if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES
@@ -311,15 +312,21 @@ class StagedShmPlane(ShmPlane):
                 chunks.close()  # waits for the copies in flight (bounded)
                 ring.release()
             return True
-        pos = 0
+        pos, halted = 0, False
 
         def fill(view: memoryview, more: int) -> None:
             nonlocal pos
             n = len(view)
-            torch.frombuffer(view, dtype=torch.uint8).copy_(remote[pos : pos + n])
+            if not halted:  # once no more is written, the rest needs no reading: no stream to keep in step
+                torch.frombuffer(view, dtype=torch.uint8).copy_(remote[pos : pos + n])
             pos += n
+
+        def halt() -> None:
+            nonlocal halted
+            halted = True
 
         def stuck() -> None:
             op.stuck = True
+            halt()
 
-        return staging.receive(flat, fill, stop=lambda: op.abandoned, on_stuck=stuck)
+        return staging.receive(flat, fill, stop=lambda: op.abandoned, on_stop=halt, on_stuck=stuck)
