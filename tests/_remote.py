@@ -300,3 +300,18 @@ async def put_get_every_shape(init: Any, target: RemoteEndpoint, dtype: str, sha
         await init.get(target.name, {name: out})
         assert same_bytes(out, make_tensor(dtype, shape, s)), (dtype, shape)
 
+
+
+async def put_behind_side_stream(ep: Any, peer: str, name: str, shape: tuple[int, ...], seed: int, cycles: int,
+                                 device: str = "cuda:0", timeout: float = 60) -> None:
+    """Put ``make_tensor("float32", shape, seed)`` into ``peer``'s ``name`` from a CUDA tensor that
+    a side stream writes right before the call, behind a ``cycles``-long kernel: a put that does
+    not wait for the caller's stream sends zeros (GPU tests)."""
+    want = make_tensor("float32", shape, seed).to(device)
+    src = torch.zeros(shape, device=device)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        src.copy_(want)
+        await ep.put(peer, {name: src}, timeout=timeout)

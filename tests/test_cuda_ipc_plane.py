@@ -409,49 +409,64 @@ def test_mapping_cache_open_failure_counts_nothing():
     assert len(cache) == 0
 
 
+class _SlowUnmap(_CountingEngine):
+    """Records opens and unmaps (``events``); an unmap takes 0.3 s (``unmapping`` is set as it
+    starts); ``first_open`` runs before the first open."""
+
+    def __init__(self, first_open=None) -> None:
+        super().__init__()
+        self.events: list[str] = []
+        self.unmapping = threading.Event()
+        self._first_open = first_open
+
+    def open(self, handle):
+        self.events.append("open")
+        if self._first_open is not None and self.events.count("open") == 1:
+            self._first_open()
+        m = super().open(handle)
+        real = m.close
+
+        def close():
+            self.events.append("close-start")
+            self.unmapping.set()
+            time.sleep(0.3)
+            real()
+            self.events.append("close-end")
+
+        m.close = close
+        return m
+
+
 def test_mapping_cache_never_reopens_an_allocation_while_it_is_being_unmapped():
     """The driver may refuse to open a handle whose unmapping is still under way (and a refusal
     would send that allocation staged for good): an acquire that comes in meanwhile waits for it."""
-    events: list[str] = []
-    unmapping = threading.Event()
-
-    class Slow(_CountingEngine):
-        def open(self, handle):
-            events.append("open")
-            m = super().open(handle)
-            real = m.close
-
-            def close():
-                events.append("close-start")
-                unmapping.set()
-                time.sleep(0.3)
-                real()
-                events.append("close-end")
-
-            m.close = close
-            return m
-
-    cache = MappingCache(Slow())
+    engine = _SlowUnmap()
+    cache = MappingCache(engine)
     h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
     cache.acquire(h)
     cache.retire(h)
     closer = threading.Thread(target=cache.release, args=(h,))  # the last user: unmaps (slowly)
     closer.start()
-    assert unmapping.wait(5)
+    assert engine.unmapping.wait(5)
     cache.acquire(h)  # meanwhile: waits for the unmap, then maps anew
     closer.join(5)
-    assert events == ["open", "close-start", "close-end", "open"], events
+    assert engine.events == ["open", "close-start", "close-end", "open"], engine.events
     assert len(cache) == 1 and cache.refusal(h) is None
     cache.release(h)
     cache.close()
-    assert events[-2:] == ["close-start", "close-end"] and len(cache) == 0
+    assert engine.events[-2:] == ["close-start", "close-end"] and len(cache) == 0
 
 
 def test_mapping_cache_an_opener_that_waited_on_the_gate_does_not_reopen_during_an_unmap():
     """A thread that was waiting to open an allocation while another opened it, and gets its turn
     only once that mapping is already being unmapped, waits for the unmap too."""
-    events: list[str] = []
-    second_waits, unmapping = threading.Event(), threading.Event()
+    second_waits = threading.Event()
+
+    def first_open() -> None:  # the second opener is queued on the gate before the first one maps
+        assert second_waits.wait(5)
+        time.sleep(0.05)
+
+    engine = _SlowUnmap(first_open)
 
     class Gate:  # the allocation's opening lock; its second user is descheduled right after getting it
         def __init__(self) -> None:
@@ -464,31 +479,12 @@ def test_mapping_cache_an_opener_that_waited_on_the_gate_does_not_reopen_during_
                 second_waits.set()
             self._lock.acquire()
             if n == 2:
-                unmapping.wait(5)
+                engine.unmapping.wait(5)
 
         def __exit__(self, *exc) -> None:
             self._lock.release()
 
-    class Slow(_CountingEngine):
-        def open(self, handle):
-            events.append("open")
-            if events.count("open") == 1:
-                assert second_waits.wait(5)
-                time.sleep(0.05)
-            m = super().open(handle)
-            real = m.close
-
-            def close():
-                events.append("close-start")
-                unmapping.set()
-                time.sleep(0.3)
-                real()
-                events.append("close-end")
-
-            m.close = close
-            return m
-
-    cache = MappingCache(Slow())
+    cache = MappingCache(engine)
     h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
     cache._opening[h.handle] = Gate()
     first = threading.Thread(target=cache.acquire, args=(h,))
@@ -502,7 +498,7 @@ def test_mapping_cache_an_opener_that_waited_on_the_gate_does_not_reopen_during_
     closer.start()
     second.join(5)
     closer.join(5)
-    assert events == ["open", "close-start", "close-end", "open"], events
+    assert engine.events == ["open", "close-start", "close-end", "open"], engine.events
     assert len(cache) == 1 and cache.refusal(h) is None
 
 

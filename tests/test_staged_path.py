@@ -11,6 +11,7 @@ byte equality on the receiving side.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_get_every_shape, same_bytes
 from transport.errors import StagingError
 from transport.planes import choose_gpu_plane, validate_planes
 from transport.staging import StagingConfig, ThreadCopyEngine
@@ -159,19 +160,27 @@ def config(engine: ThreadCopyEngine) -> StagingConfig:
 @pytest.fixture(params=["tcp", "shm"])
 async def endpoints(request, store_url, uname):
     """make(init_engine, target_engine): two endpoints in this process, staging through those engines."""
+    async with endpoint_pairs(store_url, uname, request.param) as make:
+        yield lambda ie, te: make(config(ie) if ie is not None else None, config(te) if te is not None else None)
+
+
+@contextlib.asynccontextmanager
+async def endpoint_pairs(store_url: str, uname, plane: str):
+    """make(init_staging, target_staging): two endpoints in this process over ``plane``; all closed at the end."""
     opened: list[transport.Endpoint] = []
 
-    async def make(ie: ThreadCopyEngine | None, te: ThreadCopyEngine | None):
-        for engine in (ie, te):
-            ep = transport.Endpoint(uname("f"), store=store_url, planes=(request.param,), timeout=10,
-                                    staging=config(engine) if engine is not None else None)
+    async def make(*stagings: StagingConfig | None):
+        for staging in stagings:
+            ep = transport.Endpoint(uname("f"), store=store_url, planes=(plane,), timeout=10, staging=staging)
             await ep.open()
             opened.append(ep)
         return opened[-2], opened[-1]
 
-    yield make
-    for ep in opened:
-        await ep.close()
+    try:
+        yield make
+    finally:
+        for ep in opened:
+            await ep.close()
 
 
 async def settle(*eps: transport.Endpoint, timeout: float = 10.0) -> None:
@@ -308,17 +317,22 @@ async def test_cancelled_put_finishes_in_the_background_and_the_channel_stays_us
 
 
 async def test_timed_out_get_never_writes_after_returning(endpoints):
-    a, b = await endpoints(Counting(delay=0.01), None)
+    await timed_out_get_writes_nothing_after_returning(*await endpoints(Counting(delay=0.01), None))
+
+
+async def timed_out_get_writes_nothing_after_returning(a: transport.Endpoint, b: transport.Endpoint) -> None:
+    """``a`` (staging through a slow engine) gets ``b``'s buffer with a short timeout: nothing lands
+    in its tensor after the get raised, the channel stays usable, and the next get works."""
     w = torch.randint(0, 256, (100 * CHUNK,), dtype=torch.uint8)
     b.register("w", w)
-    await a.connect(b.name)
+    peer = await a.connect(b.name)
     out = torch.full_like(w, 0xA5)
     with pytest.raises(transport.TransportTimeoutError):
         await a.get(b.name, {"w": out}, timeout=0.2)
     snapshot = out.clone()
     await asyncio.sleep(0.5)
     assert torch.equal(out, snapshot), "bytes landed in the caller's tensor after the get returned"
-    assert not torch.equal(out, w)
+    assert not torch.equal(out, w) and peer.connected
     await settle(a, b)
     out.fill_(0xA5)
     await a.get(b.name, {"w": out})
@@ -883,15 +897,7 @@ async def test_staged_tensors_into_a_peers_segments(store_url, shm_target, uname
     engine = Counting()
     async with transport.Endpoint(uname("init"), store=store_url, planes=("shm",), timeout=30,
                                   staging=shm_config(engine)) as ep:
-        for shape in SHAPES:
-            name = uname("w")
-            shm_target.call("register", name, dtype, shape)
-            s = seed()
-            await ep.put(shm_target.name, {name: make_tensor(dtype, shape, s)})
-            assert shm_target.call("check", name, s), f"put {dtype}{shape}"
-            out = poisoned(dtype, shape)
-            await ep.get(shm_target.name, {name: out})
-            assert same_bytes(out, make_tensor(dtype, shape, s)), f"get {dtype}{shape}"
+        await put_get_every_shape(ep, shm_target, dtype, SHAPES, uname, seed)
         a, b = uname("a"), uname("b")  # sub-ranges and several buffers in one op
         shm_target.call("register", a, dtype, (5000,))
         shm_target.call("register", b, dtype, (10, 300))
@@ -913,18 +919,8 @@ async def test_staged_tensors_into_a_peers_segments(store_url, shm_target, uname
 @pytest.fixture
 async def shm_pair(store_url, uname):
     """make(engine): an initiator staging through ``engine`` and a plain target, over shm, in this process."""
-    opened: list[transport.Endpoint] = []
-
-    async def make(engine: ThreadCopyEngine):
-        for staging in (shm_config(engine), None):
-            ep = transport.Endpoint(uname("s"), store=store_url, planes=("shm",), timeout=10, staging=staging)
-            await ep.open()
-            opened.append(ep)
-        return opened[-2], opened[-1]
-
-    yield make
-    for ep in opened:
-        await ep.close()
+    async with endpoint_pairs(store_url, uname, "shm") as make:
+        yield lambda engine: make(shm_config(engine), None)
 
 
 @pytest.mark.parametrize("op", ["put", "get"])
@@ -953,21 +949,7 @@ async def test_a_failed_copy_into_or_out_of_a_peers_segment_fails_the_op_and_kee
 
 
 async def test_a_timed_out_get_from_a_peers_segment_never_writes_after_returning(shm_pair):
-    a, b = await shm_pair(Counting(delay=0.01))
-    w = torch.randint(0, 256, (100 * CHUNK,), dtype=torch.uint8)
-    b.register("w", w)
-    peer = await a.connect(b.name)
-    out = torch.full_like(w, 0xA5)
-    with pytest.raises(transport.TransportTimeoutError):
-        await a.get(b.name, {"w": out}, timeout=0.2)
-    snapshot = out.clone()
-    await asyncio.sleep(0.5)
-    assert torch.equal(out, snapshot), "bytes landed in the caller's tensor after the get returned"
-    assert not torch.equal(out, w) and peer.connected
-    await settle(a)
-    out.fill_(0xA5)
-    await a.get(b.name, {"w": out})
-    assert torch.equal(out, w)
+    await timed_out_get_writes_nothing_after_returning(*await shm_pair(Counting(delay=0.01)))
 
 
 async def test_ops_after_a_staged_shm_put_reach_the_peer_after_it(shm_pair):

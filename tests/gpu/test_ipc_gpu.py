@@ -19,10 +19,9 @@ import time
 import uuid
 
 import pytest
-import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_behind_side_stream, same_bytes
 
 MiB = 1 << 20
 DEV = "cuda:0"
@@ -119,14 +118,7 @@ def test_put_waits_for_the_callers_stream(store_url, target):
         await call(target, "register", name, "float32", shape, DEV)
         await peer_has(init, target.name, name)
         s = seed()
-        want = make_tensor("float32", shape, s).to(DEV)
-        src = torch.zeros(shape, device=DEV)
-        side = torch.cuda.Stream()
-        torch.cuda.synchronize()
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(1_000_000_000)  # long GPU work, then src gets its bytes
-            src.copy_(want)
-            await init.put(target.name, {name: src}, timeout=120)
+        await put_behind_side_stream(init, target.name, name, shape, s, 1_000_000_000, DEV, timeout=120)
         assert await call(target, "check", name, s)
 
     with_init(store_url, body)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_behind_side_stream, same_bytes
 
 MiB = 1 << 20
 PLANES = ("tcp", "nccl")
@@ -209,10 +209,6 @@ def test_a_put_waits_for_the_callers_stream_without_blocking_the_loop_or_spinnin
             await init.put(t.name, {name: torch.zeros(shape, device="cuda:0")})  # the link is up
             assert (await init.connect(t.name)).gpu_plane == "nccl"
             s = seed()
-            want = make_tensor("float32", shape, s).to("cuda:0")
-            src = torch.zeros(shape, device="cuda:0")
-            side = torch.cuda.Stream()
-            torch.cuda.synchronize()
             ticks, stop = 0, False
 
             async def ticker() -> None:
@@ -223,10 +219,7 @@ def test_a_put_waits_for_the_callers_stream_without_blocking_the_loop_or_spinnin
 
             tick_task = asyncio.ensure_future(ticker())
             cpu0, t0 = _threads_cpu(), time.monotonic()
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, then src is written
-                src.copy_(want)
-                await init.put(t.name, {name: src}, timeout=60)
+            await put_behind_side_stream(init, t.name, name, shape, s, 2_000_000_000)  # about a second of GPU time
             wall = time.monotonic() - t0
             cpu1 = _threads_cpu()
             stop = True

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
+from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_behind_side_stream, same_bytes
 from transport.staging import Staging, StagingConfig, stage_in, stage_out
 
 MiB = 1 << 20
@@ -222,17 +222,11 @@ def test_side_stream_work_is_ordered_before_the_copy_of_a_gpu_tensor_with_a_cpu_
         await asyncio.to_thread(target.call, "register", name, "float32", shape, "cpu")
         await peer_has(init, target.name, name)
         s = seed()
-        want = make_tensor("float32", shape, s).to(DEV)
-        src = torch.zeros(shape, device=DEV)
-        side = torch.cuda.Stream()
-        torch.cuda.synchronize()
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(500_000_000)  # keep the side stream busy, then write src on it
-            src.copy_(want)
-            await init.put(target.name, {name: src}, timeout=60)
+        await put_behind_side_stream(init, target.name, name, shape, s, 500_000_000, DEV)
         assert await asyncio.to_thread(target.call, "check", name, s), f"{plane}: the put sent stale bytes"
 
         dst = torch.zeros(shape, device=DEV)
+        side = torch.cuda.Stream()
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
             torch.cuda._sleep(500_000_000)
