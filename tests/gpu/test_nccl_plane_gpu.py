@@ -86,33 +86,41 @@ def _link_target(store_url: str, topology: str) -> RemoteEndpoint:
     return _spawn_target(store_url, 0, nccl_hostid=f"transport-gpu-test-{uuid.uuid4().hex}")
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
-def test_put_and_get_over_the_link(store_url, dtype, topology):
-    t = _link_target(store_url, topology)
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def link_target(request, store_url):
+    """A target the link reaches, shared by the tests that leave it as they found it (each test's
+    initiator is a new endpoint: a new channel, with a new communicator)."""
+    t = _link_target(store_url, request.param)
     try:
-        async def body(init: transport.Endpoint) -> None:
-            for shape in [(1,), (1023,), (3, 1000), (64 * MiB + 3,)]:
-                name = f"w-{uuid.uuid4().hex[:8]}"
-                await call(t, "register", name, dtype, shape, "cuda:0")
-                peer = await init.connect(t.name)
-                end = time.monotonic() + 10
-                while name not in (await init.connect(t.name)).buffers:
-                    assert time.monotonic() < end
-                    await asyncio.sleep(0.02)
-                s = seed()
-                await init.put(t.name, {name: make_tensor(dtype, shape, s).to("cuda:0")})
-                assert await call(t, "check", name, s)
-                out = poisoned(dtype, shape).to("cuda:0")
-                await init.get(t.name, {name: out})
-                assert same_bytes(out.cpu(), make_tensor(dtype, shape, s))
-            assert peer.gpu_plane == "nccl", peer.gpu_plane_reason
-            used = {r["plane"] for r in init.recorder.snapshot() if r["role"] == "initiator" and r["kind"] == "put"}
-            assert used == {"nccl"}
-
-        with_init(store_url, body)
+        yield t
     finally:
         t.stop()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_put_and_get_over_the_link(store_url, dtype, link_target):
+    t = link_target
+
+    async def body(init: transport.Endpoint) -> None:
+        for shape in [(1,), (1023,), (3, 1000), (64 * MiB + 3,)]:
+            name = f"w-{uuid.uuid4().hex[:8]}"
+            await call(t, "register", name, dtype, shape, "cuda:0")
+            peer = await init.connect(t.name)
+            end = time.monotonic() + 10
+            while name not in (await init.connect(t.name)).buffers:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.02)
+            s = seed()
+            await init.put(t.name, {name: make_tensor(dtype, shape, s).to("cuda:0")})
+            assert await call(t, "check", name, s)
+            out = poisoned(dtype, shape).to("cuda:0")
+            await init.get(t.name, {name: out})
+            assert same_bytes(out.cpu(), make_tensor(dtype, shape, s))
+        assert peer.gpu_plane == "nccl", peer.gpu_plane_reason
+        used = {r["plane"] for r in init.recorder.snapshot() if r["role"] == "initiator" and r["kind"] == "put"}
+        assert used == {"nccl"}
+
+    with_init(store_url, body)
 
 
 def test_two_processes_on_one_gpu_cannot_join_and_say_so(store_url):
@@ -191,45 +199,42 @@ def _threads_cpu() -> dict[int, float]:
     return out
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_a_put_waits_for_the_callers_stream_without_blocking_the_loop_or_spinning(store_url, topology):
+def test_a_put_waits_for_the_callers_stream_without_blocking_the_loop_or_spinning(store_url, link_target):
     """The caller's side stream runs a long kernel, then writes the source: the put sends those
     bytes (its send waits for an event of that stream, on the GPU), and meanwhile the event loop
     keeps serving other tasks and this process's threads stay almost idle (completion is a
     blocking-sync event a bridge thread sleeps on, no polling loop)."""
-    t = _link_target(store_url, topology)
-    try:
-        async def body(init: transport.Endpoint) -> None:
-            name, shape = f"w-{uuid.uuid4().hex[:8]}", (4 * MiB,)
-            await call(t, "register", name, "float32", shape, "cuda:0")
-            end = time.monotonic() + 10
-            while name not in (await init.connect(t.name)).buffers:
-                assert time.monotonic() < end
-                await asyncio.sleep(0.02)
-            await init.put(t.name, {name: torch.zeros(shape, device="cuda:0")})  # the link is up
-            assert (await init.connect(t.name)).gpu_plane == "nccl"
-            s = seed()
-            ticks, stop = 0, False
+    t = link_target
 
-            async def ticker() -> None:
-                nonlocal ticks
-                while not stop:
-                    await asyncio.sleep(0.01)
-                    ticks += 1
+    async def body(init: transport.Endpoint) -> None:
+        name, shape = f"w-{uuid.uuid4().hex[:8]}", (4 * MiB,)
+        await call(t, "register", name, "float32", shape, "cuda:0")
+        end = time.monotonic() + 10
+        while name not in (await init.connect(t.name)).buffers:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.02)
+        await init.put(t.name, {name: torch.zeros(shape, device="cuda:0")})  # the link is up
+        assert (await init.connect(t.name)).gpu_plane == "nccl"
+        s = seed()
+        ticks, stop = 0, False
 
-            tick_task = asyncio.ensure_future(ticker())
-            cpu0, t0 = _threads_cpu(), time.monotonic()
-            await put_behind_side_stream(init, t.name, name, shape, s, 2_000_000_000)  # about a second of GPU time
-            wall = time.monotonic() - t0
-            cpu1 = _threads_cpu()
-            stop = True
-            await tick_task
-            used = sum(v - cpu0.get(tid, 0.0) for tid, v in cpu1.items())
-            assert wall > 0.4, f"the kernel took {wall:.2f} s: too short to show anything (raise the sleep)"
-            assert await call(t, "check", name, s), "the put sent bytes the side stream had not written yet"
-            assert ticks >= 0.5 * wall / 0.01, f"the loop ticked {ticks} times in {wall:.2f} s"
-            assert used < 0.3 * wall, f"this process's threads used {used:.2f} s of CPU in {wall:.2f} s"
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop:
+                await asyncio.sleep(0.01)
+                ticks += 1
 
-        with_init(store_url, body)
-    finally:
-        t.stop()
+        tick_task = asyncio.ensure_future(ticker())
+        cpu0, t0 = _threads_cpu(), time.monotonic()
+        await put_behind_side_stream(init, t.name, name, shape, s, 2_000_000_000)  # about a second of GPU time
+        wall = time.monotonic() - t0
+        cpu1 = _threads_cpu()
+        stop = True
+        await tick_task
+        used = sum(v - cpu0.get(tid, 0.0) for tid, v in cpu1.items())
+        assert wall > 0.4, f"the kernel took {wall:.2f} s: too short to show anything (raise the sleep)"
+        assert await call(t, "check", name, s), "the put sent bytes the side stream had not written yet"
+        assert ticks >= 0.5 * wall / 0.01, f"the loop ticked {ticks} times in {wall:.2f} s"
+        assert used < 0.3 * wall, f"this process's threads used {used:.2f} s of CPU in {wall:.2f} s"
+
+    with_init(store_url, body)
