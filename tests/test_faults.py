@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor
@@ -291,3 +292,41 @@ async def test_simultaneous_dials_agree_on_one_channel(store_url, uname):
         pa, pb = await asyncio.gather(a.connect(b.name), b.connect(a.name))
         await asyncio.sleep(0.2)
         assert a.peers[b.name].channel_id == b.peers[a.name].channel_id
+
+
+async def test_an_shm_put_abandoned_as_its_copy_ends_never_sends_its_header_after_a_later_op(
+        store_url, uname, monkeypatch):
+    """A large shm put copies on a worker thread, which sends the header itself once the copy is
+    over. If the caller gives up at that very moment (here: the worker is held up just before its
+    send), the header either goes out before the timeout is raised or never: a put issued right
+    after the timeout can never be overtaken by the stale one."""
+    import threading
+
+    from transport.channel import Channel
+    from transport.wire import Put
+
+    real = Channel.send
+
+    def held_up(self, msg, *a, **k):  # the copying thread, descheduled right before sending
+        if isinstance(msg, Put) and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        return real(self, msg, *a, **k)
+
+    monkeypatch.setattr(Channel, "send", held_up)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("shm",), timeout=30) as a, \
+               transport.Endpoint(uname("b"), store=store_url, planes=("shm",), timeout=30) as b:
+        w = torch.zeros(4 << 20, dtype=torch.uint8)
+        b.register("w", w)
+        seen: list[bytes] = []
+        b.on_notification(lambda note: seen.append(note.payload))
+        await a.connect(b.name)
+        with pytest.raises(transport.TransportTimeoutError):
+            await a.put(b.name, {"w": torch.ones_like(w)}, notify=b"v1", timeout=0.1)
+        await a.put(b.name, {"w": transport.At(torch.full((16,), 2, dtype=torch.uint8), 0)}, notify=b"v2")
+        end = time.monotonic() + 5
+        while b"v2" not in seen:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # a stale header would land now
+        assert seen in ([b"v1", b"v2"], [b"v2"]), seen
+        assert bool((w[:16] == 2).all()), "the stale put overwrote the later one"
