@@ -513,3 +513,76 @@ def test_mapping_cache_a_non_blocking_acquire_counts_only_what_is_mapped():
     cache.release(h)
     cache.retire(h)
     assert engine.closed == [b"alloc-1"]
+
+
+def test_mapping_cache_an_opener_woken_on_a_gate_that_has_served_does_not_open_again():
+    """A waiter on an allocation's opening gate that wakes only after that opening's mapping came
+    and went (and a new opener started) must not open the allocation a second time."""
+    opened: list[str] = []
+    release_first, release_third, second_go = threading.Event(), threading.Event(), threading.Event()
+    holds = {"first": release_first, "third": release_third}
+
+    class Held(_CountingEngine):
+        def open(self, handle):
+            hold = holds.get(threading.current_thread().name)
+            if hold is not None:
+                assert hold.wait(5)
+            opened.append(threading.current_thread().name)
+            return super().open(handle)
+
+    class SlowGate:  # "second" is descheduled for a while after it gets the gate
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            self._lock.acquire()
+            if threading.current_thread().name == "second":
+                assert second_go.wait(5)
+
+        def __exit__(self, *exc) -> None:
+            self._lock.release()
+
+    cache = MappingCache(Held())
+    h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
+    cache._opening[h.handle] = SlowGate()
+    got: dict[str, object] = {}
+    threads = {n: threading.Thread(target=lambda n=n: got.__setitem__(n, cache.acquire(h)), name=n)
+               for n in ("first", "second", "third")}
+    threads["first"].start()
+    time.sleep(0.05)
+    threads["second"].start()  # waits on the gate
+    time.sleep(0.05)
+    release_first.set()
+    threads["first"].join(5)
+    cache.release(h)
+    cache.retire(h)  # the first mapping is unmapped
+    threads["third"].start()  # opens anew, behind its own gate
+    time.sleep(0.05)
+    second_go.set()  # the second waiter wakes on the old gate
+    time.sleep(0.05)
+    release_third.set()
+    threads["second"].join(5)
+    threads["third"].join(5)
+    assert opened == ["first", "third"], opened
+    assert got["second"] is got["third"] and len(cache) == 1
+
+
+def test_mapping_cache_an_unmap_that_lasts_too_long_refuses_only_while_it_lasts(monkeypatch):
+    import transport.ipc as ipc
+
+    monkeypatch.setattr(ipc, "_UNMAP_WAIT_S", 0.05)
+    engine = _SlowUnmap()  # an unmap takes 0.3 s
+    cache = MappingCache(engine)
+    h = IpcHandle("memfd", "d", b"alloc-1", 100, 0, 1)
+    cache.acquire(h)
+    cache.retire(h)
+    closer = threading.Thread(target=cache.release, args=(h,))
+    closer.start()
+    assert engine.unmapping.wait(5)
+    with pytest.raises(PlaneUnavailableError, match="still being unmapped"):
+        cache.acquire(h)
+    assert "still being unmapped" in (cache.refusal(h) or "")  # the op's retry goes staged
+    closer.join(5)
+    assert cache.refusal(h) is None  # the unmap ended: mappable again
+    cache.acquire(h)
+    assert engine.events == ["open", "close-start", "close-end", "open"], engine.events

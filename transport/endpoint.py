@@ -528,7 +528,12 @@ class Endpoint:
             self._nccl_probe = asyncio.ensure_future(asyncio.to_thread(link_engine_probe, None, device))
             self._nccl_probe_device = device
         probe = self._nccl_probe
-        engine, reason = await asyncio.shield(probe)
+        try:
+            engine, reason = await asyncio.shield(probe)
+        except BaseException:
+            if probe.done() and not probe.cancelled() and probe.exception() is not None and self._nccl_probe is probe:
+                self._nccl_probe = None  # (no executor any more, at shutdown): a later handshake may try again
+            raise
         if self._nccl_device is None:  # the first one back from the probe publishes it
             self._nccl_device = self._nccl_probe_device
             self.nccl_engine, self.nccl_reason = engine, reason
@@ -629,6 +634,7 @@ class Endpoint:
                 self._ipc_retention.forget(pending)
             else:  # it had our Hello and may have adopted its side: as a channel closed without a Bye
                 self._ipc_retention.closed(pending, self._newest_export)
+                sock.close()  # (cancelled by close(), or an unexpected error: never left to the GC)
 
     async def _channel(self, peer: str, deadline: float) -> Channel:
         self._check_open()

@@ -170,6 +170,7 @@ class MappingCache:
         self._opening: dict[bytes, threading.Lock] = {}
         self._closing: dict[bytes, threading.Event] = {}  # being unmapped: not to be opened again until done
         self._refused: dict[bytes, str] = {}  # allocations that could not be mapped here, and why
+        self._unmap_refused: set[bytes] = set()  # refused only while their unmapping lasts
 
     def refusal(self, handle: IpcHandle) -> str | None:
         """Why ``handle``'s allocation could not be mapped here (None if it was not refused)."""
@@ -189,18 +190,29 @@ class MappingCache:
                     return entry.mapping
                 if not block:
                     return None
+                refused = self._refused.get(key)
+                if refused is not None:
+                    raise PlaneUnavailableError(refused)
                 closing = self._closing.get(key)
                 if closing is None:
                     gate = self._opening.setdefault(key, threading.Lock())
             if closing is not None:  # the driver may refuse a handle whose unmapping is still under way
                 if not closing.wait(_UNMAP_WAIT_S):
-                    raise PlaneUnavailableError(f"cuda_ipc: the peer allocation is still being unmapped after "
-                                                f"{_UNMAP_WAIT_S:g} s; the op goes staged")
+                    why = (f"cuda_ipc: the peer allocation is still being unmapped after {_UNMAP_WAIT_S:g} s; "
+                           "ops on it go staged until that ends")
+                    with self._lock:
+                        if self._closing.get(key) is closing:  # (lifted once the unmap ends: see _unmap)
+                            self._refused[key] = why
+                            self._unmap_refused.add(key)
+                    raise PlaneUnavailableError(why)
                 continue
             with gate:  # one opener per allocation; the others wait for its mapping
                 with self._lock:
-                    if key in self._maps or key in self._closing:  # (mapped, or unmapped since: look again)
-                        continue
+                    if key in self._maps or key in self._closing or self._opening.get(key) is not gate:
+                        continue  # mapped, being unmapped, or opened and already unmapped since: look again
+                    refused = self._refused.get(key)
+                if refused is not None:  # the opener before us was refused
+                    raise PlaneUnavailableError(refused)
                 try:
                     mapping = self.engine.open(handle)  # may raise: nothing was counted
                 except PlaneUnavailableError as exc:  # ops on it go staged from now on (logged)
@@ -244,6 +256,9 @@ class MappingCache:
             with self._lock:
                 if self._closing.get(key) is done:
                     del self._closing[key]
+                if key in self._unmap_refused:  # the unmap ended: the allocation can be mapped again
+                    self._unmap_refused.discard(key)
+                    self._refused.pop(key, None)
             done.set()
 
     def close(self) -> None:
