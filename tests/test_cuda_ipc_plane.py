@@ -12,6 +12,7 @@ the other side; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import threading
@@ -53,6 +54,18 @@ def target(store_url):
 async def init(store_url, uname):
     async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=MemfdIpcEngine) as ep:
         yield ep
+
+
+@contextlib.asynccontextmanager
+async def slow_copies(store_url: str, uname, copy_delay: float):
+    """A target process and an initiator here, over cuda_ipc, whose copies each take ``copy_delay`` s."""
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    try:
+        slow = functools.partial(MemfdIpcEngine, copy_delay=copy_delay)
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+            yield t, ep
+    finally:
+        t.stop()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "bool"])
@@ -160,70 +173,55 @@ async def test_a_channel_lost_while_its_process_lives_holds_what_existed_then(st
     """Our channel breaks (no Bye) while our copy into the target runs: the target cannot know the
     copy is over, so it holds that export as long as this process lives; exports it makes later
     are not held on our account."""
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
-    try:
-        slow = functools.partial(MemfdIpcEngine, copy_delay=2.0)
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
-            name = uname("w")
-            t.call("register", name, "uint8", (4096,))
-            task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("uint8", (4096,), seed())}))
-            await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
-                         and bool(ch._ipc._busy), what="our copy is running")
-            ep._channels[t.name].lose(transport.PeerLostError("test: the channel breaks"))
-            with pytest.raises(transport.PeerLostError):
-                await asyncio.wait_for(task, 10)
-            t.call("unregister", name)
-            await asyncio.sleep(2.5)  # our copy is over by now, but the target cannot know it
-            assert len(t.call("ipc_held")) == 1
-            later = uname("later")
-            t.call("register", later, "uint8", (64,))
-            await ep.put(t.name, {later: make_tensor("uint8", (64,), seed())})  # a new channel
-            t.call("unregister", later)
-            await _until(lambda: len(t.call("ipc_held")) == 1, what="the later export released")
-    finally:
-        t.stop()
+    async with slow_copies(store_url, uname, 2.0) as (t, ep):
+        name = uname("w")
+        t.call("register", name, "uint8", (4096,))
+        task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("uint8", (4096,), seed())}))
+        await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
+                     and bool(ch._ipc._busy), what="our copy is running")
+        ep._channels[t.name].lose(transport.PeerLostError("test: the channel breaks"))
+        with pytest.raises(transport.PeerLostError):
+            await asyncio.wait_for(task, 10)
+        t.call("unregister", name)
+        await asyncio.sleep(2.5)  # our copy is over by now, but the target cannot know it
+        assert len(t.call("ipc_held")) == 1
+        later = uname("later")
+        t.call("register", later, "uint8", (64,))
+        await ep.put(t.name, {later: make_tensor("uint8", (64,), seed())})  # a new channel
+        t.call("unregister", later)
+        await _until(lambda: len(t.call("ipc_held")) == 1, what="the later export released")
 
 
 async def test_timed_out_put_leaves_the_channel_usable(store_url, uname):
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
-    try:
-        slow = functools.partial(MemfdIpcEngine, copy_delay=0.5)
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
-            name = uname("w")
-            t.call("register", name, "float32", (100,))
-            await ep.put(t.name, {name: make_tensor("float32", (100,), seed())})  # connected, mapped
-            with pytest.raises(TransportTimeoutError):  # (the copy takes 0.5 s)
-                await ep.put(t.name, {name: make_tensor("float32", (100,), seed())}, timeout=0.1)
-            assert _ops(ep, "put")[-1]["plane"] == "cuda_ipc"
-            s = seed()
-            await ep.put(t.name, {name: make_tensor("float32", (100,), s)}, timeout=10)
-            assert t.call("check", name, s)
-            out = poisoned("float32", (100,))
-            await ep.get(t.name, {name: out}, timeout=10)
-            assert same_bytes(out, make_tensor("float32", (100,), s))
-    finally:
-        t.stop()
+    async with slow_copies(store_url, uname, 0.5) as (t, ep):
+        name = uname("w")
+        t.call("register", name, "float32", (100,))
+        await ep.put(t.name, {name: make_tensor("float32", (100,), seed())})  # connected, mapped
+        with pytest.raises(TransportTimeoutError):  # (the copy takes 0.5 s)
+            await ep.put(t.name, {name: make_tensor("float32", (100,), seed())}, timeout=0.1)
+        assert _ops(ep, "put")[-1]["plane"] == "cuda_ipc"
+        s = seed()
+        await ep.put(t.name, {name: make_tensor("float32", (100,), s)}, timeout=10)
+        assert t.call("check", name, s)
+        out = poisoned("float32", (100,))
+        await ep.get(t.name, {name: out}, timeout=10)
+        assert same_bytes(out, make_tensor("float32", (100,), s))
 
 
 async def test_get_abandoned_mid_copy_writes_nothing_after_it_raised(store_url, uname):
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
-    try:
-        slow = functools.partial(MemfdIpcEngine, copy_delay=0.4)
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
-            name = uname("w")
-            s = seed()
-            t.call("register_data", name, "uint8", (1 << 16,), s)
-            await ep.get(t.name, {name: poisoned("uint8", (1 << 16,))})  # connected, mapped
-            out = poisoned("uint8", (1 << 16,))
-            with pytest.raises(TransportTimeoutError) as info:  # (the copy takes 0.4 s)
-                await ep.get(t.name, {name: out}, timeout=0.1)
-            assert _ops(ep, "get")[-1]["plane"] == "cuda_ipc"
-            assert "may still land" not in str(info.value)
-            after = out.clone()
-            await asyncio.sleep(0.6)
-            assert torch.equal(out, after)  # the copy was over when get raised
-    finally:
-        t.stop()
+    async with slow_copies(store_url, uname, 0.4) as (t, ep):
+        name = uname("w")
+        s = seed()
+        t.call("register_data", name, "uint8", (1 << 16,), s)
+        await ep.get(t.name, {name: poisoned("uint8", (1 << 16,))})  # connected, mapped
+        out = poisoned("uint8", (1 << 16,))
+        with pytest.raises(TransportTimeoutError) as info:  # (the copy takes 0.4 s)
+            await ep.get(t.name, {name: out}, timeout=0.1)
+        assert _ops(ep, "get")[-1]["plane"] == "cuda_ipc"
+        assert "may still land" not in str(info.value)
+        after = out.clone()
+        await asyncio.sleep(0.6)
+        assert torch.equal(out, after)  # the copy was over when get raised
 
 
 async def test_planes_without_cuda_ipc_use_shm(store_url, uname):

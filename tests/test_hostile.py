@@ -143,16 +143,22 @@ def test_wrong_protocol_version(target, friend, caplog):
 )
 @pytest.mark.parametrize("kind", ["put", "get"])
 def test_out_of_range_ops_close_the_channel(target, friend, caplog, item, kind):
+    msg = wire.Put(1, 1, "tcp", [item]) if kind == "put" else wire.Get(1, 1, [item])
+    _assert_frame_closes_the_channel(target, friend, caplog, msg)
+
+
+def _assert_frame_closes_the_channel(target, friend, caplog, msg, value: float = 3.0) -> None:
+    """After a handshake, ``msg`` closes the channel with a logged protocol error; the target
+    stays usable for another peer."""
     caplog.set_level(logging.ERROR, logger="transport")
     s = _handshaken(target)
     try:
-        msg = wire.Put(1, 1, "tcp", [item]) if kind == "put" else wire.Get(1, 1, [item])
         _send_and_probe(s, wire.encode_frame(msg))
         assert _closed_by_peer(s)
     finally:
         s.close()
     assert any("protocol error" in r.getMessage() for r in caplog.records)
-    _assert_usable(friend, target, 3.0)
+    _assert_usable(friend, target, value)
 
 
 def test_unknown_name_is_rejected_and_drained(target, friend):
@@ -195,15 +201,7 @@ def test_fuzzed_get_headers_never_hang(target, friend, offset, count, dtype):
     wire.Put(4, 1, "cuda_ipc", [wire.Item("w", "float32", 0, 4)]),  # no segments
 ], ids=["nccl-put", "nccl-get", "go", "ipc-put-no-segments"])
 def test_gpu_plane_frames_out_of_place_close_the_channel(target, friend, caplog, frame):
-    caplog.set_level(logging.ERROR, logger="transport")
-    s = _handshaken(target)
-    try:
-        _send_and_probe(s, wire.encode_frame(frame))
-        assert _closed_by_peer(s)
-    finally:
-        s.close()
-    assert any("protocol error" in r.getMessage() for r in caplog.records)
-    _assert_usable(friend, target, 3.0)
+    _assert_frame_closes_the_channel(target, friend, caplog, frame)
 
 
 def test_nccl_setup_to_an_endpoint_without_a_link_is_refused(target, friend):
