@@ -5,7 +5,7 @@ Usage::
 
     python bench/bench_rl_sync.py              # full run: ~355M params, 1 and 4 subscribers, both modes (~3 min)
     python bench/bench_rl_sync.py --quick      # ~20M params, 1 and 2 subscribers, both modes (seconds; smoke test)
-    python bench/bench_rl_sync.py [--params 350M] [--subscribers 1,4] [--modes staged,swap,direct] [--reps N]
+    python bench/bench_rl_sync.py [--params 350M] [--subscribers 1,4] [--modes staged,swap,direct,shared] [--reps N]
                                   [--rounds N] [--warmup N] [--buckets-mib 256[,64]] [--threads N] [--no-gloo]
                                   [--debug] [--json PATH]
 
@@ -32,7 +32,10 @@ Cases, every one between real processes (``spawn``):
   the live tensors), ``swap`` (two banks of arenas, the commit re-points
   the live tensors into the bank just filled with ``Tensor.set_``, no copy)
   and ``direct`` (one bank that the live tensors point into, written while
-  readers are held off; the commit only bumps the version).
+  readers are held off; the commit only bumps the version), and ``shared``
+  (no arenas: the publisher packs each version once into one of its banks
+  and every subscriber's commit re-points its live tensors into that bank,
+  mapped read-only; the subscribers copy nothing).
   Timed: ``await pub.push(state, version)`` until every subscriber has
   committed (the push's own completion rule), per mode, subscriber count
   and ``bucket_bytes``, after ``--warmup`` warm-up pushes per arena bank
@@ -120,9 +123,9 @@ GLOO_TIMEOUT = 300.0  # process group timeout (init and every collective)
 BASE_LEN = 1_000_003  # period of the fill pattern, in elements (prime: no alignment with rows or buckets)
 FULL_PARAMS = 355_000_000
 QUICK_PARAMS = 20_000_000
-MODES = ("staged", "swap", "direct")  # rl_sync.WeightSubscriber's modes (rl_sync.subscriber.MODES)
-BANKS = {"staged": 1, "swap": 2, "direct": 1}
-COMMIT_STEP = {"staged": "_apply", "swap": "_repoint", "direct": "_commit_direct"}  # what a commit does, per mode  # arena banks per mode: warm-up pushes are per bank
+MODES = ("staged", "swap", "direct", "shared")  # rl_sync.WeightSubscriber's modes (rl_sync.subscriber.MODES)
+BANKS = {"staged": 1, "swap": 2, "direct": 1, "shared": 2}  # arena banks per mode: warm-up pushes are per bank
+COMMIT_STEP = {"staged": "_apply", "swap": "_repoint", "direct": "_commit_direct", "shared": "_repoint"}  # per mode
 
 CTX = mp.get_context("spawn")
 log = logging.getLogger("bench_rl_sync")
@@ -897,10 +900,11 @@ def fanout_ratios(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[
 
 
 # per mode: passes over the bfloat16 bytes per subscriber (k), passes that must follow the cast (tail)
-FLOOR_PASSES = {"staged": (2, 1), "swap": (1, 0), "direct": (1, 0)}
+FLOOR_PASSES = {"staged": (2, 1), "swap": (1, 0), "direct": (1, 0), "shared": (0, 0)}
 FLOOR_TEXT = {"staged": ("C + 2 N M", "max(C + M, work / min(S, N + 1))"),
               "swap": ("C + N M", "max(C, work / min(S, N + 1))"),
-              "direct": ("C + N M", "max(C, work / min(S, N + 1))")}
+              "direct": ("C + N M", "max(C, work / min(S, N + 1))"),
+              "shared": ("C", "C (subscribers copy nothing: they map the bank)")}
 
 
 def floor_model(cfg: dict[str, Any], limits: dict[str, Any], cores: int,
@@ -1076,6 +1080,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], limits: dict[str, An
                      "floor = max(C, work / min(S, N + 1))")
         lines.append("  direct: work = C + N M (pack; per subscriber: pull into the live tensors; commit bumps the "
                      "version), floor = max(C, work / min(S, N + 1))")
+        lines.append("  shared: work = C (pack into a bank; per subscriber: commit re-points into it, no copy), "
+                     "floor = C")
         bkt = model["measured_bucket_bytes"] // MiB
         lines.append(f"  {'mode':<6} {'subs':>4} {'work s':>7} {'floor s':>8} {'floor set by':>13} {'measured s':>11} "
                      f"{'/ floor':>8}   (measured = median at bucket {bkt} MiB)")
@@ -1112,7 +1118,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], limits: dict[str, An
     if bd:
         lines.append("")
         lines.append("rl_sync breakdown (the median timed push; seconds from the push's start; *_sum = busy time; "
-                     "commit = _apply (staged: the copy), _repoint (swap: set_ of every tensor) or _commit_direct, per subscriber):")
+                     "commit = _apply (staged: the copy), _repoint (swap, shared: set_ of every tensor) or _commit_direct, "
+                     "per subscriber):")
         h2 = (f"  {'mode':<6} {'subs':>4} {'bucket':>7} {'wall':>6} {'1st pack':>8} {'pack_sum':>8} {'packs end':>9} "
               f"{'pull_sum/sub':>12} {'pulls end':>9} {'commit/sub':>10} {'commits end':>11}")
         lines.append(h2)

@@ -10,6 +10,7 @@ reading its own notifications (one process may even be both). One push, seen fro
     Pull(bucket k) ─────▶  subscriber gets bucket k from its source into its staging arena
           ◀──────────────  Reply(stage="pull", bucket=k)        (repeated for every bucket)
     Commit ─────────────▶  subscriber applies staging -> live weights under the writer lock
+                           (mode="shared": no Pulls; it re-points its weights into the bank named)
           ◀──────────────  Reply(stage="commit")
     Abort ──────────────▶  (instead of Commit, on failure or cancellation) nothing is applied
 
@@ -45,8 +46,14 @@ class Pull(msgspec.Struct, tag="pull", array_like=True):
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
+    """Apply the push. For a ``mode="shared"`` subscriber it names the publisher's bank that holds
+    the version: its arenas' buffer names and its lock file (see :mod:`rl_sync.banks`)."""
+
     push_id: int
     version: int
+    bank: int = -1
+    buffers: tuple[str, ...] = ()
+    lock: str = ""
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -90,6 +90,7 @@ class Manifest(msgspec.Struct, frozen=True):
     entries: tuple[Entry, ...]
     arenas: tuple[int, ...]  # byte size of arena i, registered as arena_name(bank, i) for each bank
     host: str = ""  # which host the subscriber runs on (used to group relays)
+    shared: bool = False  # mode="shared": it reads the publisher's banks (no arenas registered)
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -110,7 +111,8 @@ def decode_manifest(data: bytes) -> Manifest:
     return m
 
 
-def build_manifest(state: Mapping[str, torch.Tensor], arena_bytes: int, host: str = "") -> Manifest:
+def build_manifest(state: Mapping[str, torch.Tensor], arena_bytes: int, host: str = "", *,
+                   shared: bool = False) -> Manifest:
     """Lay ``state`` out in arenas of at most ``arena_bytes`` (a larger tensor gets an arena of its own)."""
     entries: list[Entry] = []
     arenas: list[int] = []
@@ -126,7 +128,7 @@ def build_manifest(state: Mapping[str, torch.Tensor], arena_bytes: int, host: st
         entries.append(Entry(name, dtype_name(t.dtype), tuple(t.shape), cur, start, nbytes))
         used = start + nbytes
         arenas[cur] = used
-    return Manifest(FORMAT, tuple(entries), tuple(arenas), host)
+    return Manifest(FORMAT, tuple(entries), tuple(arenas), host, shared)
 
 
 @dataclass(frozen=True)

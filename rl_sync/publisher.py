@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import secrets
 import time
 import weakref
@@ -45,7 +46,8 @@ import transport
 from transport.errors import Phase
 
 from . import messages as m
-from .errors import PlanMismatchError, PushAbortedError, StaleVersionError, SubscriberRejectedError
+from .banks import BankSet, make_lock_dir
+from .errors import PlanMismatchError, PushAbortedError, RlSyncError, StaleVersionError, SubscriberRejectedError
 from .fanout import FANOUTS, assign_sources
 from .plan import (
     MANIFEST_BUFFER,
@@ -80,6 +82,7 @@ class _Layout:
         self.buckets = buckets
         self.digest = digest
         self.same_host = same_host
+        self.shared = manifest.shared  # mode="shared": it reads the publisher's banks
 
 
 class _Target:
@@ -107,21 +110,30 @@ class _Target:
         return self.error is None and not self.committed
 
     @property
+    def shared(self) -> bool:
+        return self.layout.shared
+
+    @property
     def complete(self) -> bool:
         return len(self.have) == len(self.layout.buckets)
 
 
 class _Group:
-    """Subscribers sharing one layout, and the send slots their buckets are packed into."""
+    """Subscribers sharing one layout, and where their buckets are packed: two send slots, or,
+    when shared subscribers are among them, one whole bank (everyone then pulls from the bank)."""
 
-    def __init__(self, digest: str, layout: _Layout, sources: dict[str, torch.Tensor], slots: list[str],
-                 slot_tensors: list[torch.Tensor]) -> None:
+    def __init__(self, digest: str, layout: _Layout, sources: dict[str, torch.Tensor]) -> None:
         self.digest = digest
+        self.layout = layout
         self.buckets = layout.buckets
         self.sources = sources  # generator name -> trainer tensor
-        self.slots = slots
-        self.slot_tensors = slot_tensors
-        self.slot_users: list[set[str]] = [set() for _ in slots]
+        self.slots: list[str] = []  # made at the first bucket packed into a slot
+        self.slot_tensors: list[torch.Tensor] = []
+        self.slot_users: list[set[str]] = [set() for _ in range(SLOTS)]
+        self.banks: BankSet | None = None  # shared subscribers: the layout's banks
+        self.bank: int | None = None  # the bank this push writes (held exclusively until sealed)
+        self.sealed = False
+        self.packed: set[int] = set()  # buckets packed into the bank
         self.targets: list[_Target] = []
         self.next_bucket = 0
 
@@ -147,13 +159,18 @@ class WeightPublisher:
         connect_timeout: how long a push waits for each subscriber to answer
             the connect and manifest read; one that does not fails its entry.
             A subscriber lost at the previous push is waited for 0.5 s only.
+        shared_banks: for subscribers in ``mode="shared"``: how many whole
+            copies of their layout the publisher keeps (made at the first push
+            that has one; see :mod:`rl_sync.banks`). A push writes one that no
+            subscriber's weights use; while subscribers stuck on older versions
+            hold every bank, one more is made (logged) and later dropped.
 
     One push runs at a time; call it from the endpoint's event loop.
     """
 
     def __init__(self, endpoint: transport.Endpoint, subscribers: list[str] | tuple[str, ...], *,
                  dtype: torch.dtype | str | None = None, bucket_bytes: int = 256 << 20, name_map: NameMap | None = None,
-                 fanout: str = "auto", connect_timeout: float = 5.0) -> None:
+                 fanout: str = "auto", connect_timeout: float = 5.0, shared_banks: int = 2) -> None:
         if dtype is not None and dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, 'auto' or None, got {dtype!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 64:
@@ -170,6 +187,12 @@ class WeightPublisher:
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
         self.connect_timeout = connect_timeout
+        if isinstance(shared_banks, bool) or not isinstance(shared_banks, int) or shared_banks < 2:
+            raise ValueError(f"shared_banks must be an int >= 2, got {shared_banks!r}")
+        self.shared_banks = shared_banks
+        self._bank_sets: dict[str, BankSet] = {}
+        self._committed: dict[str, int] = {}  # subscriber -> the last version it committed from this publisher
+        self._lock_dir: str | None = None
         self._subscribers: list[str] = []
         for s in subscribers:
             self.add_subscriber(s)
@@ -214,6 +237,13 @@ class WeightPublisher:
                 with contextlib.suppress(transport.TransportError):
                     self.endpoint.unregister(n)
         self._slots.clear()
+        for bs in self._bank_sets.values():
+            bs.close()
+        self._bank_sets.clear()
+        if self._lock_dir is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._lock_dir)
+            self._lock_dir = None
 
     # ------------------------------------------------------------------ push
     async def push(self, weights: Any, version: int, timeout: float | None = None, *,
@@ -266,6 +296,7 @@ class WeightPublisher:
         report.packed_bytes = run.packed_bytes
         if any(r.ok for r in report.results.values()):
             self._version = version
+        self._committed.update({n: version for n, r in report.results.items() if r.ok})
         self._lost = {n for n, r in report.results.items()
                       if isinstance(r.error, (transport.PeerLostError, transport.PeerNotFoundError))}
         (log.info if report.ok else log.warning)("push %s", report.summary())
@@ -289,6 +320,12 @@ class WeightPublisher:
                 report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0)
                 continue
             layout = res
+            if layout.shared and not layout.same_host:
+                report.results[name] = SubscriberResult(error=RlSyncError(
+                    f"{name} runs mode='shared', which maps the publisher's memory, but it is not on the publisher's "
+                    f"host (reached over {_plane_of(self.endpoint, name)}); use another mode there"),
+                    seconds=time.monotonic() - run.t0)
+                continue
             try:
                 sources = check_sources(tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map,
                                         subscriber=name)
@@ -297,8 +334,9 @@ class WeightPublisher:
                 continue
             group = groups.get(layout.digest)
             if group is None:
-                slot_names, slot_tensors = self._slot(layout)
-                group = groups[layout.digest] = _Group(layout.digest, layout, sources, slot_names, slot_tensors)
+                group = groups[layout.digest] = _Group(layout.digest, layout, sources)
+            if layout.shared and group.banks is None:
+                group.banks = self._bank_set(layout)
             target = _Target(name, layout)
             target.group = group
             group.targets.append(target)
@@ -307,8 +345,9 @@ class WeightPublisher:
             run.targets.clear()
             raise PlanMismatchError(mismatches)
         self._drop_unused_slots(set(groups))
+        self._drop_unused_banks()
         for group in groups.values():
-            by_name = {t.name: t for t in group.targets}
+            by_name = {t.name: t for t in group.targets if not t.shared}  # shared ones read the bank itself
             src = assign_sources(list(by_name), {n: t.layout.same_host for n, t in by_name.items()},
                                  {n: t.layout.manifest.host for n, t in by_name.items()}, self.fanout)
             for name, source in src.items():
@@ -349,6 +388,22 @@ class WeightPublisher:
             self.endpoint.register(n, t)
         self._slots[layout.digest] = (names, tensors)
         return names, tensors
+
+    def _bank_set(self, layout: _Layout) -> BankSet:
+        bs = self._bank_sets.get(layout.digest)
+        if bs is None:
+            if self._lock_dir is None:
+                self._lock_dir = make_lock_dir(self.endpoint.name)
+            bs = self._bank_sets[layout.digest] = BankSet(self.endpoint, layout.digest[:16], layout.manifest.arenas,
+                                                          self.shared_banks, self._lock_dir)
+            log.info("publisher %s: %d shared banks of %.1f MiB for layout %s", self.endpoint.name,
+                     self.shared_banks, sum(layout.manifest.arenas) / 2**20, layout.digest[:16])
+        return bs
+
+    def _drop_unused_banks(self) -> None:
+        keep = {lay.digest for lay in self._layouts.values() if lay.shared}
+        for digest in [d for d in self._bank_sets if d not in keep]:
+            self._bank_sets.pop(digest).close()
 
     def _drop_unused_slots(self, keep: set[str]) -> None:
         for digest in list(self._slots):
@@ -413,6 +468,7 @@ class _Run:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.packed_bytes = 0
         self.bar: Any = None
+        self.groups: list[_Group] = []
 
     # ------------------------------------------------------------------ driving
     async def execute(self, groups: list[_Group], progress: bool) -> None:
@@ -422,6 +478,7 @@ class _Run:
             total = sum(b.nbytes for g in groups for b in g.buckets)
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"push v{self.version}")
         watchdog = asyncio.ensure_future(self._watchdog())
+        self.groups = groups
         try:
             for t in self.targets.values():
                 t.begin_sent = True
@@ -438,12 +495,35 @@ class _Run:
 
     async def _run_group(self, group: _Group) -> None:
         n = len(group.buckets)
+        shared = [t for t in group.targets if t.shared and t.alive]
+        if shared and group.banks is not None:
+            try:
+                group.bank, added = group.banks.acquire()
+            except Exception as exc:  # allocating a bank failed: the shared subscribers miss this push
+                for t in shared:
+                    self.fail(t, RlSyncError(f"no shared bank could be had for version {self.version}: "
+                                             f"{type(exc).__name__}: {exc}"))
+            else:
+                if added:
+                    last = self.pub.version
+                    behind = sorted(f"{n} (version {v})" for n, v in self.pub._committed.items() if v < last)
+                    log.warning("push %d: every shared bank is held by subscribers on older versions (%s); "
+                                "bank %d added, %d now", self.push_id, ", ".join(behind) or "?", group.bank,
+                                len(group.banks))
         for k in range(n):
             group.next_bucket = k
-            want = [t for t in group.targets if t.alive and t.begun and t.source is None and k not in t.have]
-            if want:
+            want = [t for t in group.targets
+                    if t.alive and t.begun and not t.shared and t.source is None and k not in t.have]
+            if want or (group.bank is not None and any(t.alive for t in group.targets if t.shared)):
                 await self._serve(group, k, want)
         group.next_bucket = n
+        if group.bank is not None and group.banks is not None and len(group.packed) == n:
+            group.banks.seal(group.bank, self.version, self.push_id)
+            group.sealed = True
+            for t in group.targets:
+                if t.shared and t.alive:
+                    t.have = set(range(n))
+                    self._maybe_commit(t)
         # repair: buckets whose relay failed come from the publisher
         while True:
             await self._until(lambda: not any(t.alive and not t.complete and not t.orphaned for t in group.targets)
@@ -459,21 +539,36 @@ class _Run:
                     await self._serve(group, k, want)
 
     async def _serve(self, group: _Group, k: int, want: list[_Target]) -> None:
-        """Pack bucket ``k`` into a free slot and tell ``want`` to pull it."""
-        slot = k % len(group.slots)
-        await self._until(lambda: not group.slot_users[slot])
+        """Pack bucket ``k`` into a free slot (or into the push's bank, once) and tell ``want`` to pull it."""
         bucket = group.buckets[k]
-        pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, group.sources, group.slot_tensors[slot]))
-        self.pub._packing = pack
-        await asyncio.shield(pack)
-        self.packed_bytes += bucket.nbytes
-        if self.bar is not None:
-            self.bar.update(bucket.nbytes)
+        if group.bank is not None and group.banks is not None:
+            if k not in group.packed:
+                await self._pack_into(bucket, group.sources, group.banks.region(group.bank, bucket))
+                group.packed.add(k)
+            buffer, offset = group.banks.names(group.bank)[bucket.arena], bucket.offset
+            for t in want:
+                if t.alive and k not in t.have and k not in t.inflight:
+                    t.inflight[k] = None
+                    self._send(t, m.Pull(self.push_id, k, self.ep.name, buffer, offset))
+            return
+        if not group.slots:
+            group.slots, group.slot_tensors = self.pub._slot(group.layout)
+        slot = k % SLOTS
+        await self._until(lambda: not group.slot_users[slot])
+        await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
         for t in want:
             if t.alive and k not in t.have and k not in t.inflight:
                 t.inflight[k] = None
                 group.slot_users[slot].add(t.name)
                 self._send(t, m.Pull(self.push_id, k, self.ep.name, group.slots[slot], 0))
+
+    async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
+        pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, sources, dest))
+        self.pub._packing = pack
+        await asyncio.shield(pack)
+        self.packed_bytes += bucket.nbytes
+        if self.bar is not None:
+            self.bar.update(bucket.nbytes)
 
     def on_reply(self, t: _Target, r: m.Reply) -> None:
         if r.stage == "begin":
@@ -512,12 +607,18 @@ class _Run:
 
     def _release_slot(self, t: _Target, k: int, source: str | None) -> None:
         if source is None and t.group is not None:
-            t.group.slot_users[k % len(t.group.slots)].discard(t.name)
+            t.group.slot_users[k % SLOTS].discard(t.name)
 
     def _maybe_commit(self, t: _Target) -> None:
         if t.alive and t.begun and t.complete and not t.committing:
-            t.committing = True
-            self._send(t, m.Commit(self.push_id, self.version))
+            g = t.group
+            if not t.shared:
+                t.committing = True
+                self._send(t, m.Commit(self.push_id, self.version))
+            elif g is not None and g.sealed and g.bank is not None and g.banks is not None:
+                t.committing = True
+                self._send(t, m.Commit(self.push_id, self.version, g.bank, tuple(g.banks.names(g.bank)),
+                                       g.banks.path(g.bank)))
 
     def fail(self, t: _Target, exc: BaseException) -> None:
         if t.error is not None or t.committed:
@@ -586,8 +687,16 @@ class _Run:
         for t in self.targets.values():
             if t.alive:
                 self.fail(t, PushAbortedError(f"the push of version {self.version} stopped before {t.name} committed"))
+        for g in self.groups:
+            if g.bank is not None and g.banks is not None and not g.sealed:
+                g.banks.release(g.bank)  # unsealed: its stamp says it holds nothing, no commit names it
         if self.tasks:
             await asyncio.shield(asyncio.wait(list(self.tasks), timeout=2.0))
+
+
+def _plane_of(ep: transport.Endpoint, name: str) -> str:
+    p = ep.peers.get(name)
+    return p.plane if p is not None else "no channel"
 
 
 def _rejection(name: str, r: m.Reply) -> Exception:

@@ -11,7 +11,9 @@ a push that fails or is cancelled before its commit leaves the live weights
 untouched. ``mode="direct"`` trades that last property for memory: the live
 weights are the arena, written while readers are held off for the whole push,
 and a push that fails after its first byte leaves them *torn*: :meth:`hold`
-then waits for the next successful commit.
+then waits for the next successful commit. ``mode="shared"`` registers no
+arenas at all: it is sent no pulls, and its commit re-points the live weights
+into the publisher's bank that holds the version (:mod:`rl_sync.banks`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import transport
 from transport.errors import Phase
 
 from . import messages as m
+from .banks import BankLease, StaleBankError
 from .errors import RlSyncError
 from .plan import (
     MANIFEST_BUFFER,
@@ -51,8 +54,8 @@ __all__ = ["WeightSubscriber", "host_key", "live_tensors"]
 
 log = logging.getLogger("rl_sync.subscriber")
 
-MODES = ("staged", "swap", "direct")
-_REPOINTING = ("swap", "direct")  # modes that re-point the live tensors into arenas
+MODES = ("staged", "swap", "direct", "shared")
+_REPOINTING = ("swap", "direct", "shared")  # modes that re-point the live tensors into arenas
 
 
 def host_key() -> str:
@@ -142,6 +145,20 @@ class WeightSubscriber:
             its first byte landed leaves the weights torn (:attr:`torn`):
             :meth:`hold` waits until a later push commits. For models that
             cannot afford a second copy and can pause reading for a push.
+            ``"shared"``: no copy of the weights of its own: on the
+            publisher's host, every shared subscriber's live tensors point
+            into one of the publisher's banks (:mod:`rl_sync.banks`), mapped
+            read-only; a push is packed once into a bank no subscriber uses,
+            and the commit re-points the live tensors into it (as in swap,
+            with the same requirements). N local subscribers cost the
+            trainer one pass over the weights and themselves nothing. The
+            weights are read-only: writing into them kills the process
+            (SIGSEGV) instead of changing the other subscribers' weights.
+            :meth:`close` copies them into private memory first (one pass),
+            so the model keeps its last version and becomes writable.
+            Readers fault the pages of each bank in on their first pass
+            over it. A publisher on another host fails this subscriber's
+            entry (it cannot map the banks).
         arena_bytes: largest arena (a tensor larger than that gets an arena
             of its own).
         commit_timeout: how long a commit waits for readers to leave
@@ -169,10 +186,11 @@ class WeightSubscriber:
             if where:
                 raise ValueError(f"mode={mode!r} re-points CPU tensors; these are not on the CPU: {where} "
                                  "(use mode='staged')")
-        self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key())
-        nbanks = 2 if mode == "swap" else 1
+        self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key(), shared=mode == "shared")
+        nbanks = {"swap": 2, "shared": 0}.get(mode, 1)  # shared: the publisher's banks, mapped at commit
         self._banks = [[torch.empty(n, dtype=torch.uint8) for n in self.manifest.arenas] for _ in range(nbanks)]
         self._live_bank: int | None = None  # swap/direct: the bank the live tensors point into (None: their own memory)
+        self._lease: BankLease | None = None  # shared: the lock on the publisher's bank the live tensors point into
         self._torn = False  # direct: a push wrote into the live weights and did not commit
         self._plans: dict[int, tuple[list[Bucket], str]] = {}
         self._lock = RWLock()
@@ -317,6 +335,10 @@ class WeightSubscriber:
                 self._drop(push, "the subscriber was closed")
         for t in list(self._tasks):
             t.cancel()
+        if self._lease is not None:  # shared: the weights move out of the publisher's bank, then it is let go
+            self._detach()
+            self._lease.release()
+            self._lease = None
         if self.endpoint.is_open:
             self._unregister()
 
@@ -360,6 +382,8 @@ class WeightSubscriber:
                 push.progress = time.monotonic()
             if push is None or push.version != msg.version:
                 self._reply(note.peer, m.Reply(msg.push_id, "commit", -1, "no such push in progress", "other"))
+            elif self.mode == "shared":
+                self._spawn(self._commit_shared(push, msg))
             elif len(push.done) != len(push.buckets):
                 self._reply(note.peer, m.Reply(msg.push_id, "commit", -1,
                                                f"{len(push.buckets) - len(push.done)} buckets missing", "other"))
@@ -428,7 +452,7 @@ class WeightSubscriber:
             return
         if self.mode == "direct" and not await self._begin_direct(push):
             return
-        push.bank = 0 if self._live_bank is None or len(self._banks) == 1 else 1 - self._live_bank
+        push.bank = 0 if self._live_bank is None or len(self._banks) != 2 else 1 - self._live_bank
         if self._push is not None:  # (cannot be: every Begin drops it; kept as a guard)
             self._drop(self._push, f"superseded by push {push_id} of {peer}")
         self._push = push
@@ -558,6 +582,50 @@ class WeightSubscriber:
         log.debug("subscriber %s: committed version %d", self.endpoint.name, push.version)
         self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
 
+    async def _commit_shared(self, push: _Push, msg: m.Commit) -> None:
+        """Shared mode: map the publisher's bank, lock it shared, then (readers held off) re-point."""
+        def refuse(why: str, kind: str = "other") -> None:
+            self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, why, kind, self._version))
+
+        if len(msg.buffers) != len(self.manifest.arenas) or not msg.lock:
+            refuse(f"the commit names {len(msg.buffers)} bank arenas, the layout has {len(self.manifest.arenas)}",
+                   "plan")
+            return
+        try:
+            arenas = [await self.endpoint.map(push.publisher, name) for name in msg.buffers]
+            short = [i for i, (a, n) in enumerate(zip(arenas, self.manifest.arenas, strict=True)) if a.numel() < n]
+            if short:
+                refuse(f"bank arenas {short} are smaller than the layout's", "plan")
+                return
+            lease: BankLease | None = BankLease(msg.lock, push.version, push.push_id)
+        except (transport.TransportError, StaleBankError, OSError) as exc:
+            refuse(f"cannot use the publisher's bank {msg.bank}: {type(exc).__name__}: {exc}")
+            return
+        try:
+            if not await self._lock.acquire_write_async(self.commit_timeout):
+                refuse(f"readers held the weights for more than {self.commit_timeout} s", "timeout")
+                return
+            try:
+                if self._push is not push:  # aborted (or superseded) while waiting for the readers
+                    refuse("the push was aborted")
+                    return
+                self._repoint(msg.bank, arenas)
+                old, self._lease, lease = self._lease, lease, None
+                if old is not None:  # the weights left that bank: the publisher may rewrite it
+                    old.release()
+                with self._version_cond:
+                    self._version = push.version
+                    self._version_cond.notify_all()
+            finally:
+                self._lock.release_write()
+                if self._push is push:
+                    self._push = None
+        finally:
+            if lease is not None:  # not adopted: let the publisher have that bank back
+                lease.release()
+        log.debug("subscriber %s: committed version %d (shared bank %d)", self.endpoint.name, push.version, msg.bank)
+        self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
+
     def _commit_direct(self, push: _Push) -> None:
         if not push.locked or self._push is not push:
             self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was given up", "other",
@@ -580,6 +648,17 @@ class WeightSubscriber:
                 view.view(e.shape).copy_(self._live[e.name])
         self._repoint(0)
 
+    def _detach(self) -> None:
+        """Shared mode, at close: copy the live weights out of the publisher's bank into private
+        memory and re-point them there, so the model keeps its version after the bank is let go.
+        Readers may run meanwhile: both places hold the same bytes (the bank is still locked)."""
+        with torch.no_grad():
+            for t in self._live.values():
+                own = torch.empty(t.shape, dtype=t.dtype)
+                own.copy_(t)
+                t.set_(own.untyped_storage(), 0, own.shape, own.stride())
+        self._live_bank = None
+
     def _apply(self, bank: int) -> None:
         # views are taken here, not at construction: registering (at open) moves an arena into shared memory
         arenas = self._banks[bank]
@@ -588,8 +667,9 @@ class WeightSubscriber:
                 view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
                 self._live[e.name].copy_(view.view(e.shape))
 
-    def _repoint(self, bank: int) -> None:
-        arenas = self._banks[bank]
+    def _repoint(self, bank: int, arenas: list[torch.Tensor] | None = None) -> None:
+        """Point every live tensor into ``arenas`` (default: bank ``bank`` of this subscriber's own)."""
+        arenas = self._banks[bank] if arenas is None else arenas
         with torch.no_grad():
             for e in self.manifest.entries:
                 arena = arenas[e.arena]

@@ -53,6 +53,17 @@ def poisoned(dtype: str | torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
+def backing(addr: int) -> tuple[str, str]:
+    """The file mapped at ``addr`` in this process, and the mapping's permissions (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return (parts[5].strip() if len(parts) > 5 else "", parts[1])
+    return ("?", "?")
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests._remote import dtype_of, make_tensor, poisoned, same_bytes
+from tests._remote import backing, dtype_of, make_tensor, poisoned, same_bytes
 from transport.errors import TransportTimeoutError
 
 
@@ -93,6 +93,15 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
                 return v
         except TransportTimeoutError:
             return "timeout"
+    if cmd == "sub_backing":  # where the live tensors' bytes lie: {name: (mapped file, perms)} from /proc/self/maps
+        return {n: backing(t.data_ptr()) for n, t in state["model"].items() if t.numel()}
+    if cmd == "sub_buffers":
+        return sorted(ep.buffers)
+    if cmd == "sub_write":  # write into the live weights (shared mode: a read-only mapping, so SIGSEGV)
+        name = args[0]
+        with torch.no_grad():
+            state["model"][name].view(-1)[0] = 0
+        return "written"
     if cmd == "sub_close":
         sub.close()
         return None

@@ -178,7 +178,7 @@ async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, una
             assert "push v2" not in capfd.readouterr().err, "no bar unless asked for"
 
 
-@pytest.mark.parametrize("mode", ["staged", "swap", "direct"])
+@pytest.mark.parametrize("mode", ["staged", "swap", "direct", "shared"])
 async def test_readers_never_see_two_versions(store_url, uname, mode):
     """A reader loop inside hold() checks that every element of every tensor carries one version stamp."""
     spec = {"a": ("float32", (64, 64)), "b": ("float32", (4096,)), "c": ("float32", (3, 5))}
@@ -553,3 +553,157 @@ def test_blocking_subscriber(store_url, uname):
         if proc.is_alive():
             proc.kill()
             proc.join(10)
+
+
+# ---------------------------------------------------------------------------- shared mode
+def _bank_of(backing):
+    """The publisher bank every live tensor of one subscriber lies in (asserting it is one bank, read-only)."""
+    files = {f for f, _ in backing.values()}
+    perms = {p for _, p in backing.values()}
+    assert len(files) == 1 and "rl_sync/pub/" in next(iter(files)), backing
+    assert perms == {"r--s"}, f"a shared subscriber's weights must be a read-only mapping: {backing}"
+    return next(iter(files)).split("/bank")[1].split("/")[0]
+
+
+async def test_shared_mode_subscribers_read_one_packed_copy(store_url, uname):
+    """Three local subscribers in shared mode: their weights are the publisher's bank, mapped
+    read-only; they register no arenas; every byte is the trainer's cast; banks alternate."""
+    with generators(store_url, uname, 3, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            for g in gens:
+                assert g.call("sub_buffers") == ["rl_sync/manifest"], "shared mode registers no arenas"
+            banks = []
+            for v in (1, 2, 3):
+                report = await pub.push(seeded(TRAIN, v), v)
+                assert report.ok, report.summary()
+                assert report.packed_bytes == sum(report.results[gens[0].name].bytes for _ in (0,)), \
+                    "the trainer packs each byte once, whatever the number of subscribers"
+                held = set()
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+                    held.add(_bank_of(g.call("sub_backing")))
+                assert len(held) == 1, f"all subscribers read one bank: {held}"
+                banks.append(held.pop())
+            assert banks[0] != banks[1] and banks[1] != banks[2], f"a push writes the bank nobody reads: {banks}"
+            pub.close()
+
+
+async def test_shared_mode_next_to_copying_modes_in_one_layout(store_url, uname):
+    """Subscribers of one layout in shared, staged and swap mode: one pack into the bank, the
+    copying ones pull from it."""
+    gens = [RemoteEndpoint(uname(f"gen{i}"), store=store_url, timeout=20) for i in range(3)]
+    try:
+        for g, mode in zip(gens, ("shared", "staged", "swap"), strict=True):
+            g.call("sub_create", GEN, {"mode": mode})
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            for v in (1, 2):
+                report = await pub.push(seeded(TRAIN, v), v)
+                assert report.ok, report.summary()
+                assert report.packed_bytes == report.results[gens[0].name].bytes
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+            _bank_of(gens[0].call("sub_backing"))
+    finally:
+        for g in gens:
+            g.kill()
+
+
+async def test_shared_mode_stuck_subscriber_keeps_its_bank_and_others_go_on(store_url, uname, caplog):
+    """One subscriber keeps readers in hold() past its commit timeout: its weights stay on their
+    version (the bank is never rewritten under it), the others take every push (a bank is added
+    while all are held, and dropped once it is let go), and it catches up afterwards."""
+    with generators(store_url, uname, 3, mode="shared", commit_timeout=0.5) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            stuck, rest = gens[0], gens[1:]
+            stuck_bank = _bank_of(stuck.call("sub_backing"))
+            stuck.call("sub_hold", 6.0)
+            held_until = time.monotonic() + 6.0
+            for v in (2, 3, 4, 5):
+                report = await pub.push(seeded(TRAIN, v), v, timeout=3.0)
+                assert all(report.results[g.name].ok for g in rest), report.summary()
+                assert isinstance(report.results[stuck.name].error, transport.TransportTimeoutError)
+                for g in rest:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+                    assert _bank_of(g.call("sub_backing")) != stuck_bank
+            assert "bank 2 added" in caplog.text
+            await asyncio.sleep(max(0.0, held_until + 0.3 - time.monotonic()))
+            assert stuck.call("sub_version", timeout=30) == 1
+            assert all(stuck.call("sub_check", TRAIN, 1).values()), "the stuck subscriber's bank was rewritten"
+            for v in (6, 7, 8):
+                report = await pub.push(seeded(TRAIN, v), v)
+                assert report.ok, report.summary()
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+            assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2, "the extra bank is dropped once let go"
+
+
+async def test_shared_mode_dead_subscriber_lets_go_of_its_bank(store_url, uname):
+    """A killed shared subscriber fails its own entry only; its lock dies with it (no bank added),
+    and a restarted one maps the current bank at the next push. Writing into the weights kills
+    only the writer: the others' weights are untouched."""
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens, connect_timeout=2.0)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            with pytest.raises(Exception):  # noqa: B017 - the child dies of SIGSEGV: no reply comes
+                gens[1].call("sub_write", "embed.weight", timeout=10)
+            gens[1].proc.join(10)
+            assert gens[1].proc.exitcode == -signal.SIGSEGV
+            assert all(gens[0].call("sub_check", TRAIN, 1).values())
+            for v in (2, 3, 4):
+                report = await pub.push(seeded(TRAIN, v), v, timeout=5)
+                assert report.results[gens[0].name].ok, report.summary()
+                assert not report.results[gens[1].name].ok
+                assert all(gens[0].call("sub_check", TRAIN, v).values())
+            assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2, "a dead subscriber pins no bank"
+            reborn = RemoteEndpoint(gens[1].name, store=store_url, timeout=20)
+            try:
+                reborn.call("sub_create", GEN, {"mode": "shared"})
+                report = await pub.push(seeded(TRAIN, 5), 5)
+                assert report.ok, report.summary()
+                assert all(reborn.call("sub_check", TRAIN, 5).values())
+            finally:
+                reborn.kill()
+
+
+async def test_shared_mode_needs_the_publisher_on_its_host(store_url, uname):
+    """Over tcp (as from another host) a shared subscriber cannot map the banks: its entry fails
+    with a reason that says so; a staged subscriber in the same push is served."""
+    gens = [RemoteEndpoint(uname(f"gen{i}"), store=store_url, timeout=20, planes=("tcp",)) for i in range(2)]
+    try:
+        gens[0].call("sub_create", GEN, {"mode": "shared"})
+        gens[1].call("sub_create", GEN, {})
+        async with trainer(store_url, uname, planes=("tcp",)) as ep:
+            pub = cast_pub(ep, gens)
+            report = await pub.push(seeded(TRAIN, 1), 1)
+            err = report.results[gens[0].name].error
+            assert isinstance(err, rl_sync.RlSyncError) and "not on the publisher's host" in str(err), err
+            assert report.results[gens[1].name].ok
+            assert gens[0].call("sub_version") == 0
+            with pytest.raises(transport.PlaneUnavailableError, match="shm"):
+                await ep.map(gens[1].name, "rl_sync/manifest")
+    finally:
+        for g in gens:
+            g.kill()
+
+
+async def test_shared_mode_close_keeps_the_weights_and_lets_go_of_the_bank(store_url, uname):
+    """Closing a shared subscriber copies its weights out of the bank: it keeps its version, its
+    weights become writable, and the publisher may rewrite that bank (no bank is added)."""
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[1].call("sub_close")
+            pub.remove_subscriber(gens[1].name)
+            for v in (2, 3, 4):
+                assert (await pub.push(seeded(TRAIN, v), v)).ok
+            assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2
+            assert all(gens[1].call("sub_check", TRAIN, 1).values())
+            assert all(p == "rw-p" for _, p in gens[1].call("sub_backing").values())
+            assert gens[1].call("sub_write", "embed.weight") == "written"
+            assert all(gens[0].call("sub_check", TRAIN, 4).values())

@@ -127,6 +127,10 @@ class BlockingEndpoint:
         """See :meth:`Endpoint.get`."""
         self._call(self._ep.get(peer, tensors, timeout=timeout), timeout)
 
+    def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
+        """See :meth:`Endpoint.map`."""
+        return self._call(self._ep.map(peer, name, timeout=timeout), timeout)
+
     def notify(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
         """See :meth:`Endpoint.notify`."""
         self._call(self._ep.notify(peer, payload, timeout=timeout), timeout)

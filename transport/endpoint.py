@@ -41,7 +41,7 @@ from .hostinfo import local_host, same_host
 from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
-from .planes.shm import Segment, export_buffer
+from .planes.shm import Segment, ShmPlane, export_buffer
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
@@ -852,6 +852,50 @@ class Endpoint:
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
         await self._transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs))
+
+    async def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
+        """A read-only CPU tensor that *is* ``peer``'s registered buffer ``name``: no copy.
+
+        Only for a peer on this host whose channel runs the ``shm`` plane, and a
+        CPU buffer (anything else raises :class:`PlaneUnavailableError`, saying
+        why); :class:`UnknownBufferError` if the peer has no such buffer.
+        Connects first if needed; bounded by ``timeout`` (or the endpoint's),
+        cancellable like :meth:`connect`.
+
+        The tensor has the buffer's dtype and shape and shows the peer's bytes
+        as they are at each read: nothing orders reads with the peer's writes,
+        so the application arranges that (rl_sync's ``mode="shared"`` does it
+        with a lock per bank). The mapping is read-only: writing through the
+        tensor kills this process with SIGSEGV rather than change what the peer
+        and other readers see. It stays valid while the tensor (or a view of
+        it) lives, even after the peer unregisters the buffer or exits; it then
+        shows the bytes the buffer last held, not a buffer registered later
+        under the same name. Each call reads the peer's registry (one round
+        trip), so it maps the buffer registered under ``name`` at the call. One
+        mapping per peer segment is kept while the peer exports it, so mapping
+        the same buffer again costs no page faults.
+        """
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        await ch.sync_registry(deadline)  # the peer's registry as of now: never a buffer it has replaced
+        for retry in (False, True):
+            spec = ch.peer_specs.get(name)
+            if spec is None:
+                raise UnknownBufferError(f"peer {peer!r} has no buffer {name!r}")
+            if not isinstance(ch.plane, ShmPlane):
+                raise PlaneUnavailableError(
+                    f"map({peer!r}, {name!r}): the channel runs the {ch.plane.name} plane; mapping needs shm "
+                    "(a peer on this host, with shm allowed by planes= on both sides)")
+            if spec.device != "cpu":
+                raise PlaneUnavailableError(f"map({peer!r}, {name!r}): the buffer is on {spec.device}; "
+                                            "only CPU buffers can be mapped")
+            try:
+                return ch.plane.map_readonly(name)
+            except StaleBufferError:  # re-registered or unregistered since the registry was read
+                if retry:
+                    raise
+                await ch.sync_registry(deadline)
+        raise AssertionError("unreachable")
 
     async def _transfer(self, ch: Channel, kind: OpKind, tensors: _Tensors, deadline: float,
                         start: Callable[[Any, Any, list[Any]], Awaitable[None]]) -> None:

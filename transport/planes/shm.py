@@ -31,6 +31,7 @@ import asyncio
 import itertools
 import mmap
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,10 +125,12 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
 
 
-def _map(handle: ShmHandle) -> torch.Tensor:
+def _map(handle: ShmHandle, writable: bool = True) -> torch.Tensor:
+    """Map the peer's segment: its bytes as a uint8 tensor (``writable=False``: a read-only
+    mapping; a write through it is a SIGSEGV, so no reader can corrupt what others read)."""
     path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise StaleBufferError(f"shm: the peer closed its segment {path} (it unregistered the buffer)") from exc
     except OSError as exc:
@@ -141,10 +144,15 @@ def _map(handle: ShmHandle) -> torch.Tensor:
             )
         # no MAP_POPULATE: CPython holds the GIL through mmap(); pages fault in during the
         # first copy instead, which runs on a worker thread without the GIL
-        mm = mmap.mmap(fd, handle.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+        mm = mmap.mmap(fd, handle.size, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    if writable:
+        return torch.frombuffer(mm, dtype=torch.uint8)
+    with warnings.catch_warnings():  # torch warns that it cannot make the tensor read-only: the mapping is
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 class ShmPlane(DataPlane):
@@ -154,6 +162,7 @@ class ShmPlane(DataPlane):
     def __init__(self, channel) -> None:
         super().__init__(channel)
         self._maps: dict[int, torch.Tensor] = {}  # segment inode -> its bytes, mapped
+        self._ro_maps: dict[int, torch.Tensor] = {}  # the same, mapped read-only (Endpoint.map)
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -253,13 +262,33 @@ class ShmPlane(DataPlane):
         items = [it for it, _ in pairs]
         await self._copy(op, pairs, False, lambda ids: Get(op.op_id, op.seq, items, self.name, ids))
 
+    def map_readonly(self, name: str) -> torch.Tensor:
+        """The peer's buffer ``name`` as a read-only tensor of its dtype and shape, aliasing its
+        memory. One mapping per segment, cached like the copy path's (so its pages fault in once)."""
+        wb = self.channel.remote_wire.get(name)
+        spec = self.channel.peer_specs.get(name)
+        if wb is None or spec is None:
+            raise StaleBufferError(f"shm: peer {self.channel.peer_name!r} no longer exports {name!r}")
+        if spec.nbytes == 0:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        h = wb.shm
+        if h is None:
+            raise PlaneUnavailableError(f"shm: peer {self.channel.peer_name!r} exports no segment for {name!r} "
+                                        f"(a {spec.device} buffer)")
+        seg = self._ro_maps.get(h.inode)
+        if seg is None:
+            seg = self._ro_maps[h.inode] = _map(h, writable=False)
+        return seg[h.offset : h.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
     def registry_changed(self) -> None:
         live = {wb.shm.inode for wb in self.channel.remote_wire.values() if wb.shm is not None}
-        for inode in [i for i in list(self._maps) if i not in live]:
-            self._maps.pop(inode, None)
+        for maps in (self._maps, self._ro_maps):
+            for inode in [i for i in list(maps) if i not in live]:
+                maps.pop(inode, None)
 
     def close(self) -> None:
         self._maps.clear()
+        self._ro_maps.clear()
 
 
 class StagedShmPlane(ShmPlane):
