@@ -3,8 +3,8 @@
 
 Usage::
 
-    python bench/bench_rl_sync.py              # full run: ~355M params, 1 and 4 subscribers, both modes (~3 min)
-    python bench/bench_rl_sync.py --quick      # ~20M params, 1 and 2 subscribers, both modes (seconds; smoke test)
+    python bench/bench_rl_sync.py              # full run: ~355M params, 1 and 4 subscribers, every mode (~5 min)
+    python bench/bench_rl_sync.py --quick      # ~20M params, 1 and 2 subscribers, every mode (seconds; smoke test)
     python bench/bench_rl_sync.py [--params 350M] [--subscribers 1,4] [--modes staged,swap,direct,shared] [--reps N]
                                   [--rounds N] [--warmup N] [--buckets-mib 256[,64]] [--threads N] [--no-gloo]
                                   [--debug] [--json PATH]
@@ -40,7 +40,7 @@ Cases, every one between real processes (``spawn``):
   committed (the push's own completion rule), per mode, subscriber count
   and ``bucket_bytes``, after ``--warmup`` warm-up pushes per arena bank
   (planning, first-touch page faults of the arenas: staged has one bank,
-  swap two, filled alternately, so swap warms up with twice as many pushes).
+  swap and shared two, filled alternately, so they warm up with twice as many pushes).
 * **gloo broadcast/tensor**: what most RL frameworks do today. A process
   group over loopback, world = 1 trainer (this process, rank 0) + N
   receivers; the trainer casts each tensor to bfloat16 and broadcasts it,
