@@ -1,6 +1,7 @@
 """An RL loop on one machine: a trainer and generator processes, weights pushed with rl_sync.
 
-    python examples/rl_loop.py [--steps 30] [--generators 2] [--seed 0] [--device cpu|cuda] [--planes tcp] [-v]
+    python examples/rl_loop.py [--steps 30] [--generators 2] [--seed 0] [--device cpu|cuda] [--planes tcp]
+                               [--mode staged|swap|direct|shared] [-v]
 
 A small transformer policy (built in code, nothing downloaded; see
 ``_toy_rl.py``) learns to copy a 4-digit prompt by policy gradient. Each step:
@@ -15,6 +16,11 @@ A small transformer policy (built in code, nothing downloaded; see
 3. the trainer scores them, takes a REINFORCE step and pushes the next
    version to every generator (``WeightPublisher.push``), printing the
    version, the mean reward, the push time and its GB/s.
+
+The generators' ``WeightSubscriber`` mode is ``shared`` on the CPU (their
+weights are the trainer's bank, mapped read-only: one pack per push,
+whatever the number of generators) and ``staged`` on a GPU or over tcp;
+``--mode`` picks another.
 
 At the end each generator reports a sha256 of the weights it holds and the
 trainer checks that every one holds exactly its final weights. Exits
@@ -74,7 +80,7 @@ async def _generator(name: str, index: int, store: str, args: argparse.Namespace
     policy = toy.build_policy(args.seed + 1000 + index).to(device).eval()
     rng = torch.Generator().manual_seed(args.seed * 100 + index)
     ep = transport.Endpoint(name, store=store, planes=args.planes)
-    sub = rl_sync.WeightSubscriber(ep, policy)  # registered before opening: the trainer's first look finds it
+    sub = rl_sync.WeightSubscriber(ep, policy, mode=args.mode)  # registered before opening: the trainer finds it
     async with ep:
         stop = asyncio.Event()
 
@@ -147,7 +153,7 @@ async def trainer(args: argparse.Namespace) -> int:
             await collect(ep, "ready", names, procs, READY_TIMEOUT, role="generator")
             planes = ", ".join(f"{n} over {ep.peers[n].plane}" for n in names if n in ep.peers)
             print(f"trainer: policy of {nparams} parameters ({nparams * 4 / 2**10:.0f} KiB) on {device}; "
-                  f"{len(names)} generator(s) ({planes}); {args.batch} rollouts per step", flush=True)
+                  f"{len(names)} generator(s) ({planes}, mode {args.mode}); {args.batch} rollouts per step", flush=True)
             report = await pub.push(policy, version=1)
             if not report.ok:
                 raise SystemExit(f"FAILED: first push: {report.summary()}")
@@ -196,11 +202,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--planes", help="comma-separated transport planes to allow, e.g. tcp (default: the best one)")
+    ap.add_argument("--mode", choices=rl_sync.subscriber.MODES,
+                    help="the generators' WeightSubscriber mode (default: shared on the CPU, else staged)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO (planes, plans, pushes)")
     args = ap.parse_args()
     if args.steps < 1 or args.generators < 1 or args.batch < args.generators:
         ap.error("--steps and --generators must be >= 1 and --batch >= --generators")
     args.planes = tuple(args.planes.split(",")) if args.planes else None
+    if args.mode is None:  # shared needs CPU weights and the trainer reachable through shared memory
+        local = args.planes is None or "shm" in args.planes
+        args.mode = "shared" if args.device == "cpu" and local else "staged"
     args.log_level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=args.log_level, format="[trainer] %(name)s: %(message)s")
     torch.set_num_threads(1)
