@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import weakref
 
 import torch
 
@@ -56,20 +57,18 @@ def _stamp(version: int, push_id: int) -> bytes:
 class _Bank:
     """One bank: its registered arenas and its lock file (kept open)."""
 
-    def __init__(self, endpoint: transport.Endpoint, key: str, index: int, arenas: tuple[int, ...],
+    def __init__(self, endpoint: transport.Endpoint, prefix: str, key: str, index: int, arenas: tuple[int, ...],
                  lock_dir: str) -> None:
-        self.names = [f"rl_sync/pub/{key}/bank{index}/{i}" for i in range(len(arenas))]
+        self.names = [f"{prefix}{key}/bank{index}/{i}" for i in range(len(arenas))]
         self.path = os.path.join(lock_dir, f"{key}-{index}.lock")
         self.tensors: list[torch.Tensor] = []
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        _OPEN_FDS.add(self)
         try:
             os.pwrite(self.fd, _stamp(0, 0), 0)
             for name, n in zip(self.names, arenas, strict=True):
-                t = torch.empty(n, dtype=torch.uint8)
-                if name in endpoint.buffers:
-                    endpoint.unregister(name)
-                endpoint.register(name, t)  # moves it into shared memory
-                self.tensors.append(t)
+                # made in shared memory at once: no copy on the event loop, pages appear as packing writes them
+                self.tensors.append(endpoint.new_buffer(name, (n,)))
         except BaseException:
             self.close(endpoint)
             raise
@@ -85,7 +84,7 @@ class _Bank:
         for n in self.names:
             with contextlib.suppress(transport.TransportError):
                 if n in endpoint.buffers:
-                    endpoint.unregister(n)
+                    endpoint.unregister(n, discard=True)  # subscribers mapping it keep their mapping
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -106,9 +105,10 @@ class BankSet:
     and :meth:`seal`).
     """
 
-    def __init__(self, endpoint: transport.Endpoint, key: str, arenas: tuple[int, ...], keep: int,
+    def __init__(self, endpoint: transport.Endpoint, prefix: str, key: str, arenas: tuple[int, ...], keep: int,
                  lock_dir: str) -> None:
         self.endpoint = endpoint
+        self.prefix = prefix  # of the buffer names: unique to one publisher
         self.key = key
         self.arenas = arenas
         self.keep = keep
@@ -129,7 +129,7 @@ class BankSet:
     def _add(self) -> int:
         index = self._next
         self._next += 1
-        self._banks[index] = _Bank(self.endpoint, self.key, index, self.arenas, self.lock_dir)
+        self._banks[index] = _Bank(self.endpoint, self.prefix, self.key, index, self.arenas, self.lock_dir)
         self._order.insert(0, index)
         return index
 
@@ -200,6 +200,7 @@ class BankLease:
         """
         self.path = path
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        _OPEN_FDS.add(self)
         try:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -216,5 +217,26 @@ class BankLease:
     def release(self) -> None:
         """Let the publisher write this bank again (idempotent)."""
         if self._fd >= 0:
-            os.close(self._fd)  # closing the only descriptor drops the lock
+            os.close(self._fd)  # the last descriptor of the open file: the lock goes with it
             self._fd = -1
+
+    def _forget(self) -> None:
+        self._fd = -1
+
+
+def _close_in_child() -> None:
+    """After a fork, the child closes its copies of the lock files' descriptors: a forked child
+    (a DataLoader worker, a forking server) must not keep a bank locked, nor unlock one."""
+    for obj in list(_OPEN_FDS):
+        fd = obj.fd if isinstance(obj, _Bank) else obj._fd
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if isinstance(obj, _Bank):
+            obj.fd = -1
+        else:
+            obj._forget()
+
+
+_OPEN_FDS: weakref.WeakSet[_Bank | BankLease] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_close_in_child)

@@ -202,7 +202,9 @@ class WeightPublisher:
         self._push_ids = itertools.count(secrets.randbits(40))
         self._run: _Run | None = None
         self._lost: set[str] = set()  # subscribers lost or unreachable at the last push
-        self._packing: asyncio.Future[Any] | None = None
+        self._packing: set[asyncio.Future[Any]] = set()  # pack threads still running (a cancelled push's too)
+        # this publisher's registered buffers: slots and banks (several publishers may share an endpoint)
+        self._prefix = f"rl_sync/pub/{secrets.token_hex(4)}/"
         _attach(self)
 
     # ------------------------------------------------------------------ membership
@@ -235,7 +237,7 @@ class WeightPublisher:
         for names, _ in self._slots.values():
             for n in names:
                 with contextlib.suppress(transport.TransportError):
-                    self.endpoint.unregister(n)
+                    self.endpoint.unregister(n, discard=True)
         self._slots.clear()
         for bs in self._bank_sets.values():
             bs.close()
@@ -276,8 +278,8 @@ class WeightPublisher:
         t0 = time.monotonic()
         limit = self.endpoint.timeout if timeout is None else timeout
         report = PushReport(version)
-        if self._packing is not None:  # a cancelled push's last pack may still be writing a slot
-            await asyncio.wait([self._packing])
+        if self._packing:  # a cancelled push's packs may still be writing a slot or a bank
+            await asyncio.wait(set(self._packing))
         run = _Run(self, next(self._push_ids), version, t0 + min(limit, self.connect_timeout), t0)
         self._run = run
         try:
@@ -336,7 +338,16 @@ class WeightPublisher:
             if group is None:
                 group = groups[layout.digest] = _Group(layout.digest, layout, sources)
             if layout.shared and group.banks is None:
-                group.banks = self._bank_set(layout)
+                try:
+                    group.banks = self._bank_set(layout)
+                except Exception as exc:  # (memory, /dev/shm, the temp dir): the shared subscribers miss this push
+                    log.exception("publisher %s: no shared banks for layout %s", self.endpoint.name, layout.digest[:16])
+                    report.results[name] = SubscriberResult(error=RlSyncError(
+                        f"the publisher could not make its shared banks: {type(exc).__name__}: {exc}"),
+                        seconds=time.monotonic() - run.t0)
+                    if not group.targets:
+                        del groups[layout.digest]
+                    continue
             target = _Target(name, layout)
             target.group = group
             group.targets.append(target)
@@ -380,12 +391,12 @@ class WeightPublisher:
         have = self._slots.get(layout.digest)
         if have is not None and have[1][0].numel() >= size:
             return have
-        names = [f"rl_sync/pub/{layout.digest[:16]}/{i}" for i in range(SLOTS)]
-        tensors = [torch.empty(size, dtype=torch.uint8) for _ in names]
-        for n, t in zip(names, tensors, strict=True):
-            if n in self.endpoint.buffers:
-                self.endpoint.unregister(n)
-            self.endpoint.register(n, t)
+        names = [f"{self._prefix}{layout.digest[:16]}/slot{i}" for i in range(SLOTS)]
+        tensors = []
+        for n in names:
+            if n in self.endpoint.buffers:  # ours, too small: made again
+                self.endpoint.unregister(n, discard=True)
+            tensors.append(self.endpoint.new_buffer(n, (size,)))  # in shared memory at once: no copy
         self._slots[layout.digest] = (names, tensors)
         return names, tensors
 
@@ -394,8 +405,8 @@ class WeightPublisher:
         if bs is None:
             if self._lock_dir is None:
                 self._lock_dir = make_lock_dir(self.endpoint.name)
-            bs = self._bank_sets[layout.digest] = BankSet(self.endpoint, layout.digest[:16], layout.manifest.arenas,
-                                                          self.shared_banks, self._lock_dir)
+            bs = self._bank_sets[layout.digest] = BankSet(self.endpoint, self._prefix, layout.digest[:16],
+                                                          layout.manifest.arenas, self.shared_banks, self._lock_dir)
             log.info("publisher %s: %d shared banks of %.1f MiB for layout %s", self.endpoint.name,
                      self.shared_banks, sum(layout.manifest.arenas) / 2**20, layout.digest[:16])
         return bs
@@ -410,7 +421,7 @@ class WeightPublisher:
             if digest not in keep:
                 for n in self._slots.pop(digest)[0]:
                     with contextlib.suppress(transport.TransportError):
-                        self.endpoint.unregister(n)
+                        self.endpoint.unregister(n, discard=True)
 
     def _on_reply(self, note: transport.Notification) -> None:
         try:
@@ -564,7 +575,8 @@ class _Run:
 
     async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
         pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, sources, dest))
-        self.pub._packing = pack
+        self.pub._packing.add(pack)
+        pack.add_done_callback(self.pub._packing.discard)
         await asyncio.shield(pack)
         self.packed_bytes += bucket.nbytes
         if self.bar is not None:

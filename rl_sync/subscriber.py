@@ -35,7 +35,7 @@ import transport
 from transport.errors import Phase
 
 from . import messages as m
-from .banks import BankLease, StaleBankError
+from .banks import BankLease
 from .errors import RlSyncError
 from .plan import (
     MANIFEST_BUFFER,
@@ -154,8 +154,9 @@ class WeightSubscriber:
             trainer one pass over the weights and themselves nothing. The
             weights are read-only: writing into them kills the process
             (SIGSEGV) instead of changing the other subscribers' weights.
-            :meth:`close` copies them into private memory first (one pass),
-            so the model keeps its last version and becomes writable.
+            :meth:`close` copies them into private memory (one pass, once
+            no reader is in :meth:`hold`), so the model keeps its last
+            version and becomes writable.
             Readers fault the pages of each bank in on their first pass
             over it. A publisher on another host fails this subscriber's
             entry (it cannot map the banks).
@@ -188,9 +189,10 @@ class WeightSubscriber:
                                  "(use mode='staged')")
         self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key(), shared=mode == "shared")
         nbanks = {"swap": 2, "shared": 0}.get(mode, 1)  # shared: the publisher's banks, mapped at commit
-        self._banks = [[torch.empty(n, dtype=torch.uint8) for n in self.manifest.arenas] for _ in range(nbanks)]
+        self._banks: list[list[torch.Tensor]] = []
         self._live_bank: int | None = None  # swap/direct: the bank the live tensors point into (None: their own memory)
         self._lease: BankLease | None = None  # shared: the lock on the publisher's bank the live tensors point into
+        self._leaving: asyncio.Task[None] | None = None  # shared, closed while readers held: leaves the bank after
         self._torn = False  # direct: a push wrote into the live weights and did not commit
         self._plans: dict[int, tuple[list[Bucket], str]] = {}
         self._lock = RWLock()
@@ -206,9 +208,11 @@ class WeightSubscriber:
         manifest_bytes = encode_manifest(self.manifest)
         self._manifest_tensor = torch.frombuffer(bytearray(manifest_bytes), dtype=torch.uint8)
         try:
-            for bank, arenas in enumerate(self._banks):
-                for i, arena in enumerate(arenas):
-                    endpoint.register(arena_name(bank, i), arena)
+            for bank in range(nbanks):
+                self._banks.append([])
+                for i, n in enumerate(self.manifest.arenas):
+                    # in shared memory at once (with shm allowed): no copy, pages appear as pulls write them
+                    self._banks[bank].append(endpoint.new_buffer(arena_name(bank, i), (n,)))
                     self._names.append(arena_name(bank, i))
             endpoint.register(MANIFEST_BUFFER, self._manifest_tensor)
             self._names.append(MANIFEST_BUFFER)
@@ -336,9 +340,7 @@ class WeightSubscriber:
         for t in list(self._tasks):
             t.cancel()
         if self._lease is not None:  # shared: the weights move out of the publisher's bank, then it is let go
-            self._detach()
-            self._lease.release()
-            self._lease = None
+            self._leave_bank()
         if self.endpoint.is_open:
             self._unregister()
 
@@ -598,7 +600,7 @@ class WeightSubscriber:
                 refuse(f"bank arenas {short} are smaller than the layout's", "plan")
                 return
             lease: BankLease | None = BankLease(msg.lock, push.version, push.push_id)
-        except (transport.TransportError, StaleBankError, OSError) as exc:
+        except Exception as exc:  # (transport, stale bank, lock file, a view that does not fit): refused, answered
             refuse(f"cannot use the publisher's bank {msg.bank}: {type(exc).__name__}: {exc}")
             return
         try:
@@ -609,7 +611,11 @@ class WeightSubscriber:
                 if self._push is not push:  # aborted (or superseded) while waiting for the readers
                     refuse("the push was aborted")
                     return
-                self._repoint(msg.bank, arenas)
+                try:
+                    self._repoint(msg.bank, arenas)
+                except Exception as exc:  # nothing moved (every place is checked first)
+                    refuse(f"the bank does not fit the layout: {type(exc).__name__}: {exc}", "plan")
+                    return
                 old, self._lease, lease = self._lease, lease, None
                 if old is not None:  # the weights left that bank: the publisher may rewrite it
                     old.release()
@@ -648,16 +654,35 @@ class WeightSubscriber:
                 view.view(e.shape).copy_(self._live[e.name])
         self._repoint(0)
 
-    def _detach(self) -> None:
-        """Shared mode, at close: copy the live weights out of the publisher's bank into private
-        memory and re-point them there, so the model keeps its version after the bank is let go.
-        Readers may run meanwhile: both places hold the same bytes (the bank is still locked)."""
-        with torch.no_grad():
-            for t in self._live.values():
-                own = torch.empty(t.shape, dtype=t.dtype)
-                own.copy_(t)
-                t.set_(own.untyped_storage(), 0, own.shape, own.stride())
-        self._live_bank = None
+    def _leave_bank(self) -> None:
+        """Shared mode, at close: once no reader is in :meth:`hold` (now, or when the last one
+        leaves), copy the live weights out of the publisher's bank into private memory, re-point
+        them there and let the bank go: the model keeps its version and the publisher may then
+        rewrite the bank. Until then the bank stays locked (a reader's views of it stay valid)."""
+        if self._lock.acquire_write(0):
+            self._detach_locked()
+            return
+
+        async def later() -> None:
+            await self._lock.acquire_write_async(None)
+            self._detach_locked()
+
+        self._leaving = asyncio.get_running_loop().create_task(later())
+
+    def _detach_locked(self) -> None:
+        """With the writer lock had: move the weights into private memory, release bank and lock."""
+        try:
+            with torch.no_grad():
+                for t in self._live.values():
+                    own = torch.empty(t.shape, dtype=t.dtype)
+                    own.copy_(t)
+                    t.set_(own.untyped_storage(), 0, own.shape, own.stride())
+            self._live_bank = None
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+        finally:
+            self._lock.release_write()
 
     def _apply(self, bank: int) -> None:
         # views are taken here, not at construction: registering (at open) moves an arena into shared memory
@@ -670,14 +695,18 @@ class WeightSubscriber:
     def _repoint(self, bank: int, arenas: list[torch.Tensor] | None = None) -> None:
         """Point every live tensor into ``arenas`` (default: bank ``bank`` of this subscriber's own)."""
         arenas = self._banks[bank] if arenas is None else arenas
+        moves = []  # every place is checked before any tensor moves: a bad layout leaves them all as they were
+        for e in self.manifest.entries:
+            arena = arenas[e.arena]
+            size = dtype_from_name(e.dtype).itemsize
+            start = arena.storage_offset() + e.offset
+            if start % size or e.offset + e.nbytes > arena.numel():
+                raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}, or the entry "
+                                   f"overruns its arena of {arena.numel()} bytes")
+            moves.append((self._live[e.name], arena.untyped_storage(), start // size, e.shape))
         with torch.no_grad():
-            for e in self.manifest.entries:
-                arena = arenas[e.arena]
-                size = dtype_from_name(e.dtype).itemsize
-                start = arena.storage_offset() + e.offset
-                if start % size:
-                    raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}")
-                self._live[e.name].set_(arena.untyped_storage(), start // size, e.shape, _contiguous_strides(e.shape))
+            for t, storage, offset, shape in moves:
+                t.set_(storage, offset, shape, _contiguous_strides(shape))
         self._live_bank = bank
 
     def _reply(self, peer: str, reply: m.Reply) -> None:

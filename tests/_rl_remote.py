@@ -85,6 +85,29 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
         state["holder"] = asyncio.ensure_future(hold())
         await asyncio.sleep(0.05)
         return None
+    if cmd == "sub_hold_views":  # hold for `seconds` with views taken at the start: do they keep their bytes?
+        seconds = args[0]
+
+        async def hold_views() -> bool:
+            async with sub.hold():
+                views = [t.view(-1) for t in state["model"].values()]
+                before = [v.clone() for v in views]
+                await asyncio.sleep(seconds)
+                return all(bool((v == b).all()) for v, b in zip(views, before, strict=True))
+
+        state["views_holder"] = asyncio.ensure_future(hold_views())
+        await asyncio.sleep(0.05)
+        return None
+    if cmd == "sub_hold_views_result":
+        return await state.pop("views_holder")
+    if cmd == "sub_fork_child":  # a forked child (no exec) that lives `seconds`, as a DataLoader worker does
+        import os
+
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(args[0])  # noqa: ASYNC251 - the forked child has no event loop to run
+            os._exit(0)
+        return pid
     if cmd == "sub_torn":
         return sub.torn
     if cmd == "sub_try_hold":  # hold() with a timeout: the version held, or "timeout"

@@ -14,6 +14,7 @@ import torch
 from torch.distributed import TCPStore
 
 import transport
+from tests._remote import backing
 from transport import errors
 
 
@@ -49,6 +50,27 @@ async def test_register_and_buffer_specs(pair):
         b.unregister("w")
     await asyncio.sleep(0.2)
     assert "w" not in peer.buffers
+
+
+async def test_new_buffer_is_registered_zeros_and_discard_skips_the_copy_back(pair):
+    a, b = pair
+    t = b.new_buffer("fresh", (64, 3), torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.shape == (64, 3) and not t.any()
+    assert b.buffers["fresh"] == transport.BufferSpec("fresh", torch.bfloat16, torch.Size([64, 3]), "cpu", 384)
+    if "shm" in b.planes:  # made in its segment: registering moved nothing
+        assert "memfd:transport:fresh" in backing(t.data_ptr())[0]
+    data = torch.randn(64, 3).to(torch.bfloat16)
+    await a.put(b.name, {"fresh": data})
+    assert torch.equal(t, data)
+    assert b.new_buffer("none", (0, 5), torch.float32).shape == (0, 5)
+    with pytest.raises(transport.BufferMismatchError):
+        b.new_buffer("fresh", (2,), torch.float32)
+    with pytest.raises(transport.InvalidTensorError):
+        b.new_buffer("bad", (-1,), torch.float32)
+    b.unregister("fresh", discard=True)
+    assert t.numel() == 0, "discard leaves the tensor empty"
+    with pytest.raises(transport.UnknownBufferError):
+        await a.put(b.name, {"fresh": data})
 
 
 async def test_registered_parameter_keeps_working(pair):

@@ -707,3 +707,77 @@ async def test_shared_mode_close_keeps_the_weights_and_lets_go_of_the_bank(store
             assert all(p == "rw-p" for _, p in gens[1].call("sub_backing").values())
             assert gens[1].call("sub_write", "embed.weight") == "written"
             assert all(gens[0].call("sub_check", TRAIN, 4).values())
+
+
+async def test_shared_mode_close_waits_for_readers_before_letting_go_of_the_bank(store_url, uname):
+    """Closed while a reader holds views of the weights: the bank stays locked (the publisher adds
+    one meanwhile) until the reader leaves, so its views never change inside hold()."""
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[1].call("sub_hold_views", 3.0)
+            gens[1].call("sub_close")
+            pub.remove_subscriber(gens[1].name)
+            for v in (2, 3, 4):
+                assert (await pub.push(seeded(TRAIN, v), v)).ok
+            assert gens[1].call("sub_hold_views_result", timeout=30), "a reader's views changed inside hold()"
+            assert all(gens[1].call("sub_check", TRAIN, 1).values())
+            assert all(p == "rw-p" for _, p in gens[1].call("sub_backing").values())
+            for v in (5, 6):
+                assert (await pub.push(seeded(TRAIN, v), v)).ok
+            assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2, "the bank is let go once the reader left"
+
+
+async def test_shared_mode_a_forked_child_does_not_pin_a_bank(store_url, uname):
+    """A subscriber forks a child (no exec) that outlives several pushes: the child must not keep
+    the subscriber's old bank locked, so no bank is added."""
+    with generators(store_url, uname, 1, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[0].call("sub_fork_child", 8.0)
+            for v in (2, 3, 4, 5):
+                assert (await pub.push(seeded(TRAIN, v), v)).ok
+                assert all(gens[0].call("sub_check", TRAIN, v).values())
+            assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2, "the forked child pinned a bank"
+
+
+async def test_shared_mode_two_publishers_on_one_endpoint_keep_their_banks_apart(store_url, uname):
+    """Two publishers of one layout on one endpoint, each with its own shared subscriber: neither
+    ever reads the other's weights."""
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            pa = rl_sync.WeightPublisher(ep, [gens[0].name], dtype="auto", bucket_bytes=BUCKET)
+            pb = rl_sync.WeightPublisher(ep, [gens[1].name], dtype="auto", bucket_bytes=BUCKET)
+            for v in (1, 2, 3):
+                assert (await pa.push(seeded(TRAIN, 10 + v), v)).ok
+                assert (await pb.push(seeded(TRAIN, 20 + v), v)).ok
+                assert all(gens[0].call("sub_check", TRAIN, 10 + v).values())
+                assert all(gens[1].call("sub_check", TRAIN, 20 + v).values())
+            pa.close()
+            pb.close()
+            assert not [n for n in ep.buffers if n.startswith("rl_sync/pub/")], "close unregisters every bank"
+
+
+async def test_shared_banks_that_cannot_be_made_fail_only_the_shared_subscribers(store_url, uname, monkeypatch):
+    """Making the banks fails (here: no room for the lock directory): the shared subscriber's
+    entry fails with the reason, the copying subscriber of the same layout is served."""
+    gens = [RemoteEndpoint(uname(f"gen{i}"), store=store_url, timeout=20) for i in range(2)]
+    try:
+        gens[0].call("sub_create", GEN, {"mode": "shared"})
+        gens[1].call("sub_create", GEN, {})
+        def no_room(owner):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(rl_sync.publisher, "make_lock_dir", no_room)
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            report = await pub.push(seeded(TRAIN, 1), 1)
+            err = report.results[gens[0].name].error
+            assert isinstance(err, rl_sync.RlSyncError) and "shared banks" in str(err), err
+            assert report.results[gens[1].name].ok
+            assert all(gens[1].call("sub_check", TRAIN, 1).values())
+    finally:
+        for g in gens:
+            g.kill()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -110,9 +111,13 @@ class BlockingEndpoint:
         """See :meth:`Endpoint.register`."""
         return self._call(_as_coro(self._ep.register, name, tensor), None)
 
-    def unregister(self, name: str) -> None:
+    def new_buffer(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """See :meth:`Endpoint.new_buffer`."""
+        return self._call(_as_coro(self._ep.new_buffer, name, shape, dtype), None)
+
+    def unregister(self, name: str, *, discard: bool = False) -> None:
         """See :meth:`Endpoint.unregister`."""
-        self._call(_as_coro(self._ep.unregister, name), None)
+        self._call(_as_coro(functools.partial(self._ep.unregister, discard=discard), name), None)
 
     def connect(self, peer: str, timeout: float | None = None) -> Peer:
         """See :meth:`Endpoint.connect`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -41,7 +42,7 @@ from .hostinfo import local_host, same_host
 from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
-from .planes.shm import Segment, ShmPlane, export_buffer
+from .planes.shm import Segment, ShmPlane, export_buffer, new_segment
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
@@ -387,7 +388,36 @@ class Endpoint:
         self._registry_changed()
         return buf.spec
 
-    def unregister(self, name: str) -> None:
+    def new_buffer(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Register a new zero-filled CPU tensor under ``name`` and return it. Non-blocking.
+
+        Like ``register(name, torch.zeros(shape, dtype=dtype))``, but with the
+        ``shm`` plane allowed the tensor is made in shared memory from the
+        start: nothing is copied, and its pages are zero-filled by the kernel
+        when first touched (by whoever writes it first), so a buffer of many
+        GiB costs the event loop microseconds. Same errors as :meth:`register`.
+        """
+        if self._state in ("closing", "closed"):
+            raise EndpointClosedError(f"endpoint {self.name!r} is closed")
+        shape = tuple(shape)
+        if not isinstance(dtype, torch.dtype) or any(not isinstance(d, int) or d < 0 for d in shape):
+            raise InvalidTensorError(f"{name!r}: new_buffer needs a torch.dtype and a shape of ints >= 0, "
+                                     f"got {dtype!r} and {shape!r}")
+        if "shm" not in self.planes or torch.Size(shape).numel() == 0:
+            tensor = torch.zeros(shape, dtype=dtype)
+            self.register(name, tensor)
+            return tensor
+        seg, tensor = new_segment(name, shape, dtype)
+        self._segments.append(seg)  # the tensor lies in it: registering shares it, without a copy
+        try:
+            self.register(name, tensor)
+        except BaseException:
+            self._segments.remove(seg)
+            os.close(seg.fd)
+            raise
+        return tensor
+
+    def unregister(self, name: str, *, discard: bool = False) -> None:
         """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`. Non-blocking.
 
         If the tensor lived alone in a shared-memory segment, its bytes are copied
@@ -396,8 +426,14 @@ class Endpoint:
         write into it again. Other tensor objects that shared its storage keep
         the shared segment and no longer alias it. A tensor that shares a segment
         with other registered buffers (a view of an arena) stays where it is.
+        ``discard=True`` (for a buffer its owner is done with) skips that copy:
+        the tensor object is left empty (no elements) instead.
         """
         buf = self._registry.remove(name)
+        if discard:
+            t = buf.tensor
+            with torch.no_grad():
+                t.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage(), 0, (0,), (1,))
         self._unexport(buf, detach=True)
         self._registry_changed()
 

@@ -44,7 +44,7 @@ from ..staging import stage_out
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
 from .base import DataPlane
 
-__all__ = ["Segment", "ShmExport", "ShmPlane", "StagedShmPlane", "export_buffer"]
+__all__ = ["Segment", "ShmExport", "ShmPlane", "StagedShmPlane", "export_buffer", "new_segment"]
 
 # Copies of at least this many bytes per op run on a worker thread so the event loop stays free.
 THREAD_COPY_BYTES = 1 << 20
@@ -123,6 +123,22 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None
     segments[:] = [s for s in segments if s.fd >= 0]
     segments.append(seg)
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
+
+
+def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Segment, torch.Tensor]:
+    """A zero-filled tensor that lives in a new memfd segment from the start (no copy: the kernel
+    provides zero pages on first touch). The segment has no buffer yet (``refs == 0``): a
+    registration of the tensor shares it (:func:`export_buffer`)."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    fd = os.memfd_create(f"transport:{name}"[:200], os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        t = torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
+        return Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage(), refs=0), t
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _map(handle: ShmHandle, writable: bool = True) -> torch.Tensor:
