@@ -414,12 +414,13 @@ async def test_direct_mode_waits_longer_for_the_first_pull(store_url, uname):
 
 
 # ---------------------------------------------------------------------------- failures
-async def test_cancelled_push_is_never_committed(store_url, uname):
-    with generators(store_url, uname, 2) as gens:
+@pytest.mark.parametrize("mode", ["staged", "shared"])
+async def test_cancelled_push_is_never_committed(store_url, uname, mode):
+    with generators(store_url, uname, 2, mode=mode) as gens:
         async with trainer(store_url, uname) as ep:
             pub = cast_pub(ep, gens)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
-            gens[1].signal(signal.SIGSTOP)  # its pulls stall, so the push is stuck mid-way
+            gens[1].signal(signal.SIGSTOP)  # its pulls (shared: its Begin) stall, so the push is stuck mid-way
             push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2))
             await asyncio.sleep(1.0)
             assert not push.done()
