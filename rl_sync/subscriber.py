@@ -116,7 +116,8 @@ class WeightSubscriber:
     """Receives versioned weight pushes into ``model_or_state_dict``.
 
     Constructing it registers its buffers on ``endpoint`` (one staging arena
-    per ``arena_bytes`` of weights, plus a small manifest) and starts serving
+    per ``arena_bytes`` of weights, per bank, plus a small manifest; shared
+    mode: the manifest only) and starts serving
     pushes for as long as the endpoint is open; the endpoint may be open
     already or opened later. Call it on the endpoint's event loop thread.
 
