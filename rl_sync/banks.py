@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import threading
 import weakref
 
 import torch
@@ -62,8 +63,9 @@ class _Bank:
         self.names = [f"{prefix}{key}/bank{index}/{i}" for i in range(len(arenas))]
         self.path = os.path.join(lock_dir, f"{key}-{index}.lock")
         self.tensors: list[torch.Tensor] = []
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        _OPEN_FDS.add(self)
+        with _FORK_LOCK:  # a fork between the open and the add would leave the child a lock it keeps
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            _OPEN_FDS.add(self)
         try:
             os.pwrite(self.fd, _stamp(0, 0), 0)
             for name, n in zip(self.names, arenas, strict=True):
@@ -199,8 +201,9 @@ class BankLease:
         something else, ``OSError`` if the lock file cannot be opened.
         """
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        _OPEN_FDS.add(self)
+        with _FORK_LOCK:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            _OPEN_FDS.add(self)
         try:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -212,6 +215,7 @@ class BankLease:
                                      f"not version {version} of push {push_id}")
         except BaseException:
             os.close(self._fd)
+            self._fd = -1
             raise
 
     def release(self) -> None:
@@ -227,6 +231,8 @@ class BankLease:
 def _close_in_child() -> None:
     """After a fork, the child closes its copies of the lock files' descriptors: a forked child
     (a DataLoader worker, a forking server) must not keep a bank locked, nor unlock one."""
+    global _FORK_LOCK
+    _FORK_LOCK = threading.Lock()  # (the parent's was held across the fork)
     for obj in list(_OPEN_FDS):
         fd = obj.fd if isinstance(obj, _Bank) else obj._fd
         if fd >= 0:
@@ -239,4 +245,6 @@ def _close_in_child() -> None:
 
 
 _OPEN_FDS: weakref.WeakSet[_Bank | BankLease] = weakref.WeakSet()
-os.register_at_fork(after_in_child=_close_in_child)
+_FORK_LOCK = threading.Lock()  # held around opening a lock file and around fork()
+os.register_at_fork(before=lambda: _FORK_LOCK.acquire(), after_in_parent=lambda: _FORK_LOCK.release(),
+                    after_in_child=_close_in_child)

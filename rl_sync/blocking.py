@@ -58,6 +58,9 @@ class BlockingWeightSubscriber:
             yield v
 
     def close(self) -> None:
-        """Stop serving pushes (idempotent)."""
+        """Stop serving pushes (idempotent). Shared mode: the weights leave the publisher's bank
+        (see :meth:`WeightSubscriber.close`), even once the endpoint is closed."""
         if self._bep.endpoint.is_open:
             self._bep.call_in_loop(self._sub.close)
+        else:
+            self._sub._leave_bank()  # (thread-safe; the rest of close() needs the endpoint's loop)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["RWLock"]
 
@@ -22,6 +23,7 @@ class RWLock:
         self._readers = 0
         self._writer = False
         self._writers_waiting = 0
+        self.on_idle: Callable[[], None] | None = None  # called (outside the lock) when the last reader leaves
 
     def try_acquire_read(self) -> bool:
         with self._cond:
@@ -47,8 +49,12 @@ class RWLock:
             if self._readers <= 0:
                 raise RuntimeError("release_read without a reader")
             self._readers -= 1
-            if self._readers == 0:
+            idle = self._readers == 0
+            if idle:
                 self._cond.notify_all()
+        hook = self.on_idle
+        if idle and hook is not None:
+            hook()
 
     def acquire_write(self, timeout: float | None = None) -> bool:
         """Blocks until every reader has left; False at the timeout (the lock is then not held)."""

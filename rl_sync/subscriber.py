@@ -193,7 +193,6 @@ class WeightSubscriber:
         self._banks: list[list[torch.Tensor]] = []
         self._live_bank: int | None = None  # swap/direct: the bank the live tensors point into (None: their own memory)
         self._lease: BankLease | None = None  # shared: the lock on the publisher's bank the live tensors point into
-        self._leaving: asyncio.Task[None] | None = None  # shared, closed while readers held: leaves the bank after
         self._torn = False  # direct: a push wrote into the live weights and did not commit
         self._plans: dict[int, tuple[list[Bucket], str]] = {}
         self._lock = RWLock()
@@ -657,31 +656,32 @@ class WeightSubscriber:
 
     def _leave_bank(self) -> None:
         """Shared mode, at close: once no reader is in :meth:`hold` (now, or when the last one
-        leaves), copy the live weights out of the publisher's bank into private memory, re-point
-        them there and let the bank go: the model keeps its version and the publisher may then
-        rewrite the bank. Until then the bank stays locked (a reader's views of it stay valid)."""
-        if self._lock.acquire_write(0):
-            self._detach_locked()
+        leaves, in whichever thread or task that is), copy the live weights out of the
+        publisher's bank into private memory, re-point them there and let the bank go: the model
+        keeps its version and the publisher may then rewrite the bank. Until then the bank stays
+        locked, so a reader's views of it stay valid. Nothing waits for the readers (no task, no
+        waiting writer): new and nested holds go on as before. Any thread."""
+        if self._lease is None:
             return
+        self._lock.on_idle = self._try_leave
+        self._try_leave()
 
-        async def later() -> None:
-            await self._lock.acquire_write_async(None)
-            self._detach_locked()
-
-        self._leaving = asyncio.get_running_loop().create_task(later())
-
-    def _detach_locked(self) -> None:
-        """With the writer lock had: move the weights into private memory, release bank and lock."""
+    def _try_leave(self) -> None:
+        if self._lease is None or not self._lock.acquire_write(0):
+            return  # readers are in hold(): the last one to leave calls this again
         try:
+            self._lock.on_idle = None
             with torch.no_grad():
                 for t in self._live.values():
                     own = torch.empty(t.shape, dtype=t.dtype)
                     own.copy_(t)
                     t.set_(own.untyped_storage(), 0, own.shape, own.stride())
             self._live_bank = None
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
+            self._lease.release()
+            self._lease = None
+        except Exception:  # (out of memory): keep the bank locked, so the weights stay whole where they are
+            log.exception("subscriber %s: could not copy the weights out of the publisher's bank at close; "
+                          "the bank stays locked while this process lives", self.endpoint.name)
         finally:
             self._lock.release_write()
 

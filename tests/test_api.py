@@ -73,6 +73,21 @@ async def test_new_buffer_is_registered_zeros_and_discard_skips_the_copy_back(pa
         await a.put(b.name, {"fresh": data})
 
 
+async def test_new_buffer_segments_are_closed_without_an_open(store_url, uname):
+    """Made before the endpoint opens, a buffer's segment waits for its export at open; unregistered
+    or closed before that, the segment is closed (nothing leaks, and a failed registration says why)."""
+    ep = transport.Endpoint(uname("x"), store=store_url)
+    kept = [ep.new_buffer(f"b{i}", (1000,)) for i in range(3)]
+    ep.unregister("b0")
+    assert len([s for s in ep._segments if s.fd >= 0]) == 2
+    with pytest.raises(transport.BufferMismatchError):
+        ep.new_buffer("b1", (1000,))
+    assert len([s for s in ep._segments if s.fd >= 0]) == 2
+    await ep.close()  # never opened
+    assert not [s for s in ep._segments if s.fd >= 0]
+    assert all(t.shape == (1000,) and not t.any() for t in kept)  # the tensors stay valid
+
+
 async def test_registered_parameter_keeps_working(pair):
     a, b = pair
     lin = torch.nn.Linear(4, 3)

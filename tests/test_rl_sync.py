@@ -15,7 +15,7 @@ import rl_sync
 import transport
 from rl_sync.fanout import assign_sources
 from rl_sync.plan import build_manifest, check_sources, make_buckets, plan_hash
-from tests._remote import RemoteEndpoint
+from tests._remote import RemoteEndpoint, backing, same_bytes
 from tests._rl_remote import blocking_generator, seeded, stamped
 
 # the subscriber's layout: several dtypes, a 0-d and an empty tensor, one tensor larger than a bucket
@@ -719,6 +719,7 @@ async def test_shared_mode_close_waits_for_readers_before_letting_go_of_the_bank
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
             gens[1].call("sub_hold_views", 3.0)
             gens[1].call("sub_close")
+            assert gens[1].call("sub_try_hold", 1.0) == 1, "a hold after close must not wait for the leave"
             pub.remove_subscriber(gens[1].name)
             for v in (2, 3, 4):
                 assert (await pub.push(seeded(TRAIN, v), v)).ok
@@ -782,3 +783,48 @@ async def test_shared_banks_that_cannot_be_made_fail_only_the_shared_subscribers
     finally:
         for g in gens:
             g.kill()
+
+
+def test_shared_mode_blocking_subscriber_leaves_the_bank_when_its_last_reader_does(store_url, uname):
+    """A blocking subscriber closed, with its endpoint, while a thread is in hold(): when that
+    reader leaves, the weights move to private memory and the bank is let go."""
+    import threading
+
+    async def main() -> None:
+        async with trainer(store_url, uname) as ep:
+            other = RemoteEndpoint(uname("gen"), store=store_url, timeout=20)
+            try:
+                other.call("sub_create", GEN, {"mode": "shared"})
+                bep = transport.BlockingEndpoint(uname("bgen"), store=store_url, timeout=20)
+                model = {n: torch.zeros(sh, dtype=getattr(torch, dt)) for n, (dt, sh) in GEN.items()}
+                sub = rl_sync.BlockingWeightSubscriber(bep, model, mode="shared")
+                pub = cast_pub(ep, [other, bep])
+                assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+                inside, leave = threading.Event(), threading.Event()
+
+                def reader() -> None:
+                    with sub.hold():
+                        inside.set()
+                        leave.wait(30)
+
+                t = threading.Thread(target=reader)
+                t.start()
+                assert await asyncio.to_thread(inside.wait, 10)
+                await asyncio.to_thread(sub.close)
+                await asyncio.to_thread(bep.close)
+                pub.remove_subscriber(bep.name)
+                for v in (2, 3):
+                    assert (await pub.push(seeded(TRAIN, v), v)).ok
+                assert backing(model["embed.weight"].data_ptr())[1] == "r--s", "still in the bank while read"
+                leave.set()
+                await asyncio.to_thread(t.join, 10)
+                assert backing(model["embed.weight"].data_ptr())[1] == "rw-p"
+                want = seeded(TRAIN, 1)
+                assert all(same_bytes(model[n], want[n].to(model[n].dtype)) for n in GEN)
+                for v in (4, 5):
+                    assert (await pub.push(seeded(TRAIN, v), v)).ok
+                assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2, "the bank was let go"
+            finally:
+                other.kill()
+
+    asyncio.run(main())

@@ -296,6 +296,7 @@ class Endpoint:
         if self._state in ("closed", "closing", "new"):
             if self._state == "new":
                 self._rdv.close()
+                self._close_unexported()
             self._state = "closed"
             return
         self._state = "closing"
@@ -330,6 +331,7 @@ class Endpoint:
             self._listener = None
         for buf in self._registry.snapshot()[1]:
             self._unexport(buf, closing=True)
+        self._close_unexported()  # new_buffer segments never exported (an open that failed before its exports)
         self._ipc_retention.shutdown(self._newest_export)  # live peers may still write: held until they exit
         self._rdv.close()
 
@@ -408,14 +410,29 @@ class Endpoint:
             self.register(name, tensor)
             return tensor
         seg, tensor = new_segment(name, shape, dtype)
+        self._segments[:] = [s for s in self._segments if s.fd >= 0]
         self._segments.append(seg)  # the tensor lies in it: registering shares it, without a copy
         try:
             self.register(name, tensor)
         except BaseException:
-            self._segments.remove(seg)
-            os.close(seg.fd)
+            if seg in self._segments:
+                self._segments.remove(seg)
+            if seg.fd >= 0:  # (a failed registration may have closed it already)
+                os.close(seg.fd)
+                seg.fd = -1
             raise
         return tensor
+
+    def _close_unexported(self, tensor: torch.Tensor | None = None) -> None:
+        """Close the segments :meth:`new_buffer` made that no export holds (``refs == 0``): the one
+        ``tensor`` lies in, or every one (at close). Before the endpoint opens, a registered
+        buffer's segment waits for its export at open with ``refs == 0``."""
+        for seg in self._segments:
+            if seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor)):
+                os.close(seg.fd)
+                seg.fd = -1
+                seg.storage = None
+        self._segments[:] = [s for s in self._segments if s.fd >= 0]
 
     def unregister(self, name: str, *, discard: bool = False) -> None:
         """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`. Non-blocking.
@@ -427,9 +444,12 @@ class Endpoint:
         the shared segment and no longer alias it. A tensor that shares a segment
         with other registered buffers (a view of an arena) stays where it is.
         ``discard=True`` (for a buffer its owner is done with) skips that copy:
-        the tensor object is left empty (no elements) instead.
+        the tensor object is left empty (no elements) instead (so a second
+        name it is registered under must be registered again).
         """
         buf = self._registry.remove(name)
+        if "shm" not in buf.exports:  # not exported yet (the endpoint is not open): its own segment, if any
+            self._close_unexported(buf.tensor)
         if discard:
             t = buf.tensor
             with torch.no_grad():
