@@ -506,21 +506,7 @@ class _Run:
 
     async def _run_group(self, group: _Group) -> None:
         n = len(group.buckets)
-        shared = [t for t in group.targets if t.shared and t.alive]
-        if shared and group.banks is not None:
-            try:
-                group.bank, added = group.banks.acquire()
-            except Exception as exc:  # allocating a bank failed: the shared subscribers miss this push
-                for t in shared:
-                    self.fail(t, RlSyncError(f"no shared bank could be had for version {self.version}: "
-                                             f"{type(exc).__name__}: {exc}"))
-            else:
-                if added:
-                    last = self.pub.version
-                    behind = sorted(f"{n} (version {v})" for n, v in self.pub._committed.items() if v < last)
-                    log.warning("push %d: every shared bank is held by subscribers on older versions (%s); "
-                                "bank %d added, %d now", self.push_id, ", ".join(behind) or "?", group.bank,
-                                len(group.banks))
+        self._take_bank(group)
         for k in range(n):
             group.next_bucket = k
             want = [t for t in group.targets
@@ -548,6 +534,25 @@ class _Run:
                     t.orphaned.discard(k)
                 if want:
                     await self._serve(group, k, want)
+
+    def _take_bank(self, group: _Group) -> None:
+        """With shared subscribers in ``group``: take the bank this push packs into (exclusively,
+        until sealed); if none can be had, only the shared subscribers fail."""
+        shared = [t for t in group.targets if t.shared and t.alive]
+        if not shared or group.banks is None:
+            return
+        try:
+            group.bank, added = group.banks.acquire()
+        except Exception as exc:  # allocating a bank failed
+            for t in shared:
+                self.fail(t, RlSyncError(f"no shared bank could be had for version {self.version}: "
+                                         f"{type(exc).__name__}: {exc}"))
+            return
+        if added:
+            last = self.pub.version
+            behind = sorted(f"{name} (version {v})" for name, v in self.pub._committed.items() if v < last)
+            log.warning("push %d: every shared bank is held by subscribers on older versions (%s); bank %d added, "
+                        "%d now", self.push_id, ", ".join(behind) or "?", group.bank, len(group.banks))
 
     async def _serve(self, group: _Group, k: int, want: list[_Target]) -> None:
         """Pack bucket ``k`` into a free slot (or into the push's bank, once) and tell ``want`` to pull it."""
