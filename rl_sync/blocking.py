@@ -62,5 +62,6 @@ class BlockingWeightSubscriber:
         (see :meth:`WeightSubscriber.close`), even once the endpoint is closed."""
         if self._bep.endpoint.is_open:
             self._bep.call_in_loop(self._sub.close)
-        else:
-            self._sub._leave_bank()  # (thread-safe; the rest of close() needs the endpoint's loop)
+        else:  # (the rest of close() needs the endpoint's loop): no commit applies from here on
+            self._sub._closed = True
+            self._sub._leave_bank()

@@ -23,7 +23,8 @@ class RWLock:
         self._readers = 0
         self._writer = False
         self._writers_waiting = 0
-        self.on_idle: Callable[[], None] | None = None  # called (outside the lock) when the last reader leaves
+        # called (outside the lock, in the releasing thread) when the last reader or the writer leaves
+        self.on_idle: Callable[[], None] | None = None
 
     def try_acquire_read(self) -> bool:
         with self._cond:
@@ -78,7 +79,11 @@ class RWLock:
             if not self._writer:
                 raise RuntimeError("release_write without the writer")
             self._writer = False
+            idle = self._readers == 0
             self._cond.notify_all()
+        hook = self.on_idle
+        if idle and hook is not None:
+            hook()
 
     async def acquire_read_async(self, timeout: float | None = None) -> bool:
         if self.try_acquire_read():

@@ -608,7 +608,7 @@ class WeightSubscriber:
                 refuse(f"readers held the weights for more than {self.commit_timeout} s", "timeout")
                 return
             try:
-                if self._push is not push:  # aborted (or superseded) while waiting for the readers
+                if self._push is not push or self._closed:  # aborted, superseded or closed meanwhile
                     refuse("the push was aborted")
                     return
                 try:
@@ -660,7 +660,8 @@ class WeightSubscriber:
         publisher's bank into private memory, re-point them there and let the bank go: the model
         keeps its version and the publisher may then rewrite the bank. Until then the bank stays
         locked, so a reader's views of it stay valid. Nothing waits for the readers (no task, no
-        waiting writer): new and nested holds go on as before. Any thread."""
+        waiting writer): new and nested holds go on as before. The copy runs on a thread of its
+        own when this is called on an event loop. Any thread."""
         if self._lease is None:
             return
         self._lock.on_idle = self._try_leave
@@ -668,17 +669,27 @@ class WeightSubscriber:
 
     def _try_leave(self) -> None:
         if self._lease is None or not self._lock.acquire_write(0):
-            return  # readers are in hold(): the last one to leave calls this again
+            return  # readers (or a commit) hold the lock: the last to leave calls this again (on_idle)
+        self._lock.on_idle = None
+        try:  # the writer lock is had: nobody reads, so the copy may run on any thread, never the event loop's
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._leave_locked()
+            return
+        threading.Thread(target=self._leave_locked, name="rl_sync-leave-bank", daemon=True).start()
+
+    def _leave_locked(self) -> None:
+        """With the writer lock had: move the weights into private memory, let the bank go, unlock."""
         try:
-            self._lock.on_idle = None
             with torch.no_grad():
                 for t in self._live.values():
                     own = torch.empty(t.shape, dtype=t.dtype)
                     own.copy_(t)
                     t.set_(own.untyped_storage(), 0, own.shape, own.stride())
             self._live_bank = None
-            self._lease.release()
-            self._lease = None
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
         except Exception:  # (out of memory): keep the bank locked, so the weights stay whole where they are
             log.exception("subscriber %s: could not copy the weights out of the publisher's bank at close; "
                           "the bank stays locked while this process lives", self.endpoint.name)

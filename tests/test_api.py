@@ -88,6 +88,16 @@ async def test_new_buffer_segments_are_closed_without_an_open(store_url, uname):
     assert all(t.shape == (1000,) and not t.any() for t in kept)  # the tensors stay valid
 
 
+async def test_unregistering_a_view_before_open_keeps_the_new_buffer_in_its_segment(store_url, uname):
+    ep = transport.Endpoint(uname("x"), store=store_url)
+    arena = ep.new_buffer("arena", (100,), torch.float32)
+    ep.register("head", arena[:10])
+    ep.unregister("head")
+    where = arena.data_ptr()
+    async with ep:
+        assert arena.data_ptr() == where, "the arena was copied into a new segment at open"
+
+
 async def test_registered_parameter_keeps_working(pair):
     a, b = pair
     lin = torch.nn.Linear(4, 3)

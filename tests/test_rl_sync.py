@@ -105,6 +105,21 @@ def test_check_sources_lists_every_difference():
     assert set(check_sources(train, man, dtype="auto", name_map=None, subscriber="g")) == set(GEN)
 
 
+def test_rwlock_calls_on_idle_when_the_last_holder_leaves():
+    from rl_sync.rwlock import RWLock
+
+    lock, calls = RWLock(), []
+    lock.on_idle = lambda: calls.append(lock.readers)
+    assert lock.acquire_read(0) and lock.acquire_read(0)
+    lock.release_read()
+    assert calls == []
+    lock.release_read()
+    assert calls == [0]
+    assert lock.acquire_write(0)
+    lock.release_write()  # a writer leaving counts too (a close waiting behind a commit)
+    assert calls == [0, 0]
+
+
 def test_assign_sources_builds_a_tree_per_host():
     subs = ["a", "b", "c", "d", "e"]
     same = {"a": True, "b": True}

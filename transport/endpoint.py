@@ -427,8 +427,10 @@ class Endpoint:
         """Close the segments :meth:`new_buffer` made that no export holds (``refs == 0``): the one
         ``tensor`` lies in, or every one (at close). Before the endpoint opens, a registered
         buffer's segment waits for its export at open with ``refs == 0``."""
+        live = [] if tensor is None else [b.tensor for b in self._registry.snapshot()[1]]
         for seg in self._segments:
-            if seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor)):
+            if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
+                    and not any(seg.holds(t) for t in live)):  # (a view of it still registered keeps it)
                 os.close(seg.fd)
                 seg.fd = -1
                 seg.storage = None
