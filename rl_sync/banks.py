@@ -42,7 +42,7 @@ import transport
 
 from .plan import Bucket
 
-__all__ = ["BankLease", "BankSet", "StaleBankError", "make_lock_dir"]
+__all__ = ["BankLease", "BankSet", "StaleBankError", "make_lock_dir", "remove_lock_dir"]
 
 _STAMP = 64  # bytes at the start of a lock file: b"<version> <push_id>\n", space padded
 
@@ -186,9 +186,38 @@ class BankSet:
 
 
 def make_lock_dir(owner: str) -> str:
-    """A private directory for one publisher's lock files."""
+    """A private directory for one publisher's lock files, named after its process id. The
+    folders of publishers whose process is gone (killed before their close) are removed first."""
+    _remove_dead_lock_dirs()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in owner)[:40]
-    return tempfile.mkdtemp(prefix=f"rl_sync-{safe}-")
+    return tempfile.mkdtemp(prefix=f"rl_sync-{os.getpid()}-{safe}-")
+
+
+def _remove_dead_lock_dirs() -> None:
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            parts = entry.name.split("-", 2)
+            if len(parts) < 3 or parts[0] != "rl_sync" or not parts[1].isdigit() or not entry.is_dir():
+                continue
+            try:
+                os.kill(int(parts[1]), 0)
+                continue  # alive (or another user's process): not ours to touch
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            remove_lock_dir(entry.path)
+
+
+def remove_lock_dir(path: str) -> None:
+    """Remove a publisher's lock folder and its lock files (a subscriber still holding one keeps
+    its inode; the publisher writes none of its banks again)."""
+    with contextlib.suppress(OSError):
+        for f in os.scandir(path):
+            if f.name.endswith(".lock"):
+                os.unlink(f.path)
+        os.rmdir(path)
 
 
 class BankLease:

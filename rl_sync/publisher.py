@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import secrets
 import time
 import weakref
@@ -46,7 +45,7 @@ import transport
 from transport.errors import Phase
 
 from . import messages as m
-from .banks import BankSet, make_lock_dir
+from .banks import BankSet, make_lock_dir, remove_lock_dir
 from .errors import PlanMismatchError, PushAbortedError, RlSyncError, StaleVersionError, SubscriberRejectedError
 from .fanout import FANOUTS, assign_sources
 from .plan import (
@@ -193,6 +192,7 @@ class WeightPublisher:
         self._bank_sets: dict[str, BankSet] = {}
         self._committed: dict[str, int] = {}  # subscriber -> the last version it committed from this publisher
         self._lock_dir: str | None = None
+        self._lock_dir_gone: Callable[[], Any] = lambda: None
         self._subscribers: list[str] = []
         for s in subscribers:
             self.add_subscriber(s)
@@ -230,6 +230,7 @@ class WeightPublisher:
         if name in self._subscribers:
             self._subscribers.remove(name)
         self._layouts.pop(name, None)
+        self._committed.pop(name, None)
 
     def close(self) -> None:
         """Stop taking replies and unregister the send slots (idempotent)."""
@@ -243,8 +244,7 @@ class WeightPublisher:
             bs.close()
         self._bank_sets.clear()
         if self._lock_dir is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(self._lock_dir)
+            self._lock_dir_gone()  # (the finalizer: removes the folder once)
             self._lock_dir = None
 
     # ------------------------------------------------------------------ push
@@ -405,6 +405,8 @@ class WeightPublisher:
         if bs is None:
             if self._lock_dir is None:
                 self._lock_dir = make_lock_dir(self.endpoint.name)
+                # a publisher dropped without close() (or at exit) still removes its lock folder
+                self._lock_dir_gone = weakref.finalize(self, remove_lock_dir, self._lock_dir)
             bs = self._bank_sets[layout.digest] = BankSet(self.endpoint, self._prefix, layout.digest[:16],
                                                           layout.manifest.arenas, self.shared_banks, self._lock_dir)
             log.info("publisher %s: %d shared banks of %.1f MiB for layout %s", self.endpoint.name,

@@ -843,3 +843,29 @@ def test_shared_mode_blocking_subscriber_leaves_the_bank_when_its_last_reader_do
                 other.kill()
 
     asyncio.run(main())
+
+
+def test_lock_folders_of_dead_publishers_are_removed():
+    """A publisher killed before its close leaves its lock folder; the next one made removes it
+    (and never touches a live process's)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from rl_sync.banks import make_lock_dir, remove_lock_dir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    stale = tempfile.mkdtemp(prefix=f"rl_sync-{dead}-gone-")
+    open(os.path.join(stale, "abc-0.lock"), "w").close()
+    mine = make_lock_dir("me")
+    try:
+        assert not os.path.exists(stale), "the dead publisher's folder is left"
+        assert os.path.isdir(mine) and f"rl_sync-{os.getpid()}-me-" in mine
+        other = make_lock_dir("me2")
+        assert os.path.isdir(other) and os.path.isdir(mine), "a live publisher's folder was removed"
+        remove_lock_dir(other)
+        assert not os.path.exists(other)
+    finally:
+        remove_lock_dir(mine)
