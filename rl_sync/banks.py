@@ -231,30 +231,27 @@ class BankLease:
         """
         self.path = path
         with _FORK_LOCK:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             _OPEN_FDS.add(self)
         try:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError as exc:
                 raise StaleBankError(f"bank {path} is being rewritten by a newer push") from exc
-            got = os.pread(self._fd, _STAMP, 0).decode(errors="replace").split()
+            got = os.pread(self.fd, _STAMP, 0).decode(errors="replace").split()
             if got != [str(version), str(push_id)]:
                 raise StaleBankError(f"bank {path} holds {' '.join(got) or 'nothing'}, "
                                      f"not version {version} of push {push_id}")
         except BaseException:
-            os.close(self._fd)
-            self._fd = -1
+            os.close(self.fd)
+            self.fd = -1
             raise
 
     def release(self) -> None:
         """Let the publisher write this bank again (idempotent)."""
-        if self._fd >= 0:
-            os.close(self._fd)  # the last descriptor of the open file: the lock goes with it
-            self._fd = -1
-
-    def _forget(self) -> None:
-        self._fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)  # the last descriptor of the open file: the lock goes with it
+            self.fd = -1
 
 
 def _close_in_child() -> None:
@@ -263,14 +260,10 @@ def _close_in_child() -> None:
     global _FORK_LOCK
     _FORK_LOCK = threading.Lock()  # (the parent's was held across the fork)
     for obj in list(_OPEN_FDS):
-        fd = obj.fd if isinstance(obj, _Bank) else obj._fd
-        if fd >= 0:
+        if obj.fd >= 0:
             with contextlib.suppress(OSError):
-                os.close(fd)
-        if isinstance(obj, _Bank):
-            obj.fd = -1
-        else:
-            obj._forget()
+                os.close(obj.fd)
+        obj.fd = -1
 
 
 _OPEN_FDS: weakref.WeakSet[_Bank | BankLease] = weakref.WeakSet()

@@ -559,26 +559,25 @@ class _Run:
     async def _serve(self, group: _Group, k: int, want: list[_Target]) -> None:
         """Pack bucket ``k`` into a free slot (or into the push's bank, once) and tell ``want`` to pull it."""
         bucket = group.buckets[k]
+        users: set[str] | None = None  # who reads the slot (a bank is read until the push ends: not counted)
         if group.bank is not None and group.banks is not None:
             if k not in group.packed:
                 await self._pack_into(bucket, group.sources, group.banks.region(group.bank, bucket))
                 group.packed.add(k)
             buffer, offset = group.banks.names(group.bank)[bucket.arena], bucket.offset
-            for t in want:
-                if t.alive and k not in t.have and k not in t.inflight:
-                    t.inflight[k] = None
-                    self._send(t, m.Pull(self.push_id, k, self.ep.name, buffer, offset))
-            return
-        if not group.slots:
-            group.slots, group.slot_tensors = self.pub._slot(group.layout)
-        slot = k % SLOTS
-        await self._until(lambda: not group.slot_users[slot])
-        await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
+        else:
+            if not group.slots:
+                group.slots, group.slot_tensors = self.pub._slot(group.layout)
+            slot = k % SLOTS
+            await self._until(lambda: not group.slot_users[slot])
+            await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
+            buffer, offset, users = group.slots[slot], 0, group.slot_users[slot]
         for t in want:
             if t.alive and k not in t.have and k not in t.inflight:
                 t.inflight[k] = None
-                group.slot_users[slot].add(t.name)
-                self._send(t, m.Pull(self.push_id, k, self.ep.name, group.slots[slot], 0))
+                if users is not None:
+                    users.add(t.name)
+                self._send(t, m.Pull(self.push_id, k, self.ep.name, buffer, offset))
 
     async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
         pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, sources, dest))
