@@ -35,11 +35,21 @@ drift of a shared machine spreads over every case instead of biasing one):
   ``broadcast`` per tensor (+ ack), which is what RL frameworks do today.
 * transport ``shm`` and ``tcp``: a target process registers one float32
   buffer per size (then unregisters it, so at most one size is alive at a
-  time) and idles; an initiator process times ``await ep.put`` and
-  ``await ep.get``, then the state dict in one call with a dict of all
-  names, then 4 KiB put/get round trips. Both endpoints are forced onto
-  the plane with ``planes=(plane,)``. After the timed gets, the fetched
-  bytes are compared with what was put (a run with a mismatch says so).
+  time) and idles; an initiator process times, per repetition, the plane's
+  reference, ``await ep.put`` and ``await ep.get``, one after the other,
+  then the state dict in one call with a dict of all names, then 4 KiB
+  put/get round trips. The reference is the same measurement as the
+  ``copy_`` phase (``shm``: a ``copy_`` between two private tensors of the
+  initiator) or the raw-socket phase (``tcp``: ``sendall`` + 1-byte ack to
+  a receiver thread of the target process, over its own loopback
+  connection). A put's or get's ratio is against the reference measured in
+  its own repetitions (milliseconds apart, under the same load); its ratio
+  against the separate phase is printed next to it. On a shared VM, memory
+  and loopback speed drift by 10-30% between phases a few seconds apart,
+  which a ratio between two phases reads as a property of the transport.
+  Both endpoints are forced onto the plane with ``planes=(plane,)``. After
+  the timed gets, the fetched bytes are compared with what was put (a run
+  with a mismatch says so).
 * ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
   reported as unavailable, with the ImportError, when it cannot be imported.
 
@@ -209,6 +219,11 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise EOFError("peer closed the connection")
         got += k
+
+
+def _send_and_ack(sock: socket.socket, view: memoryview, ack: memoryview) -> None:
+    sock.sendall(view)
+    _recv_exact_into(sock, ack)
 
 
 def _tensor_view(t: torch.Tensor) -> memoryview:
@@ -454,17 +469,57 @@ def peer_gloo(rank: int, cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- transport
-def transport_target(plane: str, ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
-    return asyncio.run(_target_main(plane, ctrl_q, resp_q))
+def transport_target(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    srv = None
+    if plane == "tcp":  # the raw-socket reference, interleaved with the puts and gets (see _raw_receiver)
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+    try:
+        return asyncio.run(_target_main(plane, cfg, ctrl_q, resp_q, srv))
+    finally:
+        if srv is not None:
+            srv.close()
 
 
-async def _target_main(plane: str, ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+def _raw_receiver(srv: socket.socket, cfg: dict[str, Any], errors: list[BaseException]) -> None:
+    """Thread of the ``tcp`` target: the raw-socket receiver of :func:`peer_raw_receiver`, taking
+    the reference sends that the initiator interleaves with its puts and gets (same sizes and counts)."""
+    try:
+        srv.settimeout(STARTUP_TIMEOUT)
+        conn, _ = srv.accept()
+        conn.settimeout(CMD_TIMEOUT)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for size in cfg["sizes"]:
+            buf = torch.zeros(size, dtype=torch.uint8)
+            view = _tensor_view(buf)
+            w, r = _reps(cfg, size)
+            for _ in range(w + r):
+                _recv_exact_into(conn, view)
+                conn.sendall(b"\x01")
+            if not torch.equal(buf.view(torch.float32), _pattern(size // 4)):
+                raise RuntimeError(f"raw socket (interleaved): received bytes differ from the pattern at size {size}")
+            del buf, view
+        conn.close()
+    except BaseException as exc:  # reported by the target's main thread
+        errors.append(exc)
+
+
+async def _target_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any,
+                       srv: socket.socket | None) -> dict[str, Any]:
+    import threading
+
     from transport import Endpoint
 
     served = 0
+    raw_errors: list[BaseException] = []
+    raw = None
+    if srv is not None:
+        raw = threading.Thread(target=_raw_receiver, args=(srv, cfg, raw_errors), name="raw-receiver", daemon=True)
+        raw.start()
     async with Endpoint(TARGET_NAME, store="tcp://127.0.0.1:0", host_store=True, planes=(plane,),
                         timeout=OP_TIMEOUT) as ep:
-        resp_q.put(("url", ep.store_url))
+        resp_q.put(("url", ep.store_url, srv.getsockname()[1] if srv is not None else None))
         bufs: dict[str, torch.Tensor] = {}
         while True:
             cmd = await asyncio.to_thread(ctrl_q.get, True, CMD_TIMEOUT)
@@ -486,6 +541,12 @@ async def _target_main(plane: str, ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
             resp_q.put(("ok", len(bufs)))
             if op == "quit":
                 break
+    if raw is not None:
+        raw.join(CMD_TIMEOUT)
+        if raw_errors:
+            raise raw_errors[0]
+        if raw.is_alive():
+            raise RuntimeError("the interleaved raw-socket receiver did not finish")
     return {"commands": served}
 
 
@@ -496,8 +557,14 @@ def transport_initiator(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: An
 async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
     from transport import Endpoint
 
-    kind, url = resp_q.get(timeout=STARTUP_TIMEOUT)
+    kind, url, raw_port = resp_q.get(timeout=STARTUP_TIMEOUT)
     assert kind == "url", kind
+    sock = None
+    if raw_port is not None:
+        sock = socket.create_connection(("127.0.0.1", raw_port), timeout=STARTUP_TIMEOUT)
+        sock.settimeout(CMD_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = memoryview(bytearray(1))
 
     async def command(*cmd: Any) -> None:
         ctrl_q.put(cmd)
@@ -513,17 +580,36 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
                 raise RuntimeError(f"asked for plane {plane!r}, got {peer.plane!r}: {peer.plane_reason}")
             out["plane"], out["plane_reason"] = peer.plane, peer.plane_reason
 
-            # -- throughput per size (one buffer alive at a time)
+            # -- throughput per size (one buffer alive at a time). Each repetition times the plane's
+            # reference first (shm: copy_ between two private tensors of this process; tcp: a raw
+            # socket send + ack to a thread of the target), then a put, then a get: the reference
+            # and the ops it is compared with run seconds apart at most, under the same load.
             for size in cfg["sizes"]:
                 name = f"buf_{size}"
                 await command("register", [(name, (size // 4,))])
                 src = _pattern(size // 4)
                 dst = torch.zeros(size // 4, dtype=torch.float32)
+                reference: Any
+                if sock is None:
+                    reference = functools.partial(torch.zeros(size // 4, dtype=torch.float32).copy_, src)
+                else:
+                    reference = functools.partial(_send_and_ack, sock, _tensor_view(src), ack)
                 w, r = _reps(cfg, size)
-                put = await _time_async(functools.partial(ep.put, TARGET_NAME, {name: src}), w, r)
-                get = await _time_async(functools.partial(ep.get, TARGET_NAME, {name: dst}), w, r)
-                out["sizes"][str(size)] = {"put": put, "get": get, "verified": bool(torch.equal(src, dst))}
-                del src, dst
+                times: dict[str, list[float]] = {"ref": [], "put": [], "get": []}
+                for i in range(w + r):
+                    t0 = time.perf_counter()
+                    reference()
+                    t1 = time.perf_counter()
+                    await ep.put(TARGET_NAME, {name: src})
+                    t2 = time.perf_counter()
+                    await ep.get(TARGET_NAME, {name: dst})
+                    t3 = time.perf_counter()
+                    if i >= w:
+                        times["ref"].append(t1 - t0)
+                        times["put"].append(t2 - t1)
+                        times["get"].append(t3 - t2)
+                out["sizes"][str(size)] = {**times, "verified": bool(torch.equal(src, dst))}
+                del src, dst, reference
                 await command("unregister", [name])
 
             # -- the state dict in one call
@@ -550,6 +636,8 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
     finally:
         # the endpoint is closed (it withdraws from the target's store) before the target may exit
         ctrl_q.put(("quit",))
+        if sock is not None:
+            sock.close()
     return out
 
 
@@ -632,11 +720,15 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
             if not tr:
                 continue
             entry = tr["sizes"][k]
+            # the reference measured in the same repetitions as the ops (see _initiator_main)
+            rows.append(_tput_row(f"{limit_name} (interleaved with {plane} ops)", "limit", size, entry["ref"]))
+            paired = rows[-1]["gbps"]
             for op in ("put", "get"):
                 row = _tput_row(f"transport {plane} {op}", "transport", size, entry[op], verified=entry["verified"])
+                row.update(ratio=row["gbps"] / paired, ratio_vs=f"{limit_name}, interleaved")
                 r = ref(limit, size)
                 if r:
-                    row.update(ratio=row["gbps"] / r, ratio_vs=limit_name)
+                    row["ratio_vs_phase"] = row["gbps"] / r
                 g = ref(gloo, size)
                 if g:
                     row["ratio_vs_gloo"] = row["gbps"] / g
@@ -712,14 +804,20 @@ def evaluate_targets(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[di
     big = [s for s in cfg["sizes"] if s >= 64 * MiB]
     if not big:
         add("shm put >= 0.8x copy_ at >= 64 MiB", None, 0.8, True, "no size >= 64 MiB was measured")
+    def detail(r: dict[str, Any] | None, phase: str) -> str:
+        if r is None:
+            return "not measured"
+        own = f"; {r['ratio_vs_phase']:.2f}x the {phase} phase" if "ratio_vs_phase" in r else ""
+        return f"{r['gbps']:.2f} GB/s{own}"
+
     for s in big:
         r = by.get(("transport shm put", s))
         add(f"shm put >= 0.8x copy_ @ {_size_label(s)}", r.get("ratio") if r else None, 0.8, True,
-            f"{r['gbps']:.2f} GB/s" if r else "not measured")
+            detail(r, "copy_"))
     for s in cfg["sizes"]:
         r = by.get(("transport tcp put", s))
         add(f"tcp put >= 0.9x raw socket @ {_size_label(s)}", r.get("ratio") if r else None, 0.9, True,
-            f"{r['gbps']:.2f} GB/s" if r else "not measured")
+            detail(r, "raw socket"))
     for plane in ("shm", "tcp"):
         r = by.get((f"4 KiB transport {plane} put", LAT_BYTES))
         add(f"4 KiB put round trip p50 <= 250 us ({plane})", r["p50_us"] if r else None, 250.0, False,
@@ -763,9 +861,12 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
             lines.append(f"{r['case']:<48} {_size_label(r['size_bytes']):>9} "
                          f"p50 {r['p50_us']:7.0f} us  p99 {r['p99_us']:7.0f} us  {ratio:>7}  {vs}{bad}")
         else:
-            extra = ""
+            notes = []
+            if "ratio_vs_phase" in r:
+                notes.append(f"{r['ratio_vs_phase']:.2f}x separate phase")
             if "ratio_vs_gloo" in r:
-                extra = f" ({r['ratio_vs_gloo']:.2f}x gloo)"
+                notes.append(f"{r['ratio_vs_gloo']:.2f}x gloo")
+            extra = f" ({', '.join(notes)})" if notes else ""
             if "ratio_vs_copy_loop" in r:
                 extra = f" ({r['ratio_vs_copy_loop']:.2f}x copy_ loop)"
             lines.append(f"{r['case']:<48} {_size_label(r['size_bytes']):>9} {r['gbps']:8.2f} "
@@ -884,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
         ("gloo", [("rank0", "peer_gloo", (0, cfg)), ("rank1", "peer_gloo", (1, cfg))], 1, "rank0"),
     ]
     for plane in ("shm", "tcp"):
-        phases.append((f"transport_{plane}", [("target", "transport_target", (plane,)),
+        phases.append((f"transport_{plane}", [("target", "transport_target", (plane, cfg)),
                                               ("initiator", "transport_initiator", (plane, cfg))], 2, "initiator"))
     if keep is not None:
         phases = [ph for ph in phases if ph[0].removeprefix("transport_") in keep]

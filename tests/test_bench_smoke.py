@@ -32,7 +32,25 @@ def test_bench_only_runs_the_named_phases(tmp_path):
     assert "raw socket" in cases and "transport tcp put" in cases
     assert not any("shm" in c or "gloo" in c or "copy_" in c for c in cases), cases
     tcp = next(row for row in doc["rows"] if row["case"] == "transport tcp put")
-    assert tcp["ratio_vs"] == "raw socket" and tcp["verified"]
+    assert tcp["ratio_vs"] == "raw socket, interleaved" and tcp["verified"]
+    # the reference measured in the op's own repetitions, and the ratio to the separate raw phase
+    ref = next(row for row in doc["rows"] if row["case"] == "raw socket (interleaved with tcp ops)")
+    assert ref["reps"] == tcp["reps"] and tcp["ratio"] == tcp["gbps"] / ref["gbps"]
+    phase = next(row for row in doc["rows"] if row["case"] == "raw socket")
+    assert tcp["ratio_vs_phase"] == tcp["gbps"] / phase["gbps"]
+
+
+def test_bench_shm_ratio_needs_no_copy_phase(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--max-mib", "1", "--only", "shm",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert "copy_ (memcpy)" not in rows and "copy_ (interleaved with shm ops)" in rows
+    for op in ("put", "get"):
+        row = rows[f"transport shm {op}"]
+        assert row["verified"] and row["ratio_vs"] == "copy_, interleaved" and "ratio_vs_phase" not in row
+        assert row["ratio"] == row["gbps"] / rows["copy_ (interleaved with shm ops)"]["gbps"]
 
 
 def test_bench_only_rejects_an_unknown_phase(tmp_path):
