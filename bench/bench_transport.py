@@ -36,20 +36,22 @@ drift of a shared machine spreads over every case instead of biasing one):
 * transport ``shm`` and ``tcp``: a target process registers one float32
   buffer per size (then unregisters it, so at most one size is alive at a
   time) and idles; an initiator process times, per repetition, the plane's
-  reference, ``await ep.put`` and ``await ep.get``, one after the other,
-  then the state dict in one call with a dict of all names, then 4 KiB
-  put/get round trips. The reference is the same measurement as the
-  ``copy_`` phase (``shm``: a ``copy_`` between two private tensors of the
-  initiator) or the raw-socket phase (``tcp``: ``sendall`` + 1-byte ack to
-  a receiver thread of the target process, over its own loopback
-  connection). A put's or get's ratio is against the reference measured in
-  its own repetitions (milliseconds apart, under the same load); its ratio
-  against the separate phase is printed next to it. On a shared VM, memory
-  and loopback speed drift by 10-30% between phases a few seconds apart,
-  which a ratio between two phases reads as a property of the transport.
-  Both endpoints are forced onto the plane with ``planes=(plane,)``. After
-  the timed gets, the fetched bytes are compared with what was put (a run
-  with a mismatch says so).
+  reference, ``await ep.put`` and ``await ep.get``, in an order that rotates
+  every repetition, then the state dict in one call with a dict of all
+  names, then 4 KiB put/get round trips. The reference is the ``copy_``
+  phase's measurement (``shm``: a ``copy_`` between two private tensors of
+  the initiator) or the raw-socket phase's (``tcp``: blocking ``sendall`` +
+  1-byte ack, to a receiver thread of the target process over a loopback
+  connection of its own). A put's or get's ratio is against the reference
+  measured in its own repetitions (at most a second apart, under the same
+  load); its ratio against the separate phase is printed next to it. The
+  two references differ: on this 2-core VM the interleaved ``copy_`` runs
+  5-15% slower than the ``copy_`` phase up to 64 MiB (the put and get
+  between its repetitions leave other data in the caches), and the speed of
+  both drifts between phases run seconds apart. The 4 KiB latency rows
+  compare with the raw-socket phase. Both endpoints are forced onto the
+  plane with ``planes=(plane,)``. After the timed ops, one more get checks
+  the fetched bytes against what was put (a run with a mismatch says so).
 * ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
   reported as unavailable, with the ImportError, when it cannot be imported.
 
@@ -74,6 +76,7 @@ import os
 import queue
 import socket
 import statistics
+import struct
 import sys
 import time
 import traceback
@@ -482,27 +485,59 @@ def transport_target(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) 
             srv.close()
 
 
-def _raw_receiver(srv: socket.socket, cfg: dict[str, Any], errors: list[BaseException]) -> None:
-    """Thread of the ``tcp`` target: the raw-socket receiver of :func:`peer_raw_receiver`, taking
-    the reference sends that the initiator interleaves with its puts and gets (same sizes and counts)."""
+def _bounded_blocking(sock: socket.socket, seconds: float) -> None:
+    """Blocking mode, like the raw-socket phase's sockets (``settimeout`` would poll before every
+    call), with each send and receive still bounded by ``SO_SNDTIMEO``/``SO_RCVTIMEO``."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _raw_receiver(srv: socket.socket, cfg: dict[str, Any], resp_q: Any, errors: list[BaseException]) -> None:
+    """Thread of the ``tcp`` target: the receiver of :func:`peer_raw_receiver` for the reference
+    sends that the initiator interleaves with its puts and gets (same sizes and counts), plus one
+    untimed send per size: its bytes are checked, and the next size's buffer made, before it is
+    acknowledged, so none of that runs while the initiator times an op. A failure closes the
+    connection (the initiator's next send or receive fails at once) and is put on ``resp_q``."""
+    conn = None
     try:
         srv.settimeout(STARTUP_TIMEOUT)
         conn, _ = srv.accept()
-        conn.settimeout(CMD_TIMEOUT)
+        _bounded_blocking(conn, CMD_TIMEOUT)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for size in cfg["sizes"]:
-            buf = torch.zeros(size, dtype=torch.uint8)
+        sizes = cfg["sizes"]
+        buf = torch.zeros(sizes[0], dtype=torch.uint8)
+        for i, size in enumerate(sizes):
             view = _tensor_view(buf)
             w, r = _reps(cfg, size)
             for _ in range(w + r):
                 _recv_exact_into(conn, view)
                 conn.sendall(b"\x01")
+            _recv_exact_into(conn, view)  # the untimed one
             if not torch.equal(buf.view(torch.float32), _pattern(size // 4)):
                 raise RuntimeError(f"raw socket (interleaved): received bytes differ from the pattern at size {size}")
-            del buf, view
-        conn.close()
-    except BaseException as exc:  # reported by the target's main thread
+            del view
+            buf = torch.zeros(sizes[i + 1], dtype=torch.uint8) if i + 1 < len(sizes) else torch.zeros(0)
+            conn.sendall(b"\x01")
+    except BaseException as exc:  # reported by the target's main thread, and to the initiator
         errors.append(exc)
+        resp_q.put(("raw-error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+def _raw_reference(sock: socket.socket, view: memoryview, ack: memoryview, resp_q: Any) -> None:
+    """One reference send of the ``tcp`` phase; if the target's receiver failed, its error."""
+    try:
+        _send_and_ack(sock, view, ack)
+    except (OSError, EOFError) as exc:
+        try:
+            reply = resp_q.get(timeout=5.0)
+        except queue.Empty:
+            raise exc from None
+        raise RuntimeError(f"the target's raw-socket receiver failed: {reply!r}") from exc
 
 
 async def _target_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any,
@@ -515,7 +550,8 @@ async def _target_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any
     raw_errors: list[BaseException] = []
     raw = None
     if srv is not None:
-        raw = threading.Thread(target=_raw_receiver, args=(srv, cfg, raw_errors), name="raw-receiver", daemon=True)
+        raw = threading.Thread(target=_raw_receiver, args=(srv, cfg, resp_q, raw_errors), name="raw-receiver",
+                               daemon=True)
         raw.start()
     async with Endpoint(TARGET_NAME, store="tcp://127.0.0.1:0", host_store=True, planes=(plane,),
                         timeout=OP_TIMEOUT) as ep:
@@ -562,7 +598,7 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
     sock = None
     if raw_port is not None:
         sock = socket.create_connection(("127.0.0.1", raw_port), timeout=STARTUP_TIMEOUT)
-        sock.settimeout(CMD_TIMEOUT)
+        _bounded_blocking(sock, CMD_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = memoryview(bytearray(1))
 
@@ -581,9 +617,10 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
             out["plane"], out["plane_reason"] = peer.plane, peer.plane_reason
 
             # -- throughput per size (one buffer alive at a time). Each repetition times the plane's
-            # reference first (shm: copy_ between two private tensors of this process; tcp: a raw
-            # socket send + ack to a thread of the target), then a put, then a get: the reference
-            # and the ops it is compared with run seconds apart at most, under the same load.
+            # reference (shm: copy_ between two private tensors of this process; tcp: a raw socket
+            # send + ack to a thread of the target), a put and a get, in an order that rotates every
+            # repetition (so none of them always follows the same one): the reference and the ops
+            # it is compared with run at most a second apart, under the same load.
             for size in cfg["sizes"]:
                 name = f"buf_{size}"
                 await command("register", [(name, (size // 4,))])
@@ -593,23 +630,27 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
                 if sock is None:
                     reference = functools.partial(torch.zeros(size // 4, dtype=torch.float32).copy_, src)
                 else:
-                    reference = functools.partial(_send_and_ack, sock, _tensor_view(src), ack)
+                    reference = functools.partial(_raw_reference, sock, _tensor_view(src), ack, resp_q)
+                do_put = functools.partial(ep.put, TARGET_NAME, {name: src})
+                do_get = functools.partial(ep.get, TARGET_NAME, {name: dst})
+                steps: list[tuple[str, Any]] = [("ref", reference), ("put", do_put), ("get", do_get)]
                 w, r = _reps(cfg, size)
                 times: dict[str, list[float]] = {"ref": [], "put": [], "get": []}
                 for i in range(w + r):
-                    t0 = time.perf_counter()
-                    reference()
-                    t1 = time.perf_counter()
-                    await ep.put(TARGET_NAME, {name: src})
-                    t2 = time.perf_counter()
-                    await ep.get(TARGET_NAME, {name: dst})
-                    t3 = time.perf_counter()
-                    if i >= w:
-                        times["ref"].append(t1 - t0)
-                        times["put"].append(t2 - t1)
-                        times["get"].append(t3 - t2)
+                    k = i % len(steps)
+                    for key, fn in steps[k:] + steps[:k]:
+                        t0 = time.perf_counter()
+                        if key == "ref":
+                            fn()
+                        else:
+                            await fn()
+                        if i >= w:
+                            times[key].append(time.perf_counter() - t0)
+                if sock is not None:
+                    reference()  # untimed: the receiver checks the bytes before it answers (see _raw_receiver)
+                await do_get()  # untimed: the last timed op may have been the put
                 out["sizes"][str(size)] = {**times, "verified": bool(torch.equal(src, dst))}
-                del src, dst, reference
+                del src, dst, reference, do_put, do_get, steps
                 await command("unregister", [name])
 
             # -- the state dict in one call
