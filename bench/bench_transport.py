@@ -46,9 +46,10 @@ drift of a shared machine spreads over every case instead of biasing one):
   measured in its own repetitions (at most a second apart, under the same
   load); its ratio against the separate phase is printed next to it. The
   two references differ: on this 2-core VM the interleaved ``copy_`` runs
-  5-15% slower than the ``copy_`` phase up to 64 MiB (the put and get
-  between its repetitions leave other data in the caches), and the speed of
-  both drifts between phases run seconds apart. The 4 KiB latency rows
+  5-30% slower than the ``copy_`` phase up to 64 MiB, most where ``copy_``
+  alone runs from cache (the put and get between its repetitions leave
+  other data in the caches), and the speed of both drifts between phases
+  run seconds apart. The 4 KiB latency rows
   compare with the raw-socket phase. Both endpoints are forced onto the
   plane with ``planes=(plane,)``. After the timed ops, one more get checks
   the fetched bytes against what was put (a run with a mismatch says so).
