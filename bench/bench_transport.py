@@ -49,10 +49,10 @@ drift of a shared machine spreads over every case instead of biasing one):
   5-30% slower than the ``copy_`` phase up to 64 MiB, most where ``copy_``
   alone runs from cache (the put and get between its repetitions leave
   other data in the caches), and the speed of both drifts between phases
-  run seconds apart. The 4 KiB latency rows
-  compare with the raw-socket phase. Both endpoints are forced onto the
-  plane with ``planes=(plane,)``. After the timed ops, one more get checks
-  the fetched bytes against what was put (a run with a mismatch says so).
+  run seconds apart. The 4 KiB latency rows compare with the raw-socket
+  phase. Both endpoints are forced onto the plane with ``planes=(plane,)``.
+  After the timed ops, one more get checks the fetched bytes against what
+  was put (a run with a mismatch says so).
 * ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
   reported as unavailable, with the ImportError, when it cannot be imported.
 
@@ -226,8 +226,16 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def _send_and_ack(sock: socket.socket, view: memoryview, ack: memoryview) -> None:
+    """One raw-socket transfer: the bytes, then wait for the receiver's 1-byte ack."""
     sock.sendall(view)
     _recv_exact_into(sock, ack)
+
+
+def _recv_and_ack(conn: socket.socket, view: memoryview, times: int) -> None:
+    """The receiving side of ``times`` :func:`_send_and_ack` calls."""
+    for _ in range(times):
+        _recv_exact_into(conn, view)
+        conn.sendall(b"\x01")
 
 
 def _tensor_view(t: torch.Tensor) -> memoryview:
@@ -357,23 +365,17 @@ def peer_raw_receiver(cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
     srv.close()
     conn.settimeout(None)  # blocking, like transport's channel sockets; the phase deadline bounds it
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ack = b"\x01"
     for size in cfg["sizes"]:
         buf = torch.zeros(size, dtype=torch.uint8)
         view = _tensor_view(buf)
         w, r = _reps(cfg, size)
-        for _ in range(w + r):
-            _recv_exact_into(conn, view)
-            conn.sendall(ack)
+        _recv_and_ack(conn, view, w + r)
         ok = bool(torch.equal(buf.view(torch.float32), _pattern(size // 4)))
         if not ok:
             raise RuntimeError(f"raw socket: received bytes differ from the pattern at size {size}")
         del buf, view
     lat = cfg["latency"]
-    small = memoryview(bytearray(lat["bytes"]))
-    for _ in range(lat["warmup"] + lat["iters"]):
-        _recv_exact_into(conn, small)
-        conn.sendall(ack)
+    _recv_and_ack(conn, memoryview(bytearray(lat["bytes"])), lat["warmup"] + lat["iters"])
     conn.close()
     return {"verified": True}
 
@@ -387,22 +389,11 @@ def peer_raw_sender(cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": {}, "torch_threads": torch.get_num_threads()}
     for size in cfg["sizes"]:
         src = _pattern(size // 4)
-        view = _tensor_view(src)
-
-        def once(view: memoryview = view) -> None:
-            sock.sendall(view)
-            _recv_exact_into(sock, ack)
-
         w, r = _reps(cfg, size)
-        out["sizes"][str(size)] = _time_sync(once, w, r)
-        del src, view
+        out["sizes"][str(size)] = _time_sync(functools.partial(_send_and_ack, sock, _tensor_view(src), ack), w, r)
+        del src
     lat = cfg["latency"]
-    payload = memoryview(bytes(lat["bytes"]))
-
-    def rtt() -> None:
-        sock.sendall(payload)
-        _recv_exact_into(sock, ack)
-
+    rtt = functools.partial(_send_and_ack, sock, memoryview(bytes(lat["bytes"])), ack)
     out["latency"] = _time_sync(rtt, lat["warmup"], lat["iters"])
     sock.close()
     return out
@@ -512,9 +503,7 @@ def _raw_receiver(srv: socket.socket, cfg: dict[str, Any], resp_q: Any, errors: 
         for i, size in enumerate(sizes):
             view = _tensor_view(buf)
             w, r = _reps(cfg, size)
-            for _ in range(w + r):
-                _recv_exact_into(conn, view)
-                conn.sendall(b"\x01")
+            _recv_and_ack(conn, view, w + r)
             _recv_exact_into(conn, view)  # the untimed one
             if not torch.equal(buf.view(torch.float32), _pattern(size // 4)):
                 raise RuntimeError(f"raw socket (interleaved): received bytes differ from the pattern at size {size}")
@@ -846,6 +835,7 @@ def evaluate_targets(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[di
     big = [s for s in cfg["sizes"] if s >= 64 * MiB]
     if not big:
         add("shm put >= 0.8x copy_ at >= 64 MiB", None, 0.8, True, "no size >= 64 MiB was measured")
+
     def detail(r: dict[str, Any] | None, phase: str) -> str:
         if r is None:
             return "not measured"
