@@ -321,6 +321,70 @@ async def test_a_link_that_cannot_be_set_up_is_reported_and_ops_take_another_pla
         t.stop()
 
 
+async def test_a_cpu_op_racing_the_link_going_down_takes_the_channel_plane(store_url, uname):
+    """The link can go down (reader thread) between plane_for's first look at it and its choice of
+    GPU plane. An op on CPU buffers that a CPU link engine would have carried then takes the
+    channel's plane, not the staged path meant for GPU bytes (seen once in CI as a flaky
+    test_a_link_that_cannot_be_set_up_is_reported_and_ops_take_another_plane). Deterministic here:
+    the choice itself marks the link down first, as the reader thread would just before it."""
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine) as ep:
+            t.call("register", "w", "float32", (100,))
+            peer = await ep.connect(t.name)
+            ch = ep._channels[t.name]
+            await _until(lambda: ch.link is not None and ch.link.state == "ready", what="the link is up")
+            link = ch.link
+            choose = ch.gpu_plane_choice
+
+            def racing_choice():
+                with link._state_lock:
+                    link.state, link.reason = "down", "taken down while the op picked its plane"
+                return choose()
+
+            ch.gpu_plane_choice = racing_choice
+            ch.link_changed()  # the next op chooses its GPU plane again
+            s = seed()
+            await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
+            assert t.call("check", "w", s)
+            assert _ops(ep, "put")[-1]["plane"] == "tcp", _ops(ep, "put")[-1]
+            assert peer.gpu_plane == "staged" and "taken down" in peer.gpu_plane_reason
+    finally:
+        t.stop()
+
+
+async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_lives(store_url, uname):
+    """The link is marked down on the reader thread; the event loop learns of it (link_changed)
+    only later. An op for the link (here: CPU tensors staged like GPU ones, ``cpu_engine``) in
+    between goes through the staged path, instead of posting on the dead link, which failed the
+    op and closed the whole channel."""
+    from transport.staging import StagingConfig, ThreadCopyEngine
+
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine,
+                                      staging=StagingConfig(cpu_engine=ThreadCopyEngine)) as ep:
+            t.call("register", "w", "float32", (100,))
+            await ep.connect(t.name)
+            ch = ep._channels[t.name]
+            await _until(lambda: ch.link is not None and ch.link.state == "ready", what="the link is up")
+            s = seed()
+            await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
+            assert t.call("check", "w", s) and _ops(ep, "put")[-1]["plane"] == "nccl"
+            with ch.link._state_lock:  # what _maybe_settle or abort does, before link_changed runs
+                ch.link.state, ch.link.reason = "down", "gone down just now"
+            assert ch.gpu_plane == "nccl"  # the loop has not heard of it yet
+            s = seed()
+            await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
+            assert t.call("check", "w", s)
+            assert _ops(ep, "put")[-1]["plane"] == "staged", _ops(ep, "put")[-1]
+            assert ch.is_open
+    finally:
+        t.stop()
+
+
 async def test_no_link_without_nccl_on_both_sides(store_url, uname):
     t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=("tcp",))
     try:

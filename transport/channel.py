@@ -445,11 +445,12 @@ class Channel:
                 if t.is_cuda:
                     local = True
                     break
+        cpu_link = False  # CPU buffers only, offered to a link engine on CPU memory
         if not (remote or local or ipc):
             link = self.link
             if link is None or link.engine.device != "cpu" or link.state == "down":
                 return self.plane
-            local = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
+            local = cpu_link = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
         if self.gpu_plane is None:
             self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
             log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
@@ -459,6 +460,8 @@ class Channel:
                      "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
                      "read from a CPU buffer of the peer goes through our bounce buffers into or out of its "
                      f"{self.plane.name} segment)")
+        if cpu_link and self.link is not None and self.link.state == "down":
+            return self.plane  # the link went down (reader thread) since the look above: CPU bytes take our plane
         if self.gpu_plane == "nccl" and (remote or local):
             if self._usable("nccl", self._nccl_refusal(pairs)):
                 if self._nccl is None:
@@ -523,6 +526,8 @@ class Channel:
             return "no NCCL link"
         if link.state == "pending":
             return None  # the plane waits for it (Endpoint.put/get)
+        if link.state == "down":  # (reader thread) before link_changed() reached the event loop
+            return f"the NCCL link is down: {link.reason}"
         specs = self.peer_specs
         for it, t in pairs:
             if not it.count:
