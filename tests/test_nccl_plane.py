@@ -354,7 +354,8 @@ async def test_a_cpu_op_racing_the_link_going_down_takes_the_channel_plane(store
         t.stop()
 
 
-async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_lives(store_url, uname):
+@pytest.mark.parametrize("at", ["before the op", "as the op picks its plane"])
+async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_lives(store_url, uname, at):
     """The link is marked down on the reader thread; the event loop learns of it (link_changed)
     only later. An op for the link (here: CPU tensors staged like GPU ones, ``cpu_engine``) in
     between goes through the staged path, instead of posting on the dead link, which failed the
@@ -369,13 +370,30 @@ async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_liv
             t.call("register", "w", "float32", (100,))
             await ep.connect(t.name)
             ch = ep._channels[t.name]
-            await _until(lambda: ch.link is not None and ch.link.state == "ready", what="the link is up")
+            # settled: the loop has run link_changed() for the link coming up
+            await _until(lambda: ch.link is not None and ch.link._settled.done(), what="the link is up")
+            link = ch.link
             s = seed()
             await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
             assert t.call("check", "w", s) and _ops(ep, "put")[-1]["plane"] == "nccl"
-            with ch.link._state_lock:  # what _maybe_settle or abort does, before link_changed runs
-                ch.link.state, ch.link.reason = "down", "gone down just now"
-            assert ch.gpu_plane == "nccl"  # the loop has not heard of it yet
+
+            def going_down(why: str) -> None:  # what _maybe_settle or abort does, before link_changed runs
+                with link._state_lock:
+                    link.state, link.reason = "down", why
+
+            if at == "before the op":
+                going_down("gone down just now")
+                assert ch.gpu_plane == "nccl"  # the loop has not heard of it yet
+            else:  # the op was given the link, which went down right after (Endpoint._plane picks again)
+                refusal = ch._nccl_refusal
+
+                def refused_then_down(pairs):
+                    why = refusal(pairs)
+                    if link.state != "down":
+                        going_down("went down as the op picked its plane")
+                    return why
+
+                ch._nccl_refusal = refused_then_down
             s = seed()
             await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
             assert t.call("check", "w", s)

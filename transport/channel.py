@@ -460,8 +460,6 @@ class Channel:
                      "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
                      "read from a CPU buffer of the peer goes through our bounce buffers into or out of its "
                      f"{self.plane.name} segment)")
-        if cpu_link and self.link is not None and self.link.state == "down":
-            return self.plane  # the link went down (reader thread) since the look above: CPU bytes take our plane
         if self.gpu_plane == "nccl" and (remote or local):
             if self._usable("nccl", self._nccl_refusal(pairs)):
                 if self._nccl is None:
@@ -469,6 +467,8 @@ class Channel:
 
                     self._nccl = NcclPlane(self)
                 return self._nccl
+        if cpu_link:  # the link went down (another thread) since the look above: CPU bytes take our plane
+            return self.plane
         if self.gpu_plane == "cuda_ipc" and (remote or ipc):
             if self._usable("cuda_ipc", self._ipc_refusal(pairs)):
                 if self._ipc is None:

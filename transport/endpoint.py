@@ -977,11 +977,13 @@ class Endpoint:
 
     @staticmethod
     async def _plane(ch: Channel, pairs: list[Any], deadline: float) -> Any:
-        """The op's plane; an op for the NCCL link while it is being set up waits for it (bounded)."""
+        """The op's plane; an op for the NCCL link while it is being set up waits for it (bounded).
+        One that was given the link as it went down (another thread; the state is read without a
+        lock) picks again, so it is never posted on a dead link."""
         plane = ch.plane_for(pairs)
         link = ch.link
-        if plane.name == "nccl" and link is not None and link.state == "pending":
-            await link.wait(deadline)
+        if plane.name == "nccl" and link is not None and link.state != "ready":
+            await link.wait(deadline)  # (at once unless pending)
             plane = ch.plane_for(pairs)
         return plane
 
