@@ -526,7 +526,7 @@ class Channel:
             return "no NCCL link"
         if link.state == "pending":
             return None  # the plane waits for it (Endpoint.put/get)
-        if link.state == "down":  # (reader thread) before link_changed() reached the event loop
+        if link.state == "down":  # (another thread) before link_changed() reached the event loop
             return f"the NCCL link is down: {link.reason}"
         specs = self.peer_specs
         for it, t in pairs:
