@@ -3,12 +3,15 @@
 Frames go out in the order they are submitted. A submission made while
 nothing is queued or being sent goes out at once from the calling thread with
 one non-blocking ``sendmsg`` of at most ``DIRECT_MAX`` bytes (a larger one:
-its first ``DIRECT_MAX`` bytes, header included); whatever the kernel did not
-take is put at the *front* of the queue for the writer thread, which blocks in
-``sendall`` (GIL released), so order holds and neither the event loop nor a
-channel's reader ever waits for a slow peer. The fast path saves a thread
-hand-off per op, which is most of the cost of a small op, and lets a large
-payload start moving before the writer thread is even awake.
+its first ``DIRECT_MAX`` bytes, header included; the kernel takes at most what
+fits in the socket's send buffer); whatever the kernel did not take is put at
+the *front* of the queue for the writer thread, which blocks in ``sendall``
+(GIL released), so order holds and neither the event loop nor a channel's
+reader ever waits for a slow peer. The fast path saves a thread hand-off per
+op, which is most of the cost of a small op, and a large payload is copied
+into the kernel by a thread that is already running while the peer's reader
+drains it: by the time the send buffer is full and the writer thread takes
+over, the writer's wake-up overlaps with the peer still receiving.
 
 ``busy`` marks that someone owns the socket for sending (the writer or a
 fast-path caller); the writer waits while it is set. A fast-path send wakes
@@ -44,13 +47,16 @@ __all__ = ["DIRECT_MAX", "Sender"]
 log = logging.getLogger(__name__)
 
 # Bytes one fast-path sendmsg may carry. A larger submission sends its first DIRECT_MAX bytes
-# (header included) from the calling thread and leaves the rest to the writer thread. Measured on
-# loopback (2 CPUs), that split beats sending the whole payload from the calling thread (1 MiB puts
-# took 240-290 us instead of 350-440 us): the first segment wakes the peer's reader while the
-# caller is about to sleep, so the reader gets the caller's CPU and the writer another one, and
-# copy-in and copy-out overlap; a caller that keeps sending has the woken reader queued behind it
-# on its own CPU until it is done. It also keeps the event loop's time in a put short.
-DIRECT_MAX = 64 * 1024
+# (header included; the kernel takes at most the send buffer's free room) from the calling thread
+# and leaves the rest to the writer thread. Measured on loopback (2 CPUs, bench/bench_transport.py
+# and a paired A/B of 50-80 repetitions per size, every variant interleaved with a raw-socket
+# reference): against a 64 KiB first segment, 4 MiB puts took 0.62-0.86 ms instead of 1.12-1.35 ms
+# and 16 MiB puts 2.8-3.2 ms instead of 3.4-4.5 ms (raw socket 0.76-1.16 and 3.0-3.2 ms); 1 MiB
+# puts 0.37-0.43 ms instead of 0.40-0.55 ms. A handed-over payload waits for the writer thread to
+# wake (tens of microseconds, more on a busy VM) while the peer's reader has nothing to drain; a
+# full send buffer hides that wake. The cap bounds how long one submission holds the calling
+# thread (the event loop for a put) in the kernel's copy: about a millisecond at memcpy speed.
+DIRECT_MAX = 4 << 20
 _DIRECT_MAX_PARTS = 64  # and buffers
 
 
