@@ -48,14 +48,16 @@ log = logging.getLogger(__name__)
 
 # Bytes one fast-path sendmsg may carry. A larger submission sends its first DIRECT_MAX bytes
 # (header included; the kernel takes at most the send buffer's free room) from the calling thread
-# and leaves the rest to the writer thread. Measured on loopback (2 CPUs, bench/bench_transport.py
-# and a paired A/B of 50-80 repetitions per size, every variant interleaved with a raw-socket
-# reference): against a 64 KiB first segment, 4 MiB puts took 0.62-0.86 ms instead of 1.12-1.35 ms
-# and 16 MiB puts 2.8-3.2 ms instead of 3.4-4.5 ms (raw socket 0.76-1.16 and 3.0-3.2 ms); 1 MiB
-# puts 0.37-0.43 ms instead of 0.40-0.55 ms. A handed-over payload waits for the writer thread to
-# wake (tens of microseconds, more on a busy VM) while the peer's reader has nothing to drain; a
-# full send buffer hides that wake. The cap bounds how long one submission holds the calling
-# thread (the event loop for a put) in the kernel's copy: about a millisecond at memcpy speed.
+# and leaves the rest to the writer thread. Against a 64 KiB first segment, measured on loopback
+# (2 CPUs), both variants interleaved in the same repetitions with a raw-socket reference:
+# - in bench/bench_transport.py's tcp phase (put, get and reference rotating; 180 repetitions per
+#   size): median put 0.41 ms instead of 0.48 ms at 1 MiB, 1.12 instead of 1.17 at 4 MiB, 4.08
+#   instead of 4.18 at 16 MiB;
+# - puts alone (50-80 repetitions per size, three runs): 4 MiB 0.62-0.86 ms instead of 1.12-1.35.
+# A handed-over payload waits for the writer thread to wake (tens of microseconds, more on a busy
+# VM) while the peer's reader has nothing to drain; a full send buffer hides that wake. The cap
+# bounds how long one submission holds the calling thread (the event loop, for a put) in the
+# kernel's copy: about a millisecond at memcpy speed.
 DIRECT_MAX = 4 << 20
 _DIRECT_MAX_PARTS = 64  # and buffers
 
