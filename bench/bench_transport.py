@@ -53,6 +53,14 @@ drift of a shared machine spreads over every case instead of biasing one):
   phase. Both endpoints are forced onto the plane with ``planes=(plane,)``.
   After the timed ops, one more get checks the fetched bytes against what
   was put (a run with a mismatch says so).
+* CPU time per op (``tcp`` phase, after the rest): user + system CPU time
+  of the initiator process and of the target process (``getrusage``)
+  around blocks of raw-socket send+acks and of puts, at 4 KiB and 1 MiB
+  (raw, put, raw, put per size, after a warm-up), printed per op with the
+  put's extra CPU time against the raw socket. Where the sender's and the
+  receiver's copies keep every CPU busy (2 CPUs here), that extra CPU time
+  adds to the put's duration: it is the part of the ``tcp`` gap that no
+  overlap can hide.
 * ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
   reported as unavailable, with the ImportError, when it cannot be imported.
 
@@ -75,6 +83,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import statistics
 import struct
@@ -99,6 +108,8 @@ QUICK_SIZES_MIB = (1, 4, 16)
 TARGET_NAME = "bench-target"
 INIT_NAME = "bench-initiator"
 LAT_BYTES = 4096
+COST_SIZES = (LAT_BYTES, MiB)  # sizes of the tcp phase's CPU-per-op blocks
+COST_BLOCKS = 2  # of each kind per size: raw, put, raw, put
 STARTUP_TIMEOUT = 60.0  # a child waiting for its peer's address / store url
 CMD_TIMEOUT = 120.0  # a target waiting for its next command
 OP_TIMEOUT = 120.0  # transport endpoint timeout of every op
@@ -120,6 +131,7 @@ def make_config(args: argparse.Namespace) -> dict[str, Any]:
         sd = {"d": 128, "layers": 24, "vocab": 8192, "ctx": 256}
         sd_reps, sd_warm = 3, 1
         lat_iters, lat_warm = 200, 20
+        cost_ops, cost_warm = 50, 10
         phase_timeout = 90.0
     else:
         # per round: about 1 GiB / rounds timed per (case, size); over all rounds 6 to 60 repetitions
@@ -128,6 +140,7 @@ def make_config(args: argparse.Namespace) -> dict[str, Any]:
         sd = {"d": 384, "layers": 24, "vocab": 32000, "ctx": 1024}
         sd_reps, sd_warm = max(2, math.ceil(12 / rounds)), 1
         lat_iters, lat_warm = math.ceil(1200 / rounds), 100
+        cost_ops, cost_warm = math.ceil(600 / rounds), 50
         phase_timeout = 300.0
     shapes = state_dict_shapes(**sd)
     return {
@@ -146,6 +159,8 @@ def make_config(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": sd_warm,
         },
         "latency": {"bytes": LAT_BYTES, "iters": lat_iters, "warmup": lat_warm},
+        # tcp phase: CPU time per op, raw socket vs put, over blocks of ``ops`` (see _cpu_per_op)
+        "cost": {"sizes": list(COST_SIZES), "ops": cost_ops, "warmup": cost_warm},
         "phase_timeout_s": phase_timeout,
     }
 
@@ -510,12 +525,24 @@ def _raw_receiver(srv: socket.socket, cfg: dict[str, Any], resp_q: Any, errors: 
             del view
             buf = torch.zeros(sizes[i + 1], dtype=torch.uint8) if i + 1 < len(sizes) else torch.zeros(0)
             conn.sendall(b"\x01")
+        cost = cfg["cost"]
+        for size in cost["sizes"]:  # the raw blocks of _cpu_per_op
+            buf = torch.zeros(size, dtype=torch.uint8)
+            _recv_and_ack(conn, _tensor_view(buf), cost["warmup"] + COST_BLOCKS * cost["ops"])
+            if not torch.equal(buf.view(torch.float32), _pattern(size // 4)):
+                raise RuntimeError(f"raw socket (CPU per op): received bytes differ from the pattern at size {size}")
     except BaseException as exc:  # reported by the target's main thread, and to the initiator
         errors.append(exc)
         resp_q.put(("raw-error", f"{type(exc).__name__}: {exc}"))
     finally:
         if conn is not None:
             conn.close()
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """User and system CPU time of this whole process (every thread) so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
 
 
 def _raw_reference(sock: socket.socket, view: memoryview, ack: memoryview, resp_q: Any) -> None:
@@ -562,6 +589,9 @@ async def _target_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any
                 for name in cmd[1]:
                     ep.unregister(name)
                     del bufs[name]
+            elif op == "cpu":
+                resp_q.put(("ok", len(bufs), _cpu_seconds()))
+                continue
             elif op != "quit":
                 raise RuntimeError(f"unknown command {cmd!r}")
             resp_q.put(("ok", len(bufs)))
@@ -592,11 +622,12 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = memoryview(bytearray(1))
 
-    async def command(*cmd: Any) -> None:
+    async def command(*cmd: Any) -> tuple[Any, ...]:
         ctrl_q.put(cmd)
         reply = await asyncio.to_thread(resp_q.get, True, CMD_TIMEOUT)
         if reply[0] != "ok":
             raise RuntimeError(f"target answered {reply!r} to {cmd[0]}")
+        return tuple(reply)
 
     out: dict[str, Any] = {"sizes": {}, "torch_threads": torch.get_num_threads()}
     try:
@@ -664,11 +695,59 @@ async def _initiator_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: 
             get = await _time_async(functools.partial(ep.get, TARGET_NAME, {"lat": dst}), lat["warmup"], lat["iters"])
             out["latency"] = {"put": put, "get": get, "verified": bool(torch.equal(src, dst))}
             await command("unregister", ["lat"])
+
+            if sock is not None:  # -- CPU time per op: raw socket send+ack against put
+                out["cost"] = await _cpu_per_op(ep, sock, ack, cfg["cost"], command, resp_q)
     finally:
         # the endpoint is closed (it withdraws from the target's store) before the target may exit
         ctrl_q.put(("quit",))
         if sock is not None:
             sock.close()
+    return out
+
+
+async def _cpu_per_op(ep: Any, sock: socket.socket, ack: memoryview, cost: dict[str, Any], command: Any,
+                      resp_q: Any) -> dict[str, Any]:
+    """User+system CPU time of the initiator and of the target process per raw-socket send+ack and
+    per ``put`` of the same size, from ``getrusage`` around blocks of ``cost["ops"]`` ops (raw, put,
+    raw, put per size, after a warm-up of each). The target's figure is its whole process: the
+    raw-socket receiver thread for the raw blocks, the endpoint's threads for the puts. Where every
+    CPU is busy during a transfer (2 CPUs: the sender's copy and the receiver's), an op's CPU time
+    beyond the raw socket's adds to its duration."""
+    out: dict[str, Any] = {}
+    n = cost["ops"]
+    for size in cost["sizes"]:
+        name = f"cost_{size}"
+        await command("register", [(name, (size // 4,))])
+        src = _pattern(size // 4)
+        raw = functools.partial(_raw_reference, sock, _tensor_view(src), ack, resp_q)
+        put = functools.partial(ep.put, TARGET_NAME, {name: src})
+        for _ in range(cost["warmup"]):
+            raw()
+            await put()
+        entry: dict[str, dict[str, list[float]]] = {k: {"wall": [], "initiator": [], "target": [], "ops": []}
+                                                    for k in ("raw", "put")}
+        for _ in range(COST_BLOCKS):
+            for kind in ("raw", "put"):
+                tgt0 = (await command("cpu"))[2]
+                own0 = _cpu_seconds()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    if kind == "raw":
+                        raw()
+                    else:
+                        await put()
+                wall = time.perf_counter() - t0
+                own1 = _cpu_seconds()
+                tgt1 = (await command("cpu"))[2]
+                e = entry[kind]
+                e["wall"].append(wall)
+                e["initiator"].append(sum(own1) - sum(own0))
+                e["target"].append(sum(tgt1) - sum(tgt0))
+                e["ops"].append(float(n))
+        out[str(size)] = entry
+        del src, raw, put
+        await command("unregister", [name])
     return out
 
 
@@ -802,7 +881,36 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
             if raw_p50:
                 row.update(ratio=row["p50_us"] / (raw_p50 * 1e6), ratio_vs="raw socket p50 (lower is better)")
             rows.append(row)
+
+    # CPU time per op (tcp phase)
+    cost = (res.get("transport_tcp") or {}).get("cost") or {}
+    for size in cfg["cost"]["sizes"]:
+        entry = cost.get(str(size))
+        if not entry:
+            continue
+        raw_row = _cpu_row("raw socket send+ack", size, entry["raw"])
+        put_row = _cpu_row("transport tcp put", size, entry["put"])
+        put_row["extra_cpu_us"] = put_row["total_us"] - raw_row["total_us"]
+        rows += [raw_row, put_row]
     return rows
+
+
+def _cpu_row(what: str, size: int, e: dict[str, list[float]]) -> dict[str, Any]:
+    """Per-op means over every block of one kind (see _cpu_per_op)."""
+    ops = sum(e["ops"])
+    init, target, wall = sum(e["initiator"]) / ops, sum(e["target"]) / ops, sum(e["wall"]) / ops
+    return {
+        "case": f"CPU per op: {what}",
+        "group": "cost",
+        "size_bytes": size,
+        "ops": int(ops),
+        "cpu": True,
+        "wall_us": wall * 1e6,
+        "initiator_us": init * 1e6,
+        "target_us": target * 1e6,
+        "total_us": (init + target) * 1e6,
+        "cores_busy": (init + target) / wall if wall > 0 else float("nan"),
+    }
 
 
 def _lat_row(case: str, group: str, times: list[float], **extra: Any) -> dict[str, Any]:
@@ -882,6 +990,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
     lines.append("-" * len(hdr) + "-" * 24)
     prev_group = None
     for r in rows:
+        if r.get("cpu"):
+            continue
         key = "lat" if r.get("latency") else ("sd" if r["case"].startswith("statedict") else r["size_bytes"])
         if prev_group is not None and key != prev_group:
             lines.append("")
@@ -903,6 +1013,19 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
                 extra = f" ({r['ratio_vs_copy_loop']:.2f}x copy_ loop)"
             lines.append(f"{r['case']:<48} {_size_label(r['size_bytes']):>9} {r['gbps']:8.2f} "
                          f"{r['gbps_best']:8.2f}  {ratio:>7}  {vs}{extra}{bad}")
+    cpu_rows = [r for r in rows if r.get("cpu")]
+    if cpu_rows:
+        lines.append("")
+        lines.append(f"CPU time per op, tcp (user+system of both processes, getrusage over "
+                     f"{cpu_rows[0]['ops']} ops per row; {env['usable_cpus']} usable CPUs):")
+        h = (f"{'case':<48} {'size':>9} {'wall us':>8} {'initiator':>10} {'target':>8} {'total':>8} "
+             f"{'cores':>6}  extra CPU vs raw")
+        lines.append(h)
+        for r in cpu_rows:
+            extra = f"{r['extra_cpu_us']:+.0f} us" if "extra_cpu_us" in r else ""
+            lines.append(f"{r['case']:<48} {_size_label(r['size_bytes']):>9} {r['wall_us']:8.0f} "
+                         f"{r['initiator_us']:10.0f} {r['target_us']:8.0f} {r['total_us']:8.0f} "
+                         f"{r['cores_busy']:6.2f}  {extra}")
     lines.append("")
     tt = "torch.distributed._transport (NIXL)"
     if nixl["available"]:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,6 +40,18 @@ def test_bench_only_runs_the_named_phases(tmp_path):
     assert ref["reps"] == tcp["reps"] and tcp["ratio"] == tcp["gbps"] / ref["gbps"]
     phase = next(row for row in doc["rows"] if row["case"] == "raw socket")
     assert tcp["ratio_vs_phase"] == tcp["gbps"] / phase["gbps"]
+    # CPU time per op of both processes, raw socket against put, at 4 KiB and 1 MiB
+    cpu = {(row["case"], row["size_bytes"]): row for row in doc["rows"] if row.get("cpu")}
+    assert set(cpu) == {(f"CPU per op: {what}", size) for what in ("raw socket send+ack", "transport tcp put")
+                        for size in (4096, 1 << 20)}, sorted(cpu)
+    for (case, size), row in cpu.items():
+        assert row["ops"] == doc["config"]["cost"]["ops"] * 2, row
+        assert row["wall_us"] > 0 and row["initiator_us"] > 0 and row["target_us"] > 0, row
+        assert row["total_us"] == pytest.approx(row["initiator_us"] + row["target_us"])
+        if case.endswith("put"):
+            raw = cpu[("CPU per op: raw socket send+ack", size)]
+            assert row["extra_cpu_us"] == pytest.approx(row["total_us"] - raw["total_us"])
+    assert "CPU time per op, tcp" in r.stdout
 
 
 def test_bench_shm_ratio_needs_no_copy_phase(tmp_path):
