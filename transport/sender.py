@@ -2,9 +2,9 @@
 
 Frames go out in the order they are submitted. A submission made while
 nothing is queued or being sent goes out at once from the calling thread with
-one non-blocking ``sendmsg`` of at most ``DIRECT_MAX`` bytes (a larger one:
-its first ``DIRECT_MAX`` bytes, header included; the kernel takes at most what
-fits in the socket's send buffer); whatever the kernel did not take is put at
+one non-blocking ``sendmsg`` of its frame header and at most ``DIRECT_MAX``
+bytes of payload (the kernel takes at most what fits in the socket's send
+buffer); whatever the kernel did not take is put at
 the *front* of the queue for the writer thread, which blocks in ``sendall``
 (GIL released), so order holds and neither the event loop nor a channel's
 reader ever waits for a slow peer. The fast path saves a thread hand-off per
@@ -46,18 +46,19 @@ __all__ = ["DIRECT_MAX", "Sender"]
 
 log = logging.getLogger(__name__)
 
-# Bytes one fast-path sendmsg may carry. A larger submission sends its first DIRECT_MAX bytes
-# (header included; the kernel takes at most the send buffer's free room) from the calling thread
-# and leaves the rest to the writer thread. Against a 64 KiB first segment, measured on loopback
-# (2 CPUs), both variants interleaved in the same repetitions with a raw-socket reference:
-# - in bench/bench_transport.py's tcp phase (put, get and reference rotating; 180 repetitions per
-#   size): median put 0.41 ms instead of 0.48 ms at 1 MiB, 1.12 instead of 1.17 at 4 MiB, 4.08
-#   instead of 4.18 at 16 MiB;
-# - puts alone (50-80 repetitions per size, three runs): 4 MiB 0.62-0.86 ms instead of 1.12-1.35.
-# A handed-over payload waits for the writer thread to wake (tens of microseconds, more on a busy
-# VM) while the peer's reader has nothing to drain; a full send buffer hides that wake. The cap
-# bounds how long one submission holds the calling thread (the event loop, for a put) in the
-# kernel's copy: about a millisecond at memcpy speed.
+# Payload bytes one fast-path sendmsg may carry behind the frame header. A larger submission sends
+# the header and its first DIRECT_MAX bytes from the calling thread (the kernel takes at most the
+# send buffer's free room) and leaves the rest to the writer thread. Against 64 KiB, measured on
+# loopback (2 CPUs) in bench/bench_transport.py's tcp phase with both variants interleaved in the
+# same repetitions (put, get, raw-socket reference; 180 repetitions per size): median put 0.41 ms
+# instead of 0.46 ms at 1 MiB, 0.97 instead of 1.21 at 4 MiB, 3.66 instead of 3.83 at 16 MiB. A
+# handed-over payload waits for the writer thread to wake (tens of microseconds, more on a busy VM)
+# while the peer's reader has nothing to drain; a full send buffer hides that wake. The cost: the
+# calling thread (the event loop, for a put) spends up to the TCP send path's time for 4 MiB in the
+# kernel (about a millisecond on loopback here), and a put to several peers at once copies each
+# peer's first segment on that one thread in turn, where 64 KiB left nearly all of it to the
+# peers' writer threads in parallel (3 peers, 2 CPUs: 16 MiB each 8.2 ms instead of 7.9; 1 MiB
+# each 0.89 ms instead of 0.97).
 DIRECT_MAX = 4 << 20
 _DIRECT_MAX_PARTS = 64  # and buffers
 
@@ -75,9 +76,11 @@ def _close(frames: object) -> None:
 
 
 def _head(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    """The first ``DIRECT_MAX`` bytes (at most ``_DIRECT_MAX_PARTS`` buffers) of ``frames``."""
+    """``frames``' first buffer (the frame header) and up to ``DIRECT_MAX`` bytes behind it, in at
+    most ``_DIRECT_MAX_PARTS`` buffers (so a payload of exactly ``DIRECT_MAX`` bytes leaves no tail
+    of header size for the writer thread)."""
     out: list[bytes | memoryview] = []
-    room = DIRECT_MAX
+    room = DIRECT_MAX + (len(frames[0]) if frames else 0)
     for f in frames:
         n = len(f)
         if n >= room:
@@ -154,7 +157,7 @@ class Sender:
         rest = _remainder(frames, sent)
         with self._cond:
             self._busy = False
-            if rest:
+            if rest and not self._closed:  # (closed meanwhile: the writer is gone, the rest is dropped)
                 self._jobs.appendleft(_Job(rest, on_sent))
             if self._jobs or self._flushers:
                 self._cond.notify_all()
