@@ -458,6 +458,64 @@ def test_sender_iterator_submissions():
         tx.close()
         a.close()
         b.close()
+
+
+def test_sender_fast_path_carries_the_header_and_direct_max_payload_bytes():
+    """The calling thread's one sendmsg carries the frame header and up to DIRECT_MAX payload bytes:
+    a payload of exactly DIRECT_MAX leaves no header-sized tail for the writer thread."""
+    from transport.sender import _DIRECT_MAX_PARTS, DIRECT_MAX, _head
+
+    head = b"h" * 48
+    whole = _head([head, memoryview(bytearray(DIRECT_MAX))])
+    assert [len(x) for x in whole] == [48, DIRECT_MAX]
+    cut = _head([head, memoryview(bytearray(DIRECT_MAX + 10)), b"tail"])
+    assert [len(x) for x in cut] == [48, DIRECT_MAX]
+    many = _head([head] + [b"x"] * (2 * _DIRECT_MAX_PARTS))
+    assert len(many) == _DIRECT_MAX_PARTS
+    assert _head([]) == []
+
+
+def test_sender_closed_during_a_fast_path_send_keeps_nothing():
+    """close() while the calling thread is in its fast-path sendmsg: what the kernel did not take is
+    dropped, not queued for a writer that has exited (it would pin the caller's memory)."""
+    import gc
+    import socket
+    import weakref
+
+    import numpy as np
+
+    from transport.sender import Sender
+
+    class ClosesDuringSend(socket.socket):
+        sender: Sender | None = None
+
+        def sendmsg(self, *args, **kwargs):  # the real send, then a close() from "another thread"
+            n = super().sendmsg(*args, **kwargs)
+            assert self.sender is not None
+            self.sender.close()
+            return n
+
+    a, b = socket.socketpair()
+    sock = ClosesDuringSend(fileno=a.detach())
+    errors: list[Exception] = []
+    sent: list[bool] = []
+    tx = Sender(sock, "test", errors.append)
+    sock.sender = tx
+    tx.start()
+    try:
+        payload = np.zeros(16 << 20, dtype=np.uint8)  # far more than the socket buffer takes at once
+        gone = weakref.ref(payload)  # (a memoryview of it keeps it alive)
+        assert tx.submit([b"hdr", memoryview(payload)], lambda: sent.append(True))
+        del payload
+        gc.collect()
+        assert gone() is None, "the sender still holds the unsent rest of a payload after close()"
+        tx.join(5)
+        assert sent == [] and errors == []
+        assert not tx.submit([b"more"])  # closed
+    finally:
+        tx.close()
+        sock.close()
+        b.close()
         tx.join(5)
 
 
