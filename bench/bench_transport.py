@@ -56,11 +56,10 @@ drift of a shared machine spreads over every case instead of biasing one):
 * CPU time per op (``tcp`` phase, after the rest): user + system CPU time
   of the initiator process and of the target process (``getrusage``)
   around blocks of raw-socket send+acks and of puts, at 4 KiB and 1 MiB
-  (raw, put, raw, put per size, after a warm-up), printed per op with the
-  put's extra CPU time against the raw socket. Where the sender's and the
-  receiver's copies keep every CPU busy (2 CPUs here), that extra CPU time
-  adds to the put's duration: it is the part of the ``tcp`` gap that no
-  overlap can hide.
+  (raw, put, raw, put per size, after a warm-up), printed per op (means)
+  with the put's extra CPU time against the raw socket: an upper bound on
+  the part of the ``tcp`` gap that overlap with the copies has to hide (the
+  wall column shows how much did not).
 * ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
   reported as unavailable, with the ImportError, when it cannot be imported.
 
@@ -526,11 +525,15 @@ def _raw_receiver(srv: socket.socket, cfg: dict[str, Any], resp_q: Any, errors: 
             buf = torch.zeros(sizes[i + 1], dtype=torch.uint8) if i + 1 < len(sizes) else torch.zeros(0)
             conn.sendall(b"\x01")
         cost = cfg["cost"]
-        for size in cost["sizes"]:  # the raw blocks of _cpu_per_op
+        for size in cost["sizes"]:  # the raw blocks of _cpu_per_op, then one untimed send checked before its ack
             buf = torch.zeros(size, dtype=torch.uint8)
-            _recv_and_ack(conn, _tensor_view(buf), cost["warmup"] + COST_BLOCKS * cost["ops"])
+            view = _tensor_view(buf)
+            _recv_and_ack(conn, view, cost["warmup"] + COST_BLOCKS * cost["ops"])
+            _recv_exact_into(conn, view)
             if not torch.equal(buf.view(torch.float32), _pattern(size // 4)):
                 raise RuntimeError(f"raw socket (CPU per op): received bytes differ from the pattern at size {size}")
+            del view
+            conn.sendall(b"\x01")
     except BaseException as exc:  # reported by the target's main thread, and to the initiator
         errors.append(exc)
         resp_q.put(("raw-error", f"{type(exc).__name__}: {exc}"))
@@ -711,9 +714,11 @@ async def _cpu_per_op(ep: Any, sock: socket.socket, ack: memoryview, cost: dict[
     """User+system CPU time of the initiator and of the target process per raw-socket send+ack and
     per ``put`` of the same size, from ``getrusage`` around blocks of ``cost["ops"]`` ops (raw, put,
     raw, put per size, after a warm-up of each). The target's figure is its whole process: the
-    raw-socket receiver thread for the raw blocks, the endpoint's threads for the puts. Where every
-    CPU is busy during a transfer (2 CPUs: the sender's copy and the receiver's), an op's CPU time
-    beyond the raw socket's adds to its duration."""
+    raw-socket receiver thread for the raw blocks, the endpoint's threads for the puts, and in both
+    the handling of the two "cpu" commands that read it. On loopback the kernel's receive path runs
+    partly in the sending thread's context, so the columns are per process, not sender work against
+    receiver work. A put's CPU time beyond the raw socket's is an upper bound on what overlap with
+    the copies has to hide; the wall times show how much of it did not."""
     out: dict[str, Any] = {}
     n = cost["ops"]
     for size in cost["sizes"]:
@@ -745,6 +750,7 @@ async def _cpu_per_op(ep: Any, sock: socket.socket, ack: memoryview, cost: dict[
                 e["initiator"].append(sum(own1) - sum(own0))
                 e["target"].append(sum(tgt1) - sum(tgt0))
                 e["ops"].append(float(n))
+        raw()  # untimed: the receiver checks the bytes (and makes its next buffer) before it answers
         out[str(size)] = entry
         del src, raw, put
         await command("unregister", [name])
@@ -1016,8 +1022,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
     cpu_rows = [r for r in rows if r.get("cpu")]
     if cpu_rows:
         lines.append("")
-        lines.append(f"CPU time per op, tcp (user+system of both processes, getrusage over "
-                     f"{cpu_rows[0]['ops']} ops per row; {env['usable_cpus']} usable CPUs):")
+        lines.append(f"CPU time per op, tcp (means over {cpu_rows[0]['ops']} ops per row; user+system CPU of "
+                     f"each whole process from getrusage; {env['usable_cpus']} usable CPUs):")
         h = (f"{'case':<48} {'size':>9} {'wall us':>8} {'initiator':>10} {'target':>8} {'total':>8} "
              f"{'cores':>6}  extra CPU vs raw")
         lines.append(h)

@@ -229,13 +229,13 @@ step check bench 140 "$PY" bench/bench_gpu.py --out "$OUTDIR/gpu.json"
 annotate "$(sed -n '/^=== \[bench\] .*timeout/,$p' "$LOG" | grep -E '^(no CUDA: skipped|ratio library/raw:|put (cuda_ipc|staged) )' | sed -E 's/ +/ /g' | tr '\n' ';')"
 
 # transport's tcp plane against a raw loopback socket (issue #2's "tcp put >= 0.9x raw socket"): on
-# the 2-core CI VM a put's extra CPU time (~130-180 us per op: Python, the target's ack, thread
-# hand-offs) adds to its duration at 1-4 MiB, where both cores are busy copying; this machine has
-# 16 cores. CPU only (no GPU), 1-64 MiB, plus the CPU-time-per-op table; an info step.
+# the 2-core CI VM a put costs 130-180 us more CPU time per op than a raw send (4 KiB, 1 MiB), and
+# at 1-4 MiB it misses the target; this machine has 16 cores to overlap that work with the copies.
+# CPU only (no GPU), 1-64 MiB, plus the CPU-time-per-op table; an info step.
 # DEVICE_CHECKS_TCP=0 skips it.
 if [ "${DEVICE_CHECKS_TCP:-1}" != 0 ]; then
     step info tcp-bench 90 "$PY" bench/bench_transport.py --only raw,tcp --max-mib 64 --rounds 2 --json "$OUTDIR/transport_tcp.json"
-    annotate "$(sed -n '/^=== \[tcp-bench\] .*timeout/,$p' "$LOG" | grep -E '(PASS|MISS) +tcp put|CPU per op: transport' | tr -s ' ' | tr '\n' ';')"
+    annotate "$(sed -n '/^=== \[tcp-bench\] .*timeout/,$p' "$LOG" | awk '/(PASS|MISS) +tcp put/ {$1=$1; printf "%s;", $0} /^CPU per op: transport tcp put/ {printf " put %s %s: wall %s us, CPU %s us (%s %s vs raw);", $7, $8, $9, $12, $14, $15}')"
 fi
 
 # rl_sync's fan-out target (4 subscribers on one host <= 1.6x the time of 1): on the 2-core CI VM,
