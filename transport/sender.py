@@ -4,14 +4,14 @@ Frames go out in the order they are submitted. A submission made while
 nothing is queued or being sent goes out at once from the calling thread with
 one non-blocking ``sendmsg`` of its frame header and at most ``DIRECT_MAX``
 bytes of payload (the kernel takes at most what fits in the socket's send
-buffer); whatever the kernel did not take is put at
-the *front* of the queue for the writer thread, which blocks in ``sendall``
-(GIL released), so order holds and neither the event loop nor a channel's
-reader ever waits for a slow peer. The fast path saves a thread hand-off per
-op, which is most of the cost of a small op, and a large payload is copied
-into the kernel by a thread that is already running while the peer's reader
-drains it: by the time the send buffer is full and the writer thread takes
-over, the writer's wake-up overlaps with the peer still receiving.
+buffer); whatever the kernel did not take is put at the *front* of the queue
+for the writer thread, which blocks in ``sendall`` (GIL released), so order
+holds and neither the event loop nor a channel's reader ever waits for a slow
+peer. The fast path saves a thread hand-off per op, which is most of the cost
+of a small op, and a large payload is copied into the kernel by a thread that
+is already running while the peer's reader drains it: by the time the send
+buffer is full and the writer thread takes over, the writer's wake-up
+overlaps with the peer still receiving.
 
 ``busy`` marks that someone owns the socket for sending (the writer or a
 fast-path caller); the writer waits while it is set. A fast-path send wakes
