@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -417,9 +416,7 @@ class Endpoint:
         except BaseException:
             if seg in self._segments:
                 self._segments.remove(seg)
-            if seg.fd >= 0:  # (a failed registration may have closed it already)
-                os.close(seg.fd)
-                seg.fd = -1
+            seg.close(drop_storage=False)  # (a failed registration may have closed it already)
             raise
         return tensor
 
@@ -431,9 +428,7 @@ class Endpoint:
         for seg in self._segments:
             if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
                     and not any(seg.holds(t) for t in live)):  # (a view of it still registered keeps it)
-                os.close(seg.fd)
-                seg.fd = -1
-                seg.storage = None
+                seg.close()
         self._segments[:] = [s for s in self._segments if s.fd >= 0]
 
     def unregister(self, name: str, *, discard: bool = False) -> None:

@@ -71,6 +71,15 @@ class Segment:
     def holds(self, t: torch.Tensor) -> bool:
         return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
 
+    def close(self, *, drop_storage: bool = True) -> None:
+        """Close the fd (idempotent); existing mappings stay valid. ``drop_storage``: also let go
+        of the storage (a failed registration keeps it: the caller's tensor still lies in it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if drop_storage:
+            self.storage = None
+
 
 @dataclass
 class ShmExport:
@@ -85,9 +94,7 @@ class ShmExport:
         seg = self.segment
         seg.refs -= 1
         if seg.refs == 0 and seg.fd >= 0:
-            os.close(seg.fd)
-            seg.fd = -1
-            seg.storage = None
+            seg.close()
             return True
         return False
 
