@@ -9,6 +9,9 @@ reading its own notifications (one process may even be both). One push, seen fro
           ◀──────────────  Reply(stage="begin")
     Pull(bucket k) ─────▶  subscriber gets bucket k from its source into its staging arena
           ◀──────────────  Reply(stage="pull", bucket=k)        (repeated for every bucket)
+    Pull(bucket k, attempt a+1) ─▶  supersedes attempt a of bucket k: the subscriber cancels that
+                           pull (its get leaves nothing behind), then pulls again; only the newest
+                           attempt is answered
     Commit ─────────────▶  subscriber applies staging -> live weights under the writer lock
                            (mode="shared": no Pulls; it re-points its weights into the bank named)
           ◀──────────────  Reply(stage="commit")
@@ -43,6 +46,7 @@ class Pull(msgspec.Struct, tag="pull", array_like=True):
     source: str
     buffer: str
     offset: int
+    attempt: int = 0  # echoed in the Reply; a newer Pull of the same bucket supersedes an older one
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
@@ -69,6 +73,7 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     error_kind: str | None = None  # "stale" | "plan" | "other"
     version: int = 0  # the subscriber's committed version after this step
     bank: int = 0  # begin: the arena bank this push fills (relays read it from there)
+    attempt: int = 0  # pull: the attempt of the Pull it answers (replies to superseded attempts are ignored)
 
 
 Message = Begin | Pull | Commit | Abort | Reply

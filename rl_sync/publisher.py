@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -60,7 +61,7 @@ from .plan import (
     make_buckets,
     plan_hash,
 )
-from .report import PushReport, SubscriberResult
+from .report import PushEvent, PushReport, SubscriberResult
 from .subscriber import live_tensors
 
 __all__ = ["WeightPublisher"]
@@ -68,6 +69,8 @@ __all__ = ["WeightPublisher"]
 log = logging.getLogger("rl_sync.publisher")
 
 SLOTS = 2
+_STALL_MIN = 0.25  # seconds: the least a slot's puller is given before the slot is taken back from it
+_STALL_FACTOR = 4.0  # ... and how many times the slowest answered pull of that slot
 _PROBE = 0.5  # seconds a push waits for a subscriber that was lost at the previous push
 _POLL = 0.05
 
@@ -84,6 +87,18 @@ class _Layout:
         self.shared = manifest.shared  # mode="shared": it reads the publisher's banks
 
 
+class _Pull:
+    """One outstanding Pull of one bucket by one subscriber."""
+
+    __slots__ = ("attempt", "sent", "slot", "source")
+
+    def __init__(self, attempt: int, source: str | None, slot: int | None, sent: float) -> None:
+        self.attempt = attempt
+        self.source = source  # None: the publisher (a slot, or the push's bank); else the relaying subscriber
+        self.slot = slot  # the send slot it reads (None: a bank or a relay's arena)
+        self.sent = sent
+
+
 class _Target:
     """One subscriber during one push."""
 
@@ -94,12 +109,18 @@ class _Target:
         self.dependents: list[_Target] = []
         self.begun = False
         self.begin_sent = False  # an Abort is owed from here on (a Begin may be waiting for readers)
+        self.begin_at = 0.0
         self.bank = 0  # the subscriber's arena bank this push fills
         self.have: set[int] = set()
-        self.inflight: dict[int, str | None] = {}  # bucket -> source of the outstanding pull (None: a slot)
-        self.orphaned: set[int] = set()  # buckets to pull from the publisher after a relay failed
+        self.inflight: dict[int, _Pull] = {}  # bucket -> its outstanding pull (the newest attempt)
+        self.attempts = itertools.count(1)
+        self.orphaned: set[int] = set()  # buckets to pull (again) from the publisher: repaired after the main pass
+        self.stalled = False  # a pull went unanswered past the stall bound: no new pulls until it answers
+        self.stalled_at = 0.0
         self.committing = False
+        self.commit_at = 0.0
         self.committed = False
+        self.heard = 0.0  # when it last answered anything
         self.error: BaseException | None = None
         self.finished_at = 0.0
         self.group: _Group | None = None
@@ -116,6 +137,30 @@ class _Target:
     def complete(self) -> bool:
         return len(self.have) == len(self.layout.buckets)
 
+    @property
+    def stage(self) -> str:
+        if self.committed:
+            return "committed"
+        if not self.begun:
+            return "begin"
+        return "commit" if self.committing else "transfer"
+
+    def doing(self, now: float) -> str:
+        """What it was doing, for an error message: stage, buckets, outstanding pulls, last heard."""
+        heard = f"last heard from {now - self.heard:.1f} s ago" if self.heard else "not heard from during this push"
+        n = len(self.layout.buckets)
+        if not self.begun:
+            return f"no answer to Begin after {now - self.begin_at:.1f} s; {heard}"
+        if self.committing:
+            return f"told to commit {now - self.commit_at:.1f} s ago, no answer; {heard}"
+        what = f"transfer, {len(self.have)}/{n} buckets"
+        if self.inflight:
+            oldest = min(p.sent for p in self.inflight.values())
+            what += f", pulls of buckets {sorted(self.inflight)} outstanding for up to {now - oldest:.1f} s"
+        if self.stalled:
+            what += f", stalled for {now - self.stalled_at:.1f} s"
+        return f"{what}; {heard}"
+
 
 class _Group:
     """Subscribers sharing one layout, and where their buckets are packed: two send slots, or,
@@ -128,13 +173,15 @@ class _Group:
         self.sources = sources  # generator name -> trainer tensor
         self.slots: list[str] = []  # made at the first bucket packed into a slot
         self.slot_tensors: list[torch.Tensor] = []
-        self.slot_users: list[set[str]] = [set() for _ in range(SLOTS)]
+        self.slot_users: list[set[str]] = [set() for _ in range(SLOTS)]  # who still reads each slot
+        self.slot_ready: list[float] = [0.0] * SLOTS  # when its bucket's pulls were sent
+        self.slot_took: list[float | None] = [None] * SLOTS  # the slowest answered pull of its bucket
         self.banks: BankSet | None = None  # shared subscribers: the layout's banks
         self.bank: int | None = None  # the bank this push writes (held exclusively until sealed)
         self.sealed = False
         self.packed: set[int] = set()  # buckets packed into the bank
         self.targets: list[_Target] = []
-        self.next_bucket = 0
+        self.served = 0  # buckets whose pulls the main pass has sent (later beginners repair the rest)
 
 
 class WeightPublisher:
@@ -163,13 +210,23 @@ class WeightPublisher:
             that has one; see :mod:`rl_sync.banks`). A push writes one that no
             subscriber's weights use; while subscribers stuck on older versions
             hold every bank, one more is made (logged) and later dropped.
+        stall_timeout: how long a pull of a send slot may go unanswered, when no
+            other subscriber's pull of that slot answered to compare it with,
+            before the slot is taken back from it (see :meth:`push`). With a
+            comparison, the bound is ``4x`` the slowest answered pull of the
+            slot, at least 0.25 s.
+        observer: called on the event loop with a :class:`rl_sync.PushEvent`
+            at every step of every subscriber (begin, each bucket, stalls,
+            commit, failure); for progress displays, tests and benchmarks. It
+            must not block; an exception it raises is logged and ignored.
 
     One push runs at a time; call it from the endpoint's event loop.
     """
 
     def __init__(self, endpoint: transport.Endpoint, subscribers: list[str] | tuple[str, ...], *,
                  dtype: torch.dtype | str | None = None, bucket_bytes: int = 256 << 20, name_map: NameMap | None = None,
-                 fanout: str = "auto", connect_timeout: float = 5.0, shared_banks: int = 2) -> None:
+                 fanout: str = "auto", connect_timeout: float = 5.0, shared_banks: int = 2,
+                 stall_timeout: float = 5.0, observer: Callable[[PushEvent], Any] | None = None) -> None:
         if dtype is not None and dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, 'auto' or None, got {dtype!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 64:
@@ -189,6 +246,13 @@ class WeightPublisher:
         if isinstance(shared_banks, bool) or not isinstance(shared_banks, int) or shared_banks < 2:
             raise ValueError(f"shared_banks must be an int >= 2, got {shared_banks!r}")
         self.shared_banks = shared_banks
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0, got {stall_timeout!r}")
+        if observer is not None and not callable(observer):
+            raise TypeError("observer must be callable")
+        self.stall_timeout = float(stall_timeout)
+        self.observer = observer
+        self._background: set[asyncio.Task[Any]] = set()  # best-effort Aborts of ended pushes, each bounded
         self._bank_sets: dict[str, BankSet] = {}
         self._committed: dict[str, int] = {}  # subscriber -> the last version it committed from this publisher
         self._lock_dir: str | None = None
@@ -293,7 +357,8 @@ class WeightPublisher:
         for name, t in run.targets.items():
             report.results[name] = SubscriberResult(
                 ok=t.committed, error=t.error, bytes=sum(b.nbytes for b in t.layout.buckets) if t.committed else 0,
-                seconds=(t.finished_at or time.monotonic()) - t0, source=t.source or self.endpoint.name)
+                seconds=(t.finished_at or time.monotonic()) - t0, source=t.source or self.endpoint.name,
+                stage=t.stage)
         report.seconds = time.monotonic() - t0
         report.packed_bytes = run.packed_bytes
         if any(r.ok for r in report.results.values()):
@@ -319,14 +384,14 @@ class WeightPublisher:
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
                     raise res
-                report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0)
+                report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0, stage="plan")
                 continue
             layout = res
             if layout.shared and not layout.same_host:
                 report.results[name] = SubscriberResult(error=RlSyncError(
                     f"{name} runs mode='shared', which maps the publisher's memory, but it is not on the publisher's "
                     f"host (reached over {_plane_of(self.endpoint, name)}); use another mode there"),
-                    seconds=time.monotonic() - run.t0)
+                    seconds=time.monotonic() - run.t0, stage="plan")
                 continue
             try:
                 sources = check_sources(tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map,
@@ -344,7 +409,7 @@ class WeightPublisher:
                     log.exception("publisher %s: no shared banks for layout %s", self.endpoint.name, layout.digest[:16])
                     report.results[name] = SubscriberResult(error=RlSyncError(
                         f"the publisher could not make its shared banks: {type(exc).__name__}: {exc}"),
-                        seconds=time.monotonic() - run.t0)
+                        seconds=time.monotonic() - run.t0, stage="plan")
                     if not group.targets:
                         del groups[layout.digest]
                     continue
@@ -467,7 +532,23 @@ def _detach(pub: WeightPublisher) -> None:
 
 
 class _Run:
-    """The state of one push: targets, their progress, and the tasks driving them."""
+    """The state of one push: targets, their progress, and the tasks driving them.
+
+    Progress is per subscriber: nothing waits for every subscriber at once.
+    The main pass packs bucket after bucket and tells the subscribers that
+    have begun and pull from the publisher to pull each one; a subscriber
+    whose Begin answer comes later gets the buckets it missed in the repair
+    pass that follows. A send slot is reused once the pulls of its bucket
+    answered; one that a subscriber leaves unanswered past the stall bound
+    (see :meth:`_stall_bound`) is taken back from it: that subscriber is
+    *stalled* (no new pulls until it answers anything), its unanswered slot
+    pulls are superseded (the bytes it reads may be torn; a later Pull of the
+    same bucket, with a newer attempt number, makes it cancel that pull and
+    pull again) and they are repaired once it answers. Its dependents pull
+    from the publisher instead, as do those of a relay whose pulls go
+    unanswered past the bound. The push's deadline fails whoever is still
+    in progress, with what it was doing.
+    """
 
     def __init__(self, pub: WeightPublisher, push_id: int, version: int, deadline: float, t0: float) -> None:
         self.pub = pub
@@ -482,6 +563,18 @@ class _Run:
         self.packed_bytes = 0
         self.bar: Any = None
         self.groups: list[_Group] = []
+        self.took: list[float] = []  # how long each answered pull took (the relay stall bound's yardstick)
+
+    # ------------------------------------------------------------------ events
+    def emit(self, t: _Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:
+        observer = self.pub.observer
+        if observer is None:
+            return
+        try:
+            observer(PushEvent(self.push_id, self.version, t.name, kind, bucket, source or self.ep.name, len(t.have),
+                               len(t.layout.buckets), time.monotonic() - self.t0, detail))
+        except Exception:
+            log.exception("push %d: the observer raised on %s of %s; ignored", self.push_id, kind, t.name)
 
     # ------------------------------------------------------------------ driving
     async def execute(self, groups: list[_Group], progress: bool) -> None:
@@ -493,10 +586,12 @@ class _Run:
         watchdog = asyncio.ensure_future(self._watchdog())
         self.groups = groups
         try:
+            now = time.monotonic()
             for t in self.targets.values():
                 t.begin_sent = True
+                t.begin_at = now
                 self._send(t, m.Begin(self.push_id, self.version, t.layout.digest, self.pub.bucket_bytes))
-            await self._until(lambda: all(t.begun or t.error for t in self.targets.values()))
+                self.emit(t, "begin_sent")
             await asyncio.gather(*(self._run_group(g) for g in groups))
             await self._until(lambda: not any(t.alive for t in self.targets.values()))
         finally:
@@ -508,14 +603,20 @@ class _Run:
 
     async def _run_group(self, group: _Group) -> None:
         n = len(group.buckets)
+        # the first Begin answer starts the group; the others are given as long again to be in the main
+        # pass from its first bucket (later ones get what they missed in the repair pass)
+        t0 = time.monotonic()
+        await self._until(lambda: any(t.begun for t in group.targets) or not any(t.alive for t in group.targets))
+        grace = time.monotonic() + max(0.02, time.monotonic() - t0)
+        await self._until(lambda: all(t.begun or not t.alive for t in group.targets) or time.monotonic() >= grace)
         self._take_bank(group)
         for k in range(n):
-            group.next_bucket = k
-            want = [t for t in group.targets
-                    if t.alive and t.begun and not t.shared and t.source is None and k not in t.have]
-            if want or (group.bank is not None and any(t.alive for t in group.targets if t.shared)):
-                await self._serve(group, k, want)
-        group.next_bucket = n
+            def pick(k: int = k) -> list[_Target]:
+                return [t for t in group.targets if t.alive and t.begun and not t.stalled and not t.shared
+                        and t.source is None and k not in t.have and k not in t.inflight]
+            if pick() or (group.bank is not None and any(t.alive for t in group.targets if t.shared)):
+                await self._serve(group, k, pick)
+            group.served = k + 1
         if group.bank is not None and group.banks is not None and len(group.packed) == n:
             group.banks.seal(group.bank, self.version, self.push_id)
             group.sealed = True
@@ -523,19 +624,22 @@ class _Run:
                 if t.shared and t.alive:
                     t.have = set(range(n))
                     self._maybe_commit(t)
-        # repair: buckets whose relay failed come from the publisher
+        # repair: buckets a subscriber missed (it began late, its relay failed or stalled, its slot was
+        # taken back) come from the publisher, once it is not stalled and has no pull of them outstanding
         while True:
-            await self._until(lambda: not any(t.alive and not t.complete and not t.orphaned for t in group.targets)
-                              or any(t.alive and t.orphaned and not t.inflight for t in group.targets))
-            todo = sorted(set().union(*(t.orphaned for t in group.targets if t.alive and not t.inflight)))
+            def due() -> list[_Target]:
+                return [t for t in group.targets if t.alive and t.begun and not t.stalled
+                        and any(k not in t.inflight for k in t.orphaned)]
+            await self._until(lambda: bool(due()) or not any(t.alive and not t.complete for t in group.targets))
+            todo = sorted({k for t in due() for k in t.orphaned if k not in t.inflight})
             if not todo:
                 return
             for k in todo:
-                want = [t for t in group.targets if t.alive and k in t.orphaned]
-                for t in want:
-                    t.orphaned.discard(k)
-                if want:
-                    await self._serve(group, k, want)
+                def pick_repair(k: int = k) -> list[_Target]:
+                    return [t for t in group.targets if t.alive and t.begun and not t.stalled and k in t.orphaned
+                            and k not in t.inflight]
+                if pick_repair():
+                    await self._serve(group, k, pick_repair)
 
     def _take_bank(self, group: _Group) -> None:
         """With shared subscribers in ``group``: take the bank this push packs into (exclusively,
@@ -556,10 +660,11 @@ class _Run:
             log.warning("push %d: every shared bank is held by subscribers on older versions (%s); bank %d added, "
                         "%d now", self.push_id, ", ".join(behind) or "?", group.bank, len(group.banks))
 
-    async def _serve(self, group: _Group, k: int, want: list[_Target]) -> None:
-        """Pack bucket ``k`` into a free slot (or into the push's bank, once) and tell ``want`` to pull it."""
+    async def _serve(self, group: _Group, k: int, pick: Callable[[], list[_Target]]) -> None:
+        """Pack bucket ``k`` into a free slot (or into the push's bank, once) and tell those ``pick``
+        returns then to pull it."""
         bucket = group.buckets[k]
-        users: set[str] | None = None  # who reads the slot (a bank is read until the push ends: not counted)
+        slot: int | None = None
         if group.bank is not None and group.banks is not None:
             if k not in group.packed:
                 await self._pack_into(bucket, group.sources, group.banks.region(group.bank, bucket))
@@ -568,16 +673,96 @@ class _Run:
         else:
             if not group.slots:
                 group.slots, group.slot_tensors = self.pub._slot(group.layout)
-            slot = k % SLOTS
-            await self._until(lambda: not group.slot_users[slot])
+            slot = await self._free_slot(group)
             await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
-            buffer, offset, users = group.slots[slot], 0, group.slot_users[slot]
-        for t in want:
-            if t.alive and k not in t.have and k not in t.inflight:
-                t.inflight[k] = None
-                if users is not None:
-                    users.add(t.name)
-                self._send(t, m.Pull(self.push_id, k, self.ep.name, buffer, offset))
+            buffer, offset = group.slots[slot], 0
+            group.slot_ready[slot] = time.monotonic()
+            group.slot_took[slot] = None
+        for t in pick():
+            if slot is not None:
+                group.slot_users[slot].add(t.name)
+            self._pull(t, k, None, buffer, offset, slot)
+
+    async def _free_slot(self, group: _Group) -> int:
+        """A send slot nobody reads any more; while both are read, whoever leaves one unanswered past
+        the stall bound gives it up (it is stalled)."""
+        while True:
+            for i, users in enumerate(group.slot_users):
+                if not users:
+                    return i
+            now = time.monotonic()
+            for i, users in enumerate(group.slot_users):
+                bound = self._stall_bound(group.slot_took[i])
+                for name in list(users):
+                    t = self.targets[name]
+                    p = next((p for p in t.inflight.values() if p.slot == i), None)
+                    if p is None:  # (cannot be: a user has a pull of the slot) never let it hold the slot
+                        users.discard(name)
+                    elif now - p.sent >= bound:
+                        self._stall(t, f"its pull of slot {i} went unanswered for {now - p.sent:.2f} s "
+                                       f"(bound {bound:.2f} s)")
+            if any(not users for users in group.slot_users):
+                continue
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_POLL):
+                    await self.changed.wait()
+
+    def _stall_bound(self, took: float | None) -> float:
+        """How long a pull may go unanswered while it holds up others: ``4x`` the slowest answered
+        pull it is compared with (at least 0.25 s), or ``stall_timeout`` with nothing to compare."""
+        if took is None:
+            return self.pub.stall_timeout
+        return max(_STALL_MIN, _STALL_FACTOR * took)
+
+    def _pull(self, t: _Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None) -> None:
+        t.orphaned.discard(k)
+        p = t.inflight[k] = _Pull(next(t.attempts), source, slot, time.monotonic())
+        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt))
+        self.emit(t, "pull_sent", k, source)
+
+    def _stall(self, t: _Target, why: str) -> None:
+        """Take every slot back from ``t``: its slot pulls are superseded (repaired once it answers)."""
+        if not t.stalled:
+            t.stalled = True
+            t.stalled_at = time.monotonic()
+            log.warning("push %d (version %d): %s stalled: %s; its slots go on without it, its dependents pull from "
+                        "the publisher", self.push_id, self.version, t.name, why)
+            self.emit(t, "stalled", detail=why)
+        g = t.group
+        for k, p in list(t.inflight.items()):
+            if p.slot is not None:
+                if g is not None:
+                    g.slot_users[p.slot].discard(t.name)
+                del t.inflight[k]
+                t.orphaned.add(k)
+        for d in t.dependents:
+            if d.alive and d.source == t.name:
+                self._resource(d, f"its relay {t.name} stalled")
+        self.changed.set()
+
+    def _resource(self, d: _Target, why: str) -> None:
+        """``d`` pulls from the publisher from now on: what it misses, relay pulls in flight included
+        (superseded), comes in the repair pass, the rest in the main pass."""
+        d.source = None
+        served = d.group.served if d.group is not None else 0
+        for k, p in list(d.inflight.items()):
+            if p.source is not None:
+                del d.inflight[k]
+        d.orphaned |= {k for k in range(served) if k not in d.have and k not in d.inflight}
+        log.info("push %d: %s pulls from the publisher from now on (%s)", self.push_id, d.name, why)
+        self.emit(d, "resourced", detail=why)
+        self.changed.set()
+
+    def _feed(self, d: _Target) -> None:
+        """Tell ``d`` (begun, relaying from a live source) to pull what its source already holds."""
+        src = self.targets.get(d.source) if d.source is not None else None
+        if src is None or not d.alive or not d.begun or src.error is not None or src.stalled:
+            return
+        for k in sorted(src.have):
+            if k not in d.have and k not in d.inflight:
+                b = d.layout.buckets[k]
+                self._pull(d, k, src.name, arena_name(src.bank, b.arena), b.offset, None)
 
     async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
         pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, sources, dest))
@@ -589,54 +774,79 @@ class _Run:
             self.bar.update(bucket.nbytes)
 
     def on_reply(self, t: _Target, r: m.Reply) -> None:
+        now = time.monotonic()
+        t.heard = now
+        if t.stalled and r.stage == "pull":  # it answers again: its superseded buckets are repaired
+            t.stalled = False
+            log.info("push %d: %s answers again after %.2f s stalled", self.push_id, t.name, now - t.stalled_at)
         if r.stage == "begin":
+            if t.begun:
+                return
             if r.error is None:
                 t.begun = True
                 t.bank = r.bank
-                self._maybe_commit(t)  # a layout with no bytes at all
+                self.emit(t, "begun")
+                g = t.group
+                if g is not None and g.served and not t.shared:  # began after the main pass started
+                    if t.source is None:
+                        t.orphaned |= {k for k in range(g.served) if k not in t.have}
+                    else:
+                        self._feed(t)
+                for d in t.dependents:  # relaying to subscribers that began first
+                    self._feed(d)
+                self._maybe_commit(t)  # a layout with no bytes at all, or a sealed bank
             else:
                 self.fail(t, _rejection(t.name, r))
         elif r.stage == "pull":
-            source = t.inflight.pop(r.bucket, "?")
-            self._release_slot(t, r.bucket, source)
+            p = t.inflight.get(r.bucket)
+            if p is None or p.attempt != r.attempt:
+                self.changed.set()
+                return  # a superseded attempt: its bytes may be torn, a newer pull (or the repair) follows
+            del t.inflight[r.bucket]
+            g = t.group
+            if p.slot is not None and g is not None:
+                g.slot_users[p.slot].discard(t.name)
+                took = now - g.slot_ready[p.slot]
+                g.slot_took[p.slot] = max(took, g.slot_took[p.slot] or 0.0)
             if r.error is None:
+                self.took.append(now - p.sent)
                 t.have.add(r.bucket)
+                self.emit(t, "pulled", r.bucket, p.source)
                 for d in t.dependents:
-                    if d.alive and d.source == t.name and r.bucket not in d.have and r.bucket not in d.inflight:
-                        b = d.layout.buckets[r.bucket]
-                        d.inflight[r.bucket] = t.name
-                        self._send(d, m.Pull(self.push_id, r.bucket, t.name, arena_name(t.bank, b.arena), b.offset))
+                    if d.source == t.name:
+                        self._feed(d)
                 self._maybe_commit(t)
-            elif source not in (None, "?"):
+            elif p.source is not None:
                 log.info("push %d: %s could not pull bucket %d from relay %s (%s); it will come from the publisher",
-                         self.push_id, t.name, r.bucket, source, r.error)
+                         self.push_id, t.name, r.bucket, p.source, r.error)
                 t.orphaned.add(r.bucket)
             else:
                 self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
         elif r.stage == "commit":
             if r.error is None:
                 t.committed = True
-                t.finished_at = time.monotonic()
+                t.finished_at = now
+                self.emit(t, "committed")
             elif r.error_kind == "timeout":
                 self.fail(t, transport.TransportTimeoutError(f"{t.name}: {r.error}", Phase.COMMIT))
             else:
                 self.fail(t, SubscriberRejectedError(f"{t.name} refused the commit: {r.error}"))
         self.changed.set()
 
-    def _release_slot(self, t: _Target, k: int, source: str | None) -> None:
-        if source is None and t.group is not None:
-            t.group.slot_users[k % SLOTS].discard(t.name)
-
     def _maybe_commit(self, t: _Target) -> None:
         if t.alive and t.begun and t.complete and not t.committing:
             g = t.group
             if not t.shared:
-                t.committing = True
-                self._send(t, m.Commit(self.push_id, self.version))
+                msg: m.Commit | None = m.Commit(self.push_id, self.version)
             elif g is not None and g.sealed and g.bank is not None and g.banks is not None:
+                msg = m.Commit(self.push_id, self.version, g.bank, tuple(g.banks.names(g.bank)), g.banks.path(g.bank))
+            else:
+                msg = None
+            if msg is not None:
                 t.committing = True
-                self._send(t, m.Commit(self.push_id, self.version, g.bank, tuple(g.banks.names(g.bank)),
-                                       g.banks.path(g.bank)))
+                t.commit_at = time.monotonic()
+                self._send(t, msg)
+                self.emit(t, "commit_sent")
 
     def fail(self, t: _Target, exc: BaseException) -> None:
         if t.error is not None or t.committed:
@@ -645,14 +855,13 @@ class _Run:
         t.finished_at = time.monotonic()
         log.warning("push %d (version %d): %s failed: %s: %s", self.push_id, self.version, t.name,
                     type(exc).__name__, exc)
+        self.emit(t, "failed", detail=f"{type(exc).__name__}: {exc}")
         if t.group is not None:
             for users in t.group.slot_users:
                 users.discard(t.name)
         for d in t.dependents:  # they pull what they still miss from the publisher
             if d.source == t.name and d.alive:
-                d.source = None
-                nxt = d.group.next_bucket if d.group is not None else 0
-                d.orphaned |= {k for k in range(nxt) if k not in d.have and k not in d.inflight}
+                self._resource(d, f"its relay {t.name} failed")
         if t.begun or t.begin_sent:  # a direct-mode Begin may still be waiting for the subscriber's readers
             self._send(t, m.Abort(self.push_id, f"{type(exc).__name__}: {exc}"), best_effort=True)
         self.changed.set()
@@ -683,33 +892,48 @@ class _Run:
                     await self.changed.wait()
 
     async def _watchdog(self) -> None:
-        """Fails targets whose channel is lost (or answered by another incarnation) or that pass the deadline."""
+        """Fails targets whose channel is lost (or answered by another incarnation) or that pass the
+        deadline; moves subscribers whose relay leaves their pulls unanswered past the bound to the
+        publisher."""
         while True:
             now = time.monotonic()
             peers = self.ep.peers
+            relay_bound = self._stall_bound(statistics.median(self.took) if self.took else None)
             for t in list(self.targets.values()):
                 if not t.alive:
                     continue
                 p = peers.get(t.name)
                 if p is None or p.incarnation != t.layout.incarnation:
-                    self.fail(t, transport.PeerLostError(f"subscriber {t.name!r} was lost during the push"))
+                    self.fail(t, transport.PeerLostError(
+                        f"subscriber {t.name!r} was lost during the push ({t.doing(now)})"))
                 elif now >= self.deadline:
                     phase = Phase.COMMIT if t.committing else Phase.TRANSFER
                     self.fail(t, transport.TransportTimeoutError(
                         f"subscriber {t.name!r} did not finish version {self.version} before the deadline "
-                        f"({len(t.have)}/{len(t.layout.buckets)} buckets)", phase))
+                        f"({t.doing(now)})", phase))
+                elif t.source is not None and not t.stalled:
+                    late = [k for k, q in t.inflight.items() if q.source is not None and now - q.sent >= relay_bound]
+                    if late:
+                        self._resource(t, f"its relay {t.source} left its pulls of buckets {late} unanswered for "
+                                          f"{relay_bound:.2f} s")
             await asyncio.sleep(_POLL)
 
     async def finish(self) -> None:
-        """Abort whatever did not commit (cancellation included) and wait, bounded, for the messages to go."""
+        """Abort whatever did not commit (cancellation included). Nothing waits for the Aborts: each is
+        bounded on its own, and a later push's Begin supersedes an unfinished push anyway."""
         for t in self.targets.values():
             if t.alive:
-                self.fail(t, PushAbortedError(f"the push of version {self.version} stopped before {t.name} committed"))
+                self.fail(t, PushAbortedError(f"the push of version {self.version} stopped before {t.name} committed "
+                                              f"({t.doing(time.monotonic())})"))
         for g in self.groups:
             if g.bank is not None and g.banks is not None and not g.sealed:
                 g.banks.release(g.bank)  # unsealed: its stamp says it holds nothing, no commit names it
-        if self.tasks:
-            await asyncio.shield(asyncio.wait(list(self.tasks), timeout=2.0))
+        background = self.pub._background
+        for task in self.tasks:
+            background.add(task)
+            task.add_done_callback(background.discard)
+        self.tasks = set()
+        await asyncio.sleep(0)  # let the Aborts go out before the push returns
 
 
 def _plane_of(ep: transport.Endpoint, name: str) -> str:

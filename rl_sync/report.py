@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["PushReport", "SubscriberResult"]
+__all__ = ["PushEvent", "PushReport", "SubscriberResult"]
 
 
 @dataclass
@@ -16,7 +16,13 @@ class SubscriberResult:
     :class:`transport.TransportTimeoutError`, :class:`rl_sync.StaleVersionError`, ...).
     ``bytes`` counts the bytes delivered to it, ``seconds`` the time from the
     push's start to its commit (or failure); ``source`` is where it pulled
-    its buckets from (the publisher, or a relaying subscriber).
+    its buckets from (the publisher, or a relaying subscriber; the publisher
+    when a relay was given up during the push). ``stage`` is where it was
+    when the push ended for it: ``"plan"`` (connect, manifest), ``"begin"``
+    (no answer to Begin yet), ``"transfer"``, ``"commit"`` (told to commit,
+    no answer yet) or ``"committed"``; the error's message says what it was
+    doing (buckets held, pulls outstanding and for how long, when it was
+    last heard from).
     """
 
     ok: bool = False
@@ -24,6 +30,7 @@ class SubscriberResult:
     bytes: int = 0
     seconds: float = 0.0
     source: str = ""
+    stage: str = ""
 
 
 @dataclass
@@ -61,3 +68,28 @@ class PushReport:
         for name, err in self.failed.items():
             line += f"; {name} failed: {type(err).__name__}: {err}"
         return line
+
+
+@dataclass(frozen=True)
+class PushEvent:
+    """One step of a push for one subscriber, as handed to a publisher's ``observer``.
+
+    ``kind`` is one of ``"begin_sent"``, ``"begun"``, ``"pull_sent"``, ``"pulled"``
+    (a bucket arrived: ``bucket``, ``source``), ``"stalled"`` (a pull went
+    unanswered past the stall bound: its slot was taken back), ``"resourced"``
+    (it pulls from the publisher from now on: its relay stalled or failed),
+    ``"commit_sent"``, ``"committed"`` and ``"failed"`` (``detail`` says why).
+    ``have`` and ``buckets``: the buckets it holds, of how many; ``seconds``:
+    since the push started.
+    """
+
+    push_id: int
+    version: int
+    subscriber: str
+    kind: str
+    bucket: int = -1
+    source: str = ""
+    have: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    detail: str = ""

@@ -95,8 +95,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Push:
-    __slots__ = ("bank", "buckets", "done", "dropped", "locked", "progress", "publisher", "pulled", "pulls", "push_id",
-                 "version")
+    __slots__ = ("bank", "buckets", "by_bucket", "done", "dropped", "locked", "progress", "publisher", "pulled", "pulls",
+                 "push_id", "version")
 
     def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket], bank: int) -> None:
         self.bank = bank
@@ -110,6 +110,7 @@ class _Push:
         self.progress = time.monotonic()  # direct mode: when it last moved (the watchdog's clock)
         self.pulled = False  # a Pull of it arrived
         self.pulls: set[asyncio.Task[Any]] = set()  # its pulls still running
+        self.by_bucket: dict[int, asyncio.Task[Any]] = {}  # the newest pull of each bucket
 
 
 class WeightSubscriber:
@@ -375,7 +376,13 @@ class WeightSubscriber:
             else:
                 push.pulled = True
                 push.progress = time.monotonic()
-                task = self._spawn(self._pull(push, msg))
+                # a newer Pull of a bucket supersedes the older one (the publisher took its slot back, or
+                # gave up its relay): that pull is cancelled and the new one starts once it is over
+                older = push.by_bucket.get(msg.bucket)
+                if older is not None:
+                    older.cancel()
+                task = self._spawn(self._pull(push, msg, older))
+                push.by_bucket[msg.bucket] = task
                 push.pulls.add(task)
                 task.add_done_callback(push.pulls.discard)
         elif isinstance(msg, m.Commit):
@@ -501,8 +508,9 @@ class WeightSubscriber:
 
         Progress is any Pull or Commit of the push arriving, or a pull finishing; a pull in flight
         is bounded by the endpoint's own timeout. Before the first Pull the allowance is twice
-        ``commit_timeout``: the publisher sends pulls only once every subscriber has begun, and
-        another subscriber's Begin may itself wait ``commit_timeout`` for its readers."""
+        ``commit_timeout``: the publisher may send the first pull late (it waits a moment for the
+        other subscribers' Begin answers, and its send slots may be held by a slow subscriber until
+        its stall bound)."""
         period = max(0.05, min(1.0, self.commit_timeout / 4))
         while push.locked:
             await asyncio.sleep(period)
@@ -528,9 +536,11 @@ class WeightSubscriber:
             self._lock.release_write()
             log.debug("subscriber %s: push %d dropped (%s); torn=%s", self.endpoint.name, push.push_id, why, self._torn)
 
-    async def _pull(self, push: _Push, msg: m.Pull) -> None:
+    async def _pull(self, push: _Push, msg: m.Pull, older: asyncio.Task[Any] | None = None) -> None:
         b = push.buckets[msg.bucket]
         dest = self._banks[push.bank][b.arena][b.offset:b.offset + b.nbytes]
+        if older is not None:  # superseded and cancelled: its get leaves nothing behind once it is over
+            await asyncio.wait({older})
         if push.dropped:
             return
         if self.mode == "direct":
@@ -541,12 +551,13 @@ class WeightSubscriber:
         try:
             await self.endpoint.get(msg.source, {msg.buffer: transport.At(dest, msg.offset)})
         except Exception as exc:
-            self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other"))
+            self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other",
+                                                attempt=msg.attempt))
             return
         finally:
             push.progress = time.monotonic()  # finished either way: the publisher may now repair it
         push.done.add(msg.bucket)
-        self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket))
+        self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, attempt=msg.attempt))
 
     async def _commit(self, push: _Push) -> None:
         if self.mode == "direct":

@@ -47,6 +47,13 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
         want = seeded(pub_spec, seed)
         async with sub.hold():
             return {n: same_bytes(state["model"][n], want[n].to(state["model"][n].dtype)) for n in want}
+    if cmd == "sub_check_held":  # inside one hold(): the version held, and whether the weights are exactly its bytes
+        pub_spec = args[0]
+        async with sub.hold() as v:
+            if v == 0:
+                return 0, True
+            want = seeded(pub_spec, v)
+            return v, all(same_bytes(state["model"][n], want[n].to(state["model"][n].dtype)) for n in want)
     if cmd == "sub_check_stamp":
         async with sub.hold() as v:
             return v, all(bool((t == v).all()) for t in state["model"].values())

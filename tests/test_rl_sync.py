@@ -431,20 +431,25 @@ async def test_direct_mode_waits_longer_for_the_first_pull(store_url, uname):
 # ---------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("mode", ["staged", "shared"])
 async def test_cancelled_push_is_never_committed(store_url, uname, mode):
-    with generators(store_url, uname, 2, mode=mode) as gens:
+    with generators(store_url, uname, 3, mode=mode) as gens:
         async with trainer(store_url, uname) as ep:
             pub = cast_pub(ep, gens)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
-            gens[1].signal(signal.SIGSTOP)  # its pulls (shared: its Begin) stall, so the push is stuck mid-way
+            for g in gens[1:]:  # their pulls (shared: their Begin) stall, so the push is stuck mid-way for them
+                g.signal(signal.SIGSTOP)
             push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2))
             await asyncio.sleep(1.0)
             assert not push.done()
             push.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await push
-            gens[1].signal(signal.SIGCONT)
+            for g in gens[1:]:
+                g.signal(signal.SIGCONT)
             await asyncio.sleep(0.5)
-            for g in gens:
+            # the healthy one did not wait for the frozen ones: it committed before the cancellation
+            assert gens[0].call("sub_version") == 2
+            assert all(gens[0].call("sub_check", TRAIN, 2).values())
+            for g in gens[1:]:
                 assert g.call("sub_version") == 1
                 assert all(g.call("sub_check", TRAIN, 1).values()), "the previous version must stay intact"
             report = await pub.push(seeded(TRAIN, 3), 3)
