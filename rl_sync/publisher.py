@@ -609,6 +609,8 @@ class _Run:
         await self._until(lambda: any(t.begun for t in group.targets) or not any(t.alive for t in group.targets))
         grace = time.monotonic() + max(0.02, time.monotonic() - t0)
         await self._until(lambda: all(t.begun or not t.alive for t in group.targets) or time.monotonic() >= grace)
+        for t in group.targets:  # a relay that has not begun yet would hold its dependents up
+            self._check_source(t)
         self._take_bank(group)
         for k in range(n):
             def pick(k: int = k) -> list[_Target]:
@@ -754,6 +756,14 @@ class _Run:
         self.emit(d, "resourced", detail=why)
         self.changed.set()
 
+    def _check_source(self, d: _Target) -> None:
+        """Once the main pass runs, a begun subscriber whose relay has not begun (or is stalled, or
+        failed) pulls from the publisher instead: a relay late to begin never holds it up."""
+        src = self.targets.get(d.source) if d.source is not None else None
+        if src is not None and d.alive and d.begun and (not src.begun or src.stalled or src.error is not None):
+            self._resource(d, f"its relay {src.name} has not begun" if not src.begun else f"its relay {src.name} "
+                              f"is {'stalled' if src.stalled else 'failed'}")
+
     def _feed(self, d: _Target) -> None:
         """Tell ``d`` (begun, relaying from a live source) to pull what its source already holds."""
         src = self.targets.get(d.source) if d.source is not None else None
@@ -788,6 +798,7 @@ class _Run:
                 self.emit(t, "begun")
                 g = t.group
                 if g is not None and g.served and not t.shared:  # began after the main pass started
+                    self._check_source(t)
                     if t.source is None:
                         t.orphaned |= {k for k in range(g.served) if k not in t.have}
                     else:
@@ -876,6 +887,14 @@ class _Run:
         async def send() -> None:
             try:
                 await self.ep.notify(t.name, m.encode(msg), timeout=limit)
+            except transport.TransportTimeoutError as exc:
+                if not best_effort and t.alive:  # (it ran into the push's deadline)
+                    err = self._overdue(t, time.monotonic())
+                    err.__cause__ = exc
+                    self.fail(t, err)
+            except transport.PeerLostError as exc:
+                if not best_effort and t.alive:
+                    self.fail(t, self._lost_error(t, time.monotonic(), exc))
             except Exception as exc:
                 if not best_effort:
                     self.fail(t, exc)
@@ -904,19 +923,33 @@ class _Run:
                     continue
                 p = peers.get(t.name)
                 if p is None or p.incarnation != t.layout.incarnation:
-                    self.fail(t, transport.PeerLostError(
-                        f"subscriber {t.name!r} was lost during the push ({t.doing(now)})"))
+                    self.fail(t, self._lost_error(t, now))
                 elif now >= self.deadline:
-                    phase = Phase.COMMIT if t.committing else Phase.TRANSFER
-                    self.fail(t, transport.TransportTimeoutError(
-                        f"subscriber {t.name!r} did not finish version {self.version} before the deadline "
-                        f"({t.doing(now)})", phase))
-                elif t.source is not None and not t.stalled:
+                    self.fail(t, self._overdue(t, now))
+                elif t.stalled or not t.begun:
+                    continue
+                elif (now - max(t.heard, t.begin_at) >= relay_bound and any(now - q.sent >= relay_bound
+                                                                            for q in t.inflight.values())
+                      and any(d.alive and d.source == t.name for d in t.dependents)):
+                    # a relay that went silent with pulls outstanding: its dependents must not wait for it
+                    self._stall(t, f"silent for {now - max(t.heard, t.begin_at):.2f} s with pulls outstanding, "
+                                   f"while subscribers relay from it")
+                elif t.source is not None:
                     late = [k for k, q in t.inflight.items() if q.source is not None and now - q.sent >= relay_bound]
                     if late:
                         self._resource(t, f"its relay {t.source} left its pulls of buckets {late} unanswered for "
                                           f"{relay_bound:.2f} s")
             await asyncio.sleep(_POLL)
+
+    def _overdue(self, t: _Target, now: float) -> transport.TransportTimeoutError:
+        phase = Phase.COMMIT if t.committing else Phase.TRANSFER
+        return transport.TransportTimeoutError(
+            f"subscriber {t.name!r} did not finish version {self.version} before the deadline ({t.doing(now)})", phase)
+
+    def _lost_error(self, t: _Target, now: float, cause: BaseException | None = None) -> transport.PeerLostError:
+        err = transport.PeerLostError(f"subscriber {t.name!r} was lost during the push ({t.doing(now)})")
+        err.__cause__ = cause
+        return err
 
     async def finish(self) -> None:
         """Abort whatever did not commit (cancellation included). Nothing waits for the Aborts: each is

@@ -19,6 +19,7 @@ into the publisher's bank that holds the version (:mod:`rl_sync.banks`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -201,6 +202,9 @@ class WeightSubscriber:
         self._version_cond = threading.Condition()
         self._push: _Push | None = None
         self._starting: set[_Push] = set()  # pushes whose Begin is being served (waiting for a commit, pulls, readers)
+        # Aborts that came before their push's Begin was served (the Begin's task had not run yet): that
+        # Begin is refused (a frozen subscriber, let go, reads both at once); the newest few are kept
+        self._aborted: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
         self._draining: set[asyncio.Task[Any]] = set()  # pulls of dropped pushes, cancelled, not yet over
         self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -405,6 +409,8 @@ class WeightSubscriber:
             if push is not None:
                 log.info("subscriber %s: push %d aborted by %s: %s", self.endpoint.name, msg.push_id, note.peer, msg.reason)
                 self._drop(push, f"aborted by {note.peer}: {msg.reason}")
+            else:
+                self._aborted.append((note.peer, msg.push_id))
         else:
             log.warning("subscriber %s: unexpected %s from %s", self.endpoint.name, type(msg).__name__, note.peer)
 
@@ -415,6 +421,10 @@ class WeightSubscriber:
         return push
 
     async def _begin(self, peer: str, msg: m.Begin) -> None:
+        if (peer, msg.push_id) in self._aborted:
+            self._reply(peer, m.Reply(msg.push_id, "begin", -1, "the push was aborted before it began", "other",
+                                      self._version))
+            return
         if msg.version <= self._version:
             self._reply(peer, m.Reply(msg.push_id, "begin", -1,
                                       f"version {msg.version} is not newer than the committed {self._version}", "stale",
