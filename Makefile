@@ -1,9 +1,10 @@
 # make demo   set up .venv and run the demo (RL trainer + 2 generators on this machine, CPU)
-# make test   set up .venv and run the test suite
+# make test   set up .venv and run the test suite (all but the chaos soak)
+# make soak   the chaos soak: faults every few seconds while pushing (SOAK_SECONDS, default 150)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench doctor lint
+.PHONY: setup demo test test-fast soak bench doctor lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
@@ -13,10 +14,13 @@ demo: setup
 	$(PY) examples/rl_loop.py
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not soak"
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not soak"
+
+soak: setup
+	$(PY) -m pytest -m soak tests/test_chaos_soak.py -q -s
 
 bench: setup
 	$(PY) bench/bench_transport.py
