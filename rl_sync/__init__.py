@@ -18,13 +18,14 @@ This package uses only ``transport``'s public names; ``transport`` never imports
 from .blocking import BlockingWeightSubscriber
 from .errors import PlanMismatchError, PushAbortedError, RlSyncError, StaleVersionError, SubscriberRejectedError
 from .publisher import WeightPublisher
-from .report import PushReport, SubscriberResult
+from .report import PushEvent, PushReport, SubscriberResult
 from .subscriber import WeightSubscriber
 
 __all__ = [
     "BlockingWeightSubscriber",
     "PlanMismatchError",
     "PushAbortedError",
+    "PushEvent",
     "PushReport",
     "RlSyncError",
     "StaleVersionError",

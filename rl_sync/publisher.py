@@ -9,22 +9,37 @@ Theory of operation, one :meth:`WeightPublisher.push`:
    listing all of them, before any byte moves. Subscribers with the same
    layout form a *group* and share the publisher's send slots.
 2. **Begin**: every subscriber checks the version (strictly newer) and the
-   plan hash, and answers.
+   plan hash, and answers. Nothing waits for all of them: a group starts at
+   its first answer (the others are given as long again), and a subscriber
+   that answers later gets what it missed in the repair pass.
 3. **Buckets**: per group, the publisher packs bucket k (casting to the
-   subscriber's dtype) into send slot ``k % 2`` (double buffering: packing
-   k+1 overlaps the pulls of k) and tells each subscriber whose source is the
-   publisher to pull it; a subscriber that has a bucket tells the publisher,
-   which then tells the subscribers relaying from it (see :mod:`rl_sync.fanout`).
-   A slot is reused once every subscriber pulling from it answered.
+   subscriber's dtype) into a free send slot of two (double buffering:
+   packing k+1 overlaps the pulls of k) and tells each subscriber that has
+   begun and whose source is the publisher to pull it; a subscriber that has
+   a bucket tells the publisher, which then tells the subscribers relaying
+   from it (see :mod:`rl_sync.fanout`). A slot is reused once every
+   subscriber pulling from it answered, or, when one leaves it unanswered
+   past the *stall bound* (4x the slowest answered pull of that slot, at
+   least 0.25 s; ``stall_timeout`` with nothing to compare), without it:
+   that subscriber is *stalled* (no new pulls until it answers anything;
+   its unanswered slot pulls are superseded by a newer attempt later, since
+   the slot's bytes changed under them) and its dependents pull from the
+   publisher. A relay that has not begun when the group starts, or that goes
+   silent with pulls outstanding while others relay from it, is dropped as
+   a source the same way. After the main pass, the *repair pass* serves each
+   subscriber what it misses (a late Begin, a superseded pull, a failed
+   relay) from the publisher.
 4. **Commit**: a subscriber holding every bucket is told to commit, and
    applies the version atomically with respect to its readers.
 
 Failures are per subscriber: a lost peer (its channel closed, or another
 incarnation answers), an error reply, or the push's deadline fail that
-subscriber's entry only, and it is told to abort (nothing applied). A
-subscriber whose relay source fails pulls the missing buckets from the
-publisher instead. The publisher's memory stays bounded: two slots of at most
-``bucket_bytes`` per group.
+subscriber's entry only (its message says what it was doing: no answer to
+Begin, the buckets it held and its pulls outstanding, or no answer to
+Commit), and it is told to abort (nothing applied; the push does not wait
+for that message). A subscriber whose relay source fails or stalls pulls
+the missing buckets from the publisher instead. The publisher's memory stays
+bounded: two slots of at most ``bucket_bytes`` per group.
 """
 
 from __future__ import annotations
@@ -317,9 +332,11 @@ class WeightPublisher:
         """Push ``weights`` (an ``nn.Module`` or name -> tensor) as ``version`` to every subscriber.
 
         Returns a :class:`PushReport` once every subscriber has committed or
-        failed; one subscriber's failure never fails the others, and a dead or
-        frozen one is given up on when its channel is lost (heartbeats) or at
-        the deadline. The deadline is ``timeout`` (default the endpoint's)
+        failed; one subscriber's failure never fails the others, and nobody
+        waits for a dead, frozen or slow one: the others commit at most one
+        stall bound later than they would without it (see the module's
+        theory of operation), while it is given up on when its channel is
+        lost (heartbeats) or at the deadline, so the push returns by then. The deadline is ``timeout`` (default the endpoint's)
         after the planning phase, which takes at most ``connect_timeout``
         (only for subscribers not connected yet or restarted). Raises
         :class:`StaleVersionError` if ``version`` is not newer than the last
