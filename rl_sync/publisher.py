@@ -86,7 +86,7 @@ log = logging.getLogger("rl_sync.publisher")
 SLOTS = 2
 _STALL_MIN = 0.25  # seconds: the least a slot's puller is given before the slot is taken back from it
 _STALL_FACTOR = 4.0  # ... and how many times the slowest answered pull of that slot
-_PROBE = 0.5  # seconds a push waits for a subscriber that was lost at the previous push
+_PROBE = 0.5  # seconds a push waits for a planned subscriber that has no channel (lost, killed, restarting)
 _POLL = 0.05
 
 
@@ -219,7 +219,9 @@ class WeightPublisher:
             hosts: a two-level tree), ``"direct"`` or ``"chain"``; see :mod:`rl_sync.fanout`.
         connect_timeout: how long a push waits for each subscriber to answer
             the connect and manifest read; one that does not fails its entry.
-            A subscriber lost at the previous push is waited for 0.5 s only.
+            A subscriber planned before that has no channel now (lost at an
+            earlier push, or killed since) is waited for 0.5 s only, so a dead
+            one delays the others' push by at most that.
         shared_banks: for subscribers in ``mode="shared"``: how many whole
             copies of their layout the publisher keeps (made at the first push
             that has one; see :mod:`rl_sync.banks`). A push writes one that no
@@ -388,9 +390,13 @@ class WeightPublisher:
 
     async def _prepare(self, run: _Run, tensors: dict[str, torch.Tensor], report: PushReport) -> list[_Group]:
         names = list(self._subscribers)
-        # a subscriber lost at an earlier push is only probed briefly: a dead one must not cost every push
-        # connect_timeout; a restarted one is picked up by whichever push first finds it answering
-        got = await asyncio.gather(*(self._layout(s, min(run.deadline, run.t0 + _PROBE) if s in self._lost
+        # planning waits for every subscriber, so one that was planned before and has no channel now (lost
+        # at an earlier push, or since: killed between pushes) is only probed briefly: a dead one must not
+        # cost the others connect_timeout; a restarted one is picked up by whichever push first finds it
+        # answering. Only a subscriber never planned yet is given connect_timeout.
+        peers = self.endpoint.peers
+        brief = {s for s in names if s in self._lost or (s in self._layouts and s not in peers)}
+        got = await asyncio.gather(*(self._layout(s, min(run.deadline, run.t0 + _PROBE) if s in brief
                                                   else run.deadline) for s in names), return_exceptions=True)
         mismatches: list[str] = []
         groups: dict[str, _Group] = {}
