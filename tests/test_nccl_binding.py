@@ -387,7 +387,31 @@ def test_enums_match_the_header():
         if c_name in results or dtype <= NcclDataType.BFLOAT16:  # fp8: newer NCCLs only
             assert int(results[c_name]) == dtype, c_name
     assert int(re.search(r"#define NCCL_UNIQUE_ID_BYTES (\d+)", header).group(1)) == m.UNIQUE_ID_BYTES
-    assert re.search(r"#define NCCL_API_MAGIC (0x[0-9a-f]+)", header).group(1) == hex(m.API_MAGIC)
+    assert _header_magic(header) == m.API_MAGIC
+
+
+def _header_magic(header: str) -> int:
+    """``ncclConfig_t``'s magic as a header states it: ``NCCL_API_MAGIC`` (NCCL 2.29+), or the literal
+    that older headers (2.28 and before, the GPU machine's) write in ``NCCL_CONFIG_INITIALIZER``."""
+    define = re.search(r"#define NCCL_API_MAGIC\s+(0x[0-9a-fA-F]+)", header)
+    if define is not None:
+        return int(define.group(1), 16)
+    literal = re.search(r"#define NCCL_CONFIG_INITIALIZER.*?(0x[0-9a-fA-F]+)\s*,\s*/\*\s*magic", header, re.S)
+    if literal is None:
+        raise AssertionError("the header states no ncclConfig_t magic (no NCCL_API_MAGIC, no literal in the initializer)")
+    return int(literal.group(1), 16)
+
+
+def test_the_magic_is_read_from_headers_with_and_without_nccl_api_magic():
+    header = _nccl_header()
+    assert _header_magic(header) == m.API_MAGIC
+    # a 2.28-style header: no NCCL_API_MAGIC define, the initializer writes the literal
+    old_style = re.sub(r"#define NCCL_API_MAGIC\s+0x[0-9a-fA-F]+\n", "", header)
+    old_style = old_style.replace("NCCL_API_MAGIC,", f"{hex(m.API_MAGIC)},")
+    assert "NCCL_API_MAGIC" not in old_style
+    assert _header_magic(old_style) == m.API_MAGIC
+    with pytest.raises(AssertionError):
+        _header_magic(re.sub(r"0x[0-9a-fA-F]+,\s*/\*\s*magic", "0,", old_style))
 
 
 def test_config_is_the_2_14_prefix_of_the_header_struct():
