@@ -1,5 +1,8 @@
 """Hostile or malformed control frames close that one channel, with a logged
-protocol error; the process and its other channels carry on."""
+protocol error; the process and its other channels carry on. Frames that follow
+the handshake come from a peer that proved it holds the job's secret
+(``tests/_wire_peer.py`` does the handshake by hand); see also
+``tests/test_auth.py`` and ``tests/test_fuzz_wire.py``."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import transport
+from tests import _wire_peer as peer
 from transport import wire
-from transport.hostinfo import local_host
 
 
 @pytest.fixture(scope="module")
@@ -63,36 +66,19 @@ def _send_and_probe(sock: socket.socket, data: bytes) -> None:
         pass
 
 
-def _closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
-    sock.settimeout(timeout)
-    try:
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
+_closed_by_peer = peer.closed_by_peer
 
 
 def _dial(target) -> socket.socket:
-    return socket.create_connection(target.address, timeout=10)
+    return peer.dial(target.address)
 
 
-def _hello(protocol: int = wire.PROTOCOL_VERSION, name: str = "mallory") -> wire.Hello:
-    return wire.Hello(protocol, name, 1234, local_host(), ["tcp"], 0, [], "mallory->tgt")
+def _hello(protocol: int = wire.PROTOCOL_VERSION, name: str = "mallory", buffers=()) -> wire.Hello:
+    return peer.hello(protocol, name, buffers)
 
 
 def _handshaken(target) -> socket.socket:
-    s = _dial(target)
-    s.sendall(wire.encode_frame(_hello()))
-    s.settimeout(10)
-    head = s.recv(4, socket.MSG_WAITALL)
-    (n,) = struct.unpack("<I", head)
-    body = s.recv(n, socket.MSG_WAITALL)
-    assert isinstance(wire.decode(body), wire.Hello)
-    return s
+    return peer.handshaken(target.address, target._ep._secret)
 
 
 @pytest.mark.parametrize("after_handshake", [False, True], ids=["instead-of-hello", "after-handshake"])
@@ -120,6 +106,8 @@ def test_oversize_length_prefix(target, friend, caplog):
 
 
 def test_wrong_protocol_version(target, friend, caplog):
+    """A peer of another version sends its Hello first (as protocol 2 did): only its version is
+    decoded, and the error names it."""
     caplog.set_level(logging.ERROR, logger="transport")
     s = _dial(target)
     try:
@@ -129,6 +117,105 @@ def test_wrong_protocol_version(target, friend, caplog):
         s.close()
     assert any("protocol 99" in r.getMessage() for r in caplog.records)
     _assert_usable(friend, target, 2.0)
+
+
+def _nested_maps(depth: int) -> bytes:
+    return b"\x81\xa1a" * depth + b"\xc0"
+
+
+def _deep_frame(tag: str, depth: int = 100_000) -> bytes:
+    """A frame ``{"type": tag, "zz": {"a": {"a": ... nil}}}``, nested ``depth`` maps deep (an
+    unknown field: msgspec skips it, recursively)."""
+    tag_b = tag.encode()
+    body = b"\x82\xa4type" + bytes([0xA0 | len(tag_b)]) + tag_b + b"\xa2zz" + _nested_maps(depth)
+    return struct.pack("<I", len(body)) + body
+
+
+def _no_stray_errors(caplog) -> None:
+    """Nothing but the logged protocol error: no crashed reader, no unretrieved task exception."""
+    for r in caplog.records:
+        msg = r.getMessage()
+        assert "crashed" not in msg and "never retrieved" not in msg and "unexpectedly" not in msg, msg
+
+
+def test_deeply_nested_frame_instead_of_the_proof(target, friend, caplog):
+    """Nested maps where the proof should be: 100k levels are refused on their length (a frame
+    read before the proof is at most 4 KiB), 1300 levels (3.9 KiB) are decoded and refused for
+    their depth; both a logged protocol error, that connection closed."""
+    caplog.set_level(logging.ERROR)
+    for depth, why in ((100_000, "at most 4096"), (1300, "nested too deeply")):
+        s = _dial(target)
+        try:
+            peer.read_frame(s)  # the challenge
+            _send_and_probe(s, _deep_frame("proof", depth))
+            assert _closed_by_peer(s)
+        finally:
+            s.close()
+        assert any("protocol error" in r.getMessage() and why in r.getMessage() for r in caplog.records), why
+    _no_stray_errors(caplog)
+    _assert_usable(friend, target, 2.5)
+
+
+def test_deeply_nested_hello(target, friend, caplog):
+    """A proved peer whose Hello nests 100k maps deep: a logged protocol error during the
+    handshake (before the fix, a RecursionError escaped the accept task)."""
+    caplog.set_level(logging.ERROR)
+    s = _dial(target)
+    try:
+        peer.authenticate(s, target._ep._secret, target.address)
+        _send_and_probe(s, _deep_frame("hello"))
+        assert _closed_by_peer(s)
+    finally:
+        s.close()
+    assert any("protocol error" in r.getMessage() and "during handshake" in r.getMessage()
+               and "nested too deeply" in r.getMessage() for r in caplog.records)
+    _no_stray_errors(caplog)
+    _assert_usable(friend, target, 2.6)
+
+
+@pytest.mark.parametrize("tag", ["ping", "registry", "put", "notify"])
+def test_deeply_nested_frame_after_the_handshake(target, friend, caplog, tag):
+    """The same after the handshake: the reader logs a protocol error (not "reader crashed")
+    and closes that channel only."""
+    caplog.set_level(logging.ERROR)
+    s = _handshaken(target)
+    try:
+        _send_and_probe(s, _deep_frame(tag))
+        assert _closed_by_peer(s)
+    finally:
+        s.close()
+    assert any("protocol error on channel" in r.getMessage() and "nested too deeply" in r.getMessage()
+               for r in caplog.records)
+    _no_stray_errors(caplog)
+    _assert_usable(friend, target, 2.7)
+
+
+_HUGE = [2**62, 2**62]  # 2**124 elements: torch.Size.numel() wraps to 0
+
+
+@pytest.mark.parametrize("shape,nbytes", [(_HUGE, 0), ([2**63], 0), ([2**61], 2**63), ([2**64 - 1, 0], 0)],
+                         ids=["wraps-to-0", "dim-over-int64", "bytes-over-int64", "uint64-dim-times-0"])
+def test_overflowing_shape_in_hello(target, friend, caplog, shape, nbytes):
+    caplog.set_level(logging.ERROR)
+    bad = wire.WireBuffer("x", "float32", shape, "cpu", nbytes)
+    s = _dial(target)
+    try:
+        peer.authenticate(s, target._ep._secret, target.address)
+        _send_and_probe(s, wire.encode_frame(_hello(buffers=[bad])))
+        assert _closed_by_peer(s)
+    finally:
+        s.close()
+    assert any("protocol error" in r.getMessage() and "during handshake" in r.getMessage() for r in caplog.records)
+    _no_stray_errors(caplog)
+    _assert_usable(friend, target, 2.8)
+
+
+@pytest.mark.parametrize("shape,nbytes", [(_HUGE, 0), ([2**63], 0)], ids=["wraps-to-0", "dim-over-int64"])
+def test_overflowing_shape_in_a_registry_update(target, friend, caplog, shape, nbytes):
+    msg = wire.Registry(5, [wire.WireBuffer("x", "float32", shape, "cpu", nbytes)])
+    _assert_frame_closes_the_channel(target, friend, caplog, msg, 2.9)
+    assert any("overflows int64" in r.getMessage() or "malformed" in r.getMessage() for r in caplog.records)
+    _no_stray_errors(caplog)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +315,18 @@ def test_the_endpoint_survived_everything(target, friend):
 
 
 def test_decoder_rejects_garbage_with_msgspec_errors():
-    for junk in (b"", b"\x00", b"\xc1", msgspec.msgpack.encode({"type": "put"})):
+    deep = _deep_frame("ping")[4:]
+    for junk in (b"", b"\x00", b"\xc1", msgspec.msgpack.encode({"type": "put"}), deep):
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             wire.decode(junk)
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            wire.decode_preauth(junk)
+
+
+def test_specs_from_wire_refuses_overflowing_shapes():
+    from transport.channel import specs_from_wire
+
+    for shape, nbytes in ((_HUGE, 0), ([2**63], 0), ([2**32, 2**31], 2**63), ([3], 13)):
+        with pytest.raises(transport.ProtocolError):
+            specs_from_wire([wire.WireBuffer("x", "float32", shape, "cpu", nbytes)])
+    assert specs_from_wire([wire.WireBuffer("x", "float32", [2**20, 2**20], "cpu", 2**42)])["x"].numel == 2**40

@@ -10,6 +10,7 @@ from .blocking import BlockingEndpoint
 from .channel import Notification, Peer
 from .endpoint import Endpoint
 from .errors import (
+    AuthenticationError,
     BufferMismatchError,
     EndpointClosedError,
     InvalidTensorError,
@@ -29,6 +30,7 @@ from .staging import StagingConfig
 
 __all__ = [
     "At",
+    "AuthenticationError",
     "BlockingEndpoint",
     "BufferMismatchError",
     "BufferSpec",

@@ -4,7 +4,9 @@ Reports versions, host identity, each data plane's availability (with a real
 cross-process shared-memory check), CUDA (availability, devices) and the
 plane GPU buffers would use and why, NCCL as far as it is visible, and the
 plane-choice rule. With ``--store URL --peer NAME`` it connects to a live
-peer and prints the planes chosen for it (CPU and GPU buffers) and the reasons.
+peer and prints the planes chosen for it (CPU and GPU buffers) and the reasons,
+and where the job's secret came from (``$TRANSPORT_SECRET`` if set, else the
+store's: the doctor has to prove it belongs to the job like any peer).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ async def _peer_choice(store: str, peer: str, planes: tuple[str, ...] | None, ti
     async with transport.Endpoint(f"doctor-{os.getpid()}", store=store, planes=planes, timeout=timeout) as ep:
         p = await ep.connect(peer, timeout=timeout)
         return {"peer": p.name, "incarnation": hex(p.incarnation), "plane": p.plane, "reason": p.plane_reason,
-                "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason, "buffers": len(p.buffers)}
+                "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason, "buffers": len(p.buffers),
+                "secret": ep.secret_source}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"peer {p['peer']} (incarnation {p['incarnation']}, {p['buffers']} buffers): "
                   f"plane {p['plane']} because {p['reason']}")
             print(f"  GPU buffers: plane {p['gpu_plane']} because {p['gpu_reason']}")
+            print(f"  the job's secret: from {p['secret']} (the peer proved it holds the same)")
     return 0
 
 

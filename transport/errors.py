@@ -16,6 +16,9 @@ caller what to do next:
 * :class:`EndpointClosedError`: the endpoint was closed; open a new one.
 * :class:`ProtocolError`: a peer sent something malformed; its channel was
   closed.
+* :class:`AuthenticationError` (a :class:`ProtocolError`): the peer did not
+  prove it belongs to the job, or refused our proof (different secrets: see
+  :mod:`transport.auth`); nothing was exchanged beyond the handshake.
 * :class:`PlaneUnavailableError`: no allowed data plane can reach the buffer.
 * :class:`StagingError`: a copy between a GPU buffer and a host bounce buffer
   failed or stalled (the staged path for CUDA tensors); the op failed. If the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AuthenticationError",
     "BufferMismatchError",
     "EndpointClosedError",
     "InvalidTensorError",
@@ -93,6 +97,11 @@ class EndpointClosedError(TransportError, RuntimeError):
 
 class ProtocolError(TransportError):
     """A peer sent a malformed or out-of-range frame; the channel was closed."""
+
+
+class AuthenticationError(ProtocolError):
+    """The peer did not prove that it belongs to the job, or it refused our proof (the two
+    ends use different secrets); the connection was closed during the handshake."""
 
 
 class PlaneUnavailableError(TransportError, RuntimeError):

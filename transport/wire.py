@@ -7,8 +7,11 @@ directly, unframed: both sides know their lengths from the header's items.
 Theory of operation, per connection::
 
     dialer                              acceptor
+           <----------------------------  Challenge(protocol, nonce_a)
+    Proof(nonce_d, mac_d) ------------->  checks mac_d (nothing else is read before it)
+           <----------------------------  Proof(mac_a) + Hello   | Bye (refused) and close
+    (checks mac_a)
     Hello  ---------------------------->
-           <----------------------------  Hello
     (both check protocol version, names, incarnations)
     Put(tcp) + payload ---------------->  validate, recv_into buffer
            <----------------------------  Ack | Fail
@@ -39,21 +42,35 @@ Theory of operation, per connection::
 
 The connection is symmetric: either side may initiate ops on it. New fields go
 last, with defaults, so that older peers can still decode the message.
+
+The first two frames each side reads (``Challenge`` or ``Proof``, or a ``Bye``
+refusal) come from a peer that has not proved anything yet: they are read with
+:func:`decode_preauth`, at most :data:`MAX_PREAUTH_FRAME` bytes, into a union
+that holds only those small messages. The proofs (``transport.auth``) are
+HMACs keyed by the job's secret over both nonces and the acceptor's published
+address; a ``Hello`` is sent only to a peer whose proof checked.
+
+Every decode failure (malformed msgpack, a type mismatch, nesting deeper than
+the interpreter's recursion limit, an allocation that fails) raises
+``msgspec.DecodeError`` (``ValidationError`` is a subclass): callers treat
+them all as a protocol error.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
 __all__ = [
     "MAX_FRAME",
     "MAX_NOTIFY",
+    "MAX_PREAUTH_FRAME",
     "PROTOCOL_VERSION",
     "Ack",
     "Bye",
+    "Challenge",
     "Data",
     "Fail",
     "Get",
@@ -67,6 +84,7 @@ __all__ = [
     "NcclSetup",
     "Notify",
     "Ping",
+    "Proof",
     "Put",
     "Registry",
     "ShmHandle",
@@ -74,12 +92,16 @@ __all__ = [
     "Unmapped",
     "WireBuffer",
     "decode",
+    "decode_preauth",
     "encode_frame",
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 2  # 2: cuda_ipc exports in WireBuffer, the Unmapped frame, the nccl plane's frames
+# 2: cuda_ipc exports in WireBuffer, the Unmapped frame, the nccl plane's frames
+# 3: the handshake starts with Challenge/Proof (the job's secret), the acceptor sends its Hello first
+PROTOCOL_VERSION = 3
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
+MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
 HEADER = struct.Struct("<I")
 
@@ -246,6 +268,29 @@ class Go(msgspec.Struct, tag="go"):
     op_id: int
 
 
+class Challenge(msgspec.Struct, tag="challenge"):
+    """Acceptor -> dialer, the first frame of a connection: the acceptor's protocol version and a
+    fresh nonce the dialer's proof must cover."""
+
+    protocol: int
+    nonce: bytes
+
+
+class Proof(msgspec.Struct, tag="proof"):
+    """A proof of membership in the job (``transport.auth``): the dialer's carries its own fresh
+    nonce (the acceptor's proof covers it); the acceptor's leaves ``nonce`` empty."""
+
+    mac: bytes
+    nonce: bytes = b""
+
+
+class _HelloVersion(msgspec.Struct, tag="hello"):
+    """Only the version of a ``Hello`` (read before a proof: a peer of another protocol version
+    sends its Hello first; nothing else of it is decoded)."""
+
+    protocol: int
+
+
 class Ping(msgspec.Struct, tag="ping"):
     pass
 
@@ -254,10 +299,13 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str = ""
 
 
-Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, NcclSetup, NcclReady, Go, Ping, Bye]
+Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, NcclSetup, NcclReady, Go, Ping, Bye,
+                Challenge, Proof]
+PreAuth = Union[Challenge, Proof, Bye, _HelloVersion]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_preauth_decoder = msgspec.msgpack.Decoder(PreAuth)
 
 
 def encode_frame(msg: Message) -> bytes:
@@ -276,6 +324,26 @@ def frame_length(prefix: bytes) -> int:
     return n
 
 
+def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError:
+        raise
+    except RecursionError:  # msgspec bounds nesting by the interpreter's recursion limit
+        raise msgspec.DecodeError("frame nested too deeply") from None
+    except Exception as exc:  # MemoryError, OverflowError, anything: still the peer's bytes
+        raise msgspec.DecodeError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+
+
 def decode(body: bytes) -> Message:
-    """Decode one frame body; raises ``msgspec.DecodeError`` / ``ValidationError``."""
-    return _decoder.decode(body)
+    """Decode one frame body; every failure raises ``msgspec.DecodeError`` (or its subclass
+    ``ValidationError``), whatever went wrong inside the decoder."""
+    return _decode(_decoder, body)  # type: ignore[no-any-return]
+
+
+def decode_preauth(body: bytes) -> Challenge | Proof | Bye | int:
+    """Decode a frame read before the peer proved itself: a ``Challenge``, ``Proof`` or ``Bye``,
+    or, for a peer's ``Hello`` (a peer of another protocol version), only its protocol number.
+    Raises ``msgspec.DecodeError`` like :func:`decode`."""
+    msg = _decode(_preauth_decoder, body)
+    return msg.protocol if isinstance(msg, _HelloVersion) else msg  # type: ignore[no-any-return]
