@@ -4,8 +4,22 @@ Each open endpoint publishes one record under ``transport/v1/endpoint/<name>``:
 the address it accepts channels on, its incarnation (a random nonce drawn at
 every open, so a restarted process is told apart from the dead one) and its
 host identity. A peer looks the record up by name, waiting until it appears.
+The job's default secret (:mod:`transport.auth`) lives in the same store.
 
-Store calls block, so they run on one daemon worker thread per endpoint (the
+Store clients: the endpoints of one process that name the same store by URL
+(or ``MASTER_ADDR``/``MASTER_PORT``) share one TCPStore client, made at the first
+open and kept for the process's life (a client whose call fails or times out is
+dropped, and the next open makes a new one; a forked child starts without any).
+Connecting a TCPStore client can stall for 5 s: before it connects, torch's client
+socket formats the store's address with ``getnameinfo``, a reverse DNS look-up,
+and when the resolver's UDP query goes unanswered glibc waits out its default
+5 s ``timeout`` before asking again (about one connect in 25 on a machine whose
+DNS server drops some queries, whatever the store's address, libuv or not).
+Sharing the client pays that at most once per process and store, not at every
+open. An endpoint that serves the store (``host_store=True``) or is handed a
+``Store`` object keeps a client of its own.
+
+Store calls block, so they run on one daemon worker thread per client (the
 store client is not assumed to be thread-safe). Every call is bounded by the
 caller's deadline: a store that stops answering gives
 :class:`TransportTimeoutError` (phase connect), and a call stuck inside the
@@ -21,20 +35,105 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
 
+from . import auth
 from .errors import PeerNotFoundError, Phase, TransportError, TransportTimeoutError
 from .wire import HostInfo
 
-__all__ = ["EndpointRecord", "Rendezvous", "parse_store_url"]
+__all__ = ["EndpointRecord", "Rendezvous", "StoreClient", "parse_store_url", "shared_client"]
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "transport/v1/endpoint/"
+
+
+class StoreClient:
+    """A store client and the one daemon thread that makes it and runs every call on it.
+
+    ``make`` runs on that thread at the first call (or again after it failed). Jobs are
+    ``fn(store, *args)``. ``shared``: kept in the process's cache (see :func:`shared_client`)."""
+
+    def __init__(self, make: Callable[[], Any], key: tuple[str, int] | None = None) -> None:
+        self._make = make
+        self.key = key
+        self.store: Any = None
+        self.broken = False
+        self.connects = 0  # clients made (the count of store connections this object opened)
+        self._calls: queue.SimpleQueue[tuple[Any, tuple[Any, ...], concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._worker = threading.Thread(target=self._work, name="transport-store", daemon=True)
+        self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._calls.get()
+            if job is None:
+                return
+            fn, args, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if self.store is None:
+                    self.store = self._make()
+                    self.connects += 1
+                fut.set_result(fn(self.store, *args))
+            except BaseException as exc:  # handed to the waiting coroutine
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((fn, args, fut))
+        return fut
+
+    def stop(self) -> None:
+        """No more calls: the thread ends once those queued ran (a call stuck in the store stays so)."""
+        self._calls.put(None)
+
+
+_shared: dict[tuple[str, int], StoreClient] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_client(host: str, port: int, timeout: float) -> tuple[StoreClient, bool]:
+    """The process's client of the TCPStore at ``host:port`` (made on first use), and whether it
+    existed already."""
+    key = (host, port)
+    with _shared_lock:
+        client = _shared.get(key)
+        if client is not None and not client.broken:
+            return client, True
+
+        def make() -> Any:
+            from torch.distributed import TCPStore
+
+            return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+        client = _shared[key] = StoreClient(make, key)
+        return client, False
+
+
+def _drop_shared(client: StoreClient) -> None:
+    """``client`` failed: the next open makes a new one (endpoints that hold it keep it)."""
+    with _shared_lock:
+        client.broken = True
+        if client.key is not None and _shared.get(client.key) is client:
+            del _shared[client.key]
+
+
+def _forget_shared_in_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    _shared.clear()  # (their threads did not survive the fork, and their sockets are the parent's)
+
+
+os.register_at_fork(after_in_child=_forget_shared_in_child)
 
 
 class EndpointRecord(msgspec.Struct, frozen=True):
@@ -63,45 +162,87 @@ class Rendezvous:
     ``store`` is a URL, a ``torch.distributed.Store``, or None (then
     ``MASTER_ADDR``/``MASTER_PORT`` name the store, as under ``torchrun``).
     With ``host_store=True`` this process serves the TCPStore (port 0 picks a
-    free port; see :attr:`port`).
+    free port; see :attr:`port`). A URL (or MASTER_ADDR/PORT) store is reached
+    through the process's shared client (:func:`shared_client`).
     """
 
     def __init__(self, store: Any, *, host_store: bool, timeout: float) -> None:
-        self._calls: queue.SimpleQueue[tuple[Any, tuple[Any, ...], concurrent.futures.Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._worker = threading.Thread(target=self._work, name="transport-store", daemon=True)
-        self._store: Any = None
+        self._client: StoreClient | None = None
         self._spec = store
         self._host_store = host_store
         self._timeout = timeout
         self.host: str | None = None
         self.port: int | None = None
 
-    def _work(self) -> None:
-        while True:
-            job = self._calls.get()
-            if job is None:
-                return
-            fn, args, fut = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # handed to the waiting coroutine
-                fut.set_exception(exc)
-
-    async def open(self) -> None:
-        """Connect to (or serve) the store; raises :class:`TransportTimeoutError` (phase connect)."""
-        self._worker.start()
+    async def open(self, *, want_secret: bool) -> bytes | None:
+        """Connect to (or serve) the store; with ``want_secret``, return the job's secret from it
+        (drawn now if no endpoint drew it yet: :mod:`transport.auth`). Raises
+        :class:`TransportTimeoutError` (phase connect)."""
+        deadline = time.monotonic() + self._timeout + 5
+        first = self._secret_from_store if want_secret else self._ping
         try:
-            self._store = await self._call(self._make_store, deadline=time.monotonic() + self._timeout + 5)
+            if isinstance(self._spec, str) or self._spec is None:
+                host, port = self._address()
+                if not self._host_store:
+                    self._client, reused = shared_client(host, port, self._timeout)
+                    try:
+                        secret = await self._call(first, deadline=deadline)
+                    except Exception:
+                        if not reused:
+                            raise
+                        # a client kept from an earlier open whose store went away (or restarted):
+                        # it was dropped by _call; connect anew, once
+                        self._client, _ = shared_client(host, port, self._timeout)
+                        secret = await self._call(first, deadline=deadline)
+                    self.host, self.port = host, port
+                    return secret
+
+                def serve() -> Any:
+                    from torch.distributed import TCPStore
+
+                    store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                     timeout=timedelta(seconds=self._timeout))
+                    self.host, self.port = host, store.port
+                    return store
+
+                self._client = StoreClient(serve)
+            else:
+                if self._host_store:
+                    raise ValueError("host_store=True needs a 'tcp://HOST:PORT' store, not a Store object")
+                spec = self._spec
+                self._client = StoreClient(lambda: spec)
+            return await self._call(first, deadline=deadline)  # type: ignore[no-any-return]
         except TransportError:
             raise
         except Exception as exc:  # torch raises RuntimeError/DistNetworkError
             raise TransportTimeoutError(
                 f"could not reach the rendezvous store {self._describe()}: {exc}", Phase.CONNECT
             ) from exc
+
+    @staticmethod
+    def _ping(store: Any) -> None:
+        store.check([auth.STORE_KEY])
+
+    @staticmethod
+    def _secret_from_store(store: Any) -> bytes:
+        drawn = auth.new_secret()
+        try:
+            got = store.compare_set(auth.STORE_KEY, "", drawn)  # atomic: the first endpoint's draw wins
+        except (NotImplementedError, AttributeError):  # a Store without compare_set (a custom one)
+            if not store.check([auth.STORE_KEY]):
+                store.set(auth.STORE_KEY, drawn)
+            got = store.get(auth.STORE_KEY)
+        if not got:
+            raise TransportError(f"the store holds an empty secret under {auth.STORE_KEY!r}")
+        return bytes(got)
+
+    def _address(self) -> tuple[str, int]:
+        if self._spec is None:
+            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not addr or not port:
+                raise ValueError("no store given and MASTER_ADDR/MASTER_PORT are not set")
+            return addr, int(port)
+        return parse_store_url(self._spec)
 
     def _describe(self) -> str:
         if isinstance(self._spec, str):
@@ -110,63 +251,48 @@ class Rendezvous:
             return f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR/PORT)"
         return repr(self._spec)
 
-    def _make_store(self) -> Any:
-        from torch.distributed import TCPStore
-
-        spec = self._spec
-        if spec is not None and not isinstance(spec, str):
-            if self._host_store:
-                raise ValueError("host_store=True needs a 'tcp://HOST:PORT' store, not a Store object")
-            return spec
-        if spec is None:
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if not addr or not port:
-                raise ValueError("no store given and MASTER_ADDR/MASTER_PORT are not set")
-            host, port_i = addr, int(port)
-        else:
-            host, port_i = parse_store_url(spec)
-        store = TCPStore(
-            host,
-            port_i,
-            is_master=self._host_store,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self._timeout),
-        )
-        self.host, self.port = host, store.port
-        return store
-
     async def _call(self, fn: Any, *args: Any, deadline: float) -> Any:
-        """Run ``fn(*args)`` on the store thread; :class:`TransportTimeoutError` at ``deadline``."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._calls.put((fn, args, fut))
+        """Run ``fn(store, *args)`` on the store thread; :class:`TransportTimeoutError` at ``deadline``.
+        A shared client whose call fails or times out is dropped from the process's cache."""
+        client = self._client
+        if client is None:
+            raise TransportError("the rendezvous store is closed")
+        fut = client.submit(fn, *args)
         try:
             async with asyncio.timeout_at(deadline):
                 return await asyncio.wrap_future(fut)
         except TimeoutError:
             fut.cancel()
+            if client.key is not None:
+                _drop_shared(client)
             raise TransportTimeoutError(
                 f"the rendezvous store {self._describe()} did not answer before the deadline", Phase.CONNECT
             ) from None
+        except Exception:
+            if client.key is not None:
+                _drop_shared(client)
+            raise
 
     async def publish(self, record: EndpointRecord, deadline: float) -> None:
-        await self._call(self._store.set, _PREFIX + record.name, _rec_encoder.encode(record), deadline=deadline)
+        await self._call(lambda st, k, v: st.set(k, v), _PREFIX + record.name, _rec_encoder.encode(record),
+                         deadline=deadline)
 
     async def withdraw(self, record: EndpointRecord, deadline: float) -> None:
         """Remove ``record`` if the store still holds it (not a newer incarnation's)."""
         try:
             cur = await self.lookup_now(record.name, deadline)
             if cur is not None and cur.incarnation == record.incarnation:
-                await self._call(self._store.delete_key, _PREFIX + record.name, deadline=deadline)
+                await self._call(lambda st, k: st.delete_key(k), _PREFIX + record.name, deadline=deadline)
         except Exception as exc:  # the store may be gone already at shutdown
             log.debug("could not withdraw %s from the store: %s", record.name, exc)
 
     async def lookup_now(self, name: str, deadline: float) -> EndpointRecord | None:
         key = _PREFIX + name
 
-        def _get() -> bytes | None:
-            if not self._store.check([key]):
+        def _get(store: Any) -> bytes | None:
+            if not store.check([key]):
                 return None
-            return self._store.get(key)
+            return store.get(key)  # type: ignore[no-any-return]
 
         try:
             raw = await self._call(_get, deadline=deadline)
@@ -176,8 +302,9 @@ class Rendezvous:
             raise TransportTimeoutError(f"the rendezvous store failed: {exc}", Phase.CONNECT) from exc
         try:
             return None if raw is None else _rec_decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: {exc}") from exc
+        except Exception as exc:  # DecodeError, RecursionError (deep nesting), ...: whoever wrote it
+            raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: "
+                                    f"{type(exc).__name__}: {exc}") from None
 
     async def lookup(
         self, name: str, deadline: float, *, skip_incarnations: frozenset[int] = frozenset()
@@ -205,6 +332,9 @@ class Rendezvous:
             delay = min(delay * 2, 0.25)
 
     def close(self) -> None:
-        self._store = None
-        if self._worker.is_alive():
-            self._calls.put(None)
+        """Let the store client go: a shared one stays for the process's other (and later)
+        endpoints; one of our own (served store, Store object) is dropped."""
+        client, self._client = self._client, None
+        if client is not None and client.key is None:
+            client.store = None
+            client.stop()
