@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-from .channel import Channel, Notification, Peer, handshake
+from . import auth
+from .channel import Channel, Notification, Peer, handshake, hang_up
 from .errors import (
+    AuthenticationError,
     BufferMismatchError,
     EndpointClosedError,
     InvalidTensorError,
@@ -128,6 +130,14 @@ class Endpoint:
             communicator (leave ``nccl`` out of ``planes=`` to avoid that). ``transport.p2p.SocketLinkEngine`` runs the
             plane's protocol over a second TCP connection, on CPU memory (tests
             and debugging without GPUs; both endpoints need it).
+        secret: the job's secret (str or bytes) that every peer must prove it
+            holds in the handshake before anything else it sends is read
+            (:mod:`transport.auth`). None: ``$TRANSPORT_SECRET`` if set, else
+            the secret kept in the store (drawn by the first endpoint to open
+            on it, normally the one that serves it): then anyone who can read
+            the store can join. Every endpoint of a job must use the same
+            source. A peer that fails the proof is refused and logged; dialling
+            it raises :class:`transport.AuthenticationError`.
     """
 
     def __init__(
@@ -148,12 +158,14 @@ class Endpoint:
         staging: StagingConfig | None = None,
         ipc_engine: Callable[[], IpcEngine] | None = None,
         nccl_engine: Callable[[], LinkEngine] | None = None,
+        secret: str | bytes | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
             raise ValueError(f"endpoint name must be a non-empty string of <= 200 chars without '/', got {name!r}")
         if timeout <= 0 or heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
             raise ValueError("timeout and heartbeat_interval must be > 0 and heartbeat_timeout > heartbeat_interval")
         self.name = name
+        self._secret, self.secret_source = auth.explicit_secret(secret)  # (None: the store's, read at open)
         self.incarnation = secrets.randbits(63)
         self.timeout = float(timeout)
         self.planes = validate_planes(planes)
@@ -226,7 +238,9 @@ class Endpoint:
         self._notes = asyncio.Queue()
         self._notes_room = threading.Semaphore(self._max_notes)
         try:
-            await self._rdv.open()
+            stored = await self._rdv.open(want_secret=self._secret is None)
+            if self._secret is None:
+                self._secret = stored
             host = self._listen_host or self._guess_listen_host()
             lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -258,8 +272,8 @@ class Endpoint:
         if self._dump_signal is not None:
             self.loop.add_signal_handler(self._dump_signal, self._dump_on_signal)
         self._state = "open"
-        log.info("endpoint %r open on %s:%d (incarnation %#x, planes %s)", self.name, host, self._record.port,
-                 self.incarnation, ",".join(self.planes))
+        log.info("endpoint %r open on %s:%d (incarnation %#x, planes %s, secret from %s)", self.name, host,
+                 self._record.port, self.incarnation, ",".join(self.planes), self.secret_source)
 
     def _guess_listen_host(self) -> str:
         host = self._rdv.host
@@ -666,7 +680,9 @@ class Endpoint:
         self._ipc_retention.watch(pending, hello.epoch, None)
         adopted = False
         try:
-            remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False)
+            assert self._secret is not None and self._record is not None
+            remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False,
+                                     secret=self._secret, address=(self._record.host, self._record.port))
             self._ipc_retention.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
                                       else None)
             if self._state != "open":
@@ -675,11 +691,17 @@ class Endpoint:
             self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch, dialer=False,
                         offered=hello.planes)
             adopted = True
+        except AuthenticationError as exc:
+            log.error("refused a connection from %s: %s; connection closed", addr, exc)
+            await hang_up(sock)
         except ProtocolError as exc:
             log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
             sock.close()
         except (OSError, EOFError, TimeoutError, TransportError) as exc:
             log.warning("handshake with %s failed: %s", addr, exc or type(exc).__name__)
+            sock.close()
+        except Exception:  # a bug (peer bytes are ProtocolErrors): logged here, never an unretrieved task error
+            log.exception("handshake with %s failed unexpectedly; connection closed", addr)
             sock.close()
         finally:
             self._handshaking -= 1
@@ -754,11 +776,19 @@ class Endpoint:
             hello = self._hello(channel_id)
             self._ipc_retention.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
-            remote = await handshake(sock, hello, deadline, dialer=True)
+            assert self._secret is not None
+            remote = await handshake(sock, hello, deadline, dialer=True, secret=self._secret,
+                                     address=(rec.host, rec.port))
             sock.setblocking(True)
         except TimeoutError:
             sock.close()
             raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
+        except AuthenticationError as exc:
+            sock.close()
+            log.error("endpoint %r could not connect to %r at %s:%d: %s", self.name, peer, rec.host, rec.port, exc)
+            raise AuthenticationError(
+                f"connecting to {peer!r} at {rec.host}:{rec.port}: {exc} (this endpoint's secret comes from "
+                f"{self.secret_source}; every endpoint of a job needs the same one)") from None
         except (OSError, EOFError) as exc:
             # hung up before its hello: busy (too many handshakes) or dying. Try the same
             # incarnation again shortly; a dead one refuses the next connect and is skipped.
