@@ -87,7 +87,13 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(payload: bytes) -> Message:
-    """Raises ``msgspec.DecodeError`` (or ``ValueError`` without a prefix) on a malformed message."""
+    """Raises ``msgspec.DecodeError`` (or ``ValueError`` without a prefix) on a malformed message,
+    whatever went wrong while decoding it (hostile nesting included)."""
     if not (payload.startswith(TO_SUBSCRIBER) or payload.startswith(TO_PUBLISHER)):
         raise ValueError("not an rl_sync message")
-    return _dec.decode(memoryview(payload)[len(TO_SUBSCRIBER):])
+    try:
+        return _dec.decode(memoryview(payload)[len(TO_SUBSCRIBER):])
+    except msgspec.DecodeError:
+        raise
+    except Exception as exc:  # RecursionError, MemoryError, ...: a peer's bytes, never a crash
+        raise msgspec.DecodeError(f"malformed rl_sync message: {type(exc).__name__}: {exc}") from exc

@@ -104,8 +104,8 @@ def encode_manifest(m: Manifest) -> bytes:
 def decode_manifest(data: bytes) -> Manifest:
     try:
         m = _dec.decode(data)
-    except msgspec.DecodeError as exc:
-        raise PlanMismatchError([f"the subscriber's manifest does not decode: {exc}"]) from exc
+    except Exception as exc:  # a peer's bytes: DecodeError, and RecursionError / MemoryError on hostile nesting
+        raise PlanMismatchError([f"the subscriber's manifest does not decode: {type(exc).__name__}: {exc}"]) from exc
     if m.format != FORMAT:
         raise PlanMismatchError([f"manifest format {m.format}, this rl_sync reads format {FORMAT}"])
     return m

@@ -105,6 +105,21 @@ def test_check_sources_lists_every_difference():
     assert set(check_sources(train, man, dtype="auto", name_map=None, subscriber="g")) == set(GEN)
 
 
+def test_hostile_manifests_and_messages_are_refused_not_raised():
+    import msgspec
+
+    from rl_sync import messages as m
+    from rl_sync.plan import decode_manifest
+
+    nested = b"\x81\xa1a" * 100_000 + b"\xc0"  # 100k levels of {"a": {...}}: RecursionError in the decoder
+    with pytest.raises(rl_sync.PlanMismatchError, match="does not decode"):
+        decode_manifest(nested)
+    with pytest.raises(msgspec.DecodeError):
+        m.decode(m.TO_SUBSCRIBER + b"\x92\xa4pull" + b"\x91" * 100_000 + b"\xc0")
+    with pytest.raises(msgspec.DecodeError):
+        m.decode(m.TO_PUBLISHER + nested)
+
+
 def test_rwlock_calls_on_idle_when_the_last_holder_leaves():
     from rl_sync.rwlock import RWLock
 
