@@ -29,6 +29,9 @@ __all__ = ["BlockingEndpoint"]
 
 T = TypeVar("T")
 _GRACE = 5.0
+# put/get: how long, past the grace, a call that gave up on the loop still waits for the cancelled op
+# to end (it ends only once nothing of it writes any more; cuda_ipc's copies are waited for up to 30 s)
+_SETTLE = 30.0
 
 
 class BlockingEndpoint:
@@ -52,13 +55,17 @@ class BlockingEndpoint:
             self._stop_loop()
             raise
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, *, settle: bool = False) -> T:
         if not self._thread.is_alive():
             coro.close()
             raise EndpointClosedError("the blocking endpoint's loop has stopped")
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread")
+        over = None
+        if settle:  # a put/get given up on below is cancelled, and waited for until it ended (bounded)
+            over = threading.Event()
+            coro = _until_over(coro, over)
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         limit = (self.timeout if timeout is None else timeout) + _GRACE
         try:
@@ -69,8 +76,10 @@ class BlockingEndpoint:
             if fut.done():
                 return fut.result()
             fut.cancel()
-            raise TransportTimeoutError(f"the endpoint's loop did not answer within {limit:.1f} s",
-                                        Phase.TRANSFER) from None
+            still = over is not None and not over.wait(_SETTLE)
+            raise TransportTimeoutError(f"the endpoint's loop did not answer within {limit:.1f} s"
+                                        + (f"; the op had not ended {_SETTLE:g} s after it was cancelled and may "
+                                           "still be writing" if still else ""), Phase.TRANSFER) from None
 
     @property
     def endpoint(self) -> Endpoint:
@@ -125,12 +134,18 @@ class BlockingEndpoint:
 
     def put(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, notify: bytes | None = None,
             timeout: float | None = None) -> None:
-        """See :meth:`Endpoint.put`."""
-        self._call(self._ep.put(peer, tensors, notify=notify, timeout=timeout), timeout)
+        """See :meth:`Endpoint.put`; a timeout means the same (the call cannot be cancelled otherwise).
+
+        Should the endpoint's loop itself not answer within ``timeout`` (or the endpoint's) plus 5 s,
+        the op is cancelled and the call waits (at most 30 s more) until it ended, which it does only
+        once nothing of it writes any more, then raises :class:`TransportTimeoutError` (which says
+        so if it had not ended by then).
+        """
+        self._call(self._ep.put(peer, tensors, notify=notify, timeout=timeout), timeout, settle=True)
 
     def get(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, timeout: float | None = None) -> None:
-        """See :meth:`Endpoint.get`."""
-        self._call(self._ep.get(peer, tensors, timeout=timeout), timeout)
+        """See :meth:`Endpoint.get`; timeouts as for :meth:`put`."""
+        self._call(self._ep.get(peer, tensors, timeout=timeout), timeout, settle=True)
 
     def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
         """See :meth:`Endpoint.map`."""
@@ -165,3 +180,10 @@ class BlockingEndpoint:
 
 async def _as_coro(fn: Any, *args: Any) -> Any:
     return fn(*args)
+
+
+async def _until_over(coro: Coroutine[Any, Any, T], over: threading.Event) -> T:
+    try:
+        return await coro
+    finally:
+        over.set()
