@@ -39,6 +39,42 @@ __all__ = ["Link", "bytes_of", "resolve"]
 log = logging.getLogger(__name__)
 
 
+# Links of this process still being torn down, per (endpoint, peer name). A new link with that peer
+# is joined only once they are over: an op that timed out on a link (which aborted it and closed its
+# channel) has raised already when the next op dials a new channel, and whatever the aborted link
+# still had in flight (our send of the caller's tensor, the target's receive into its buffer) must be
+# over before any op runs over the new one. Each side waits for its own half.
+_teardowns: dict[tuple[int, str], set[threading.Event]] = {}
+_teardowns_lock = threading.Lock()
+
+
+def _teardown_started(channel: Channel) -> threading.Event:
+    done = threading.Event()
+    with _teardowns_lock:
+        _teardowns.setdefault((id(channel.core), channel.peer_name), set()).add(done)
+    return done
+
+
+def _teardown_over(channel: Channel, done: threading.Event) -> None:
+    key = (id(channel.core), channel.peer_name)
+    with _teardowns_lock:
+        left = _teardowns.get(key)
+        if left is not None:
+            left.discard(done)
+            if not left:
+                del _teardowns[key]
+    done.set()
+
+
+def _await_teardowns(channel: Channel, timeout: float) -> bool:
+    """Worker thread: wait (bounded) until the links with this channel's peer that were being torn
+    down when it was called are over; False if one is not."""
+    with _teardowns_lock:
+        pending = list(_teardowns.get((id(channel.core), channel.peer_name), ()))
+    end = time.monotonic() + timeout
+    return all(done.wait(max(0.0, end - time.monotonic())) for done in pending)
+
+
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor (what the link moves)."""
     return t.detach().reshape(-1).view(torch.uint8)
@@ -90,6 +126,10 @@ class Link:
         threading.Thread(target=self._join, args=(msg.unique_id, 1), name="transport-nccl-join", daemon=True).start()
 
     def _join(self, uid: bytes, rank: int) -> None:
+        if not _await_teardowns(self.channel, self.timeout):
+            self._joined(None, f"an earlier NCCL link with {self.channel.peer_name!r} was still being torn down "
+                               f"after {self.timeout:g} s")
+            return
         try:
             conn = self.engine.connect(uid, rank, self.timeout)
         except Exception as exc:  # noqa: BLE001 - reported to the peer and logged
@@ -180,7 +220,8 @@ class Link:
     # ------------------------------------------------------------------ teardown
     def abort(self, why: BaseException | str) -> None:
         """Any thread, idempotent: the link is done. On a worker thread, abort the communicator
-        (bounded), which stops whatever is in flight; then the bridge reports what is left."""
+        (bounded), which stops whatever is in flight; then the bridge reports what is left. Until
+        that is over, no new link with the same peer joins (on this side)."""
         with self.lock, self._state_lock:
             if self.state == "down" and self.conn is None:
                 first = False
@@ -197,16 +238,20 @@ class Link:
             drop(lost)
         if answers is not None:
             answers.put(None)
+        teardown = _teardown_started(self.channel)  # (a new link with the peer waits for it: see _join)
 
         def run() -> None:
-            if conn is not None:
-                try:
-                    conn.abort()
-                except Exception:  # noqa: BLE001
-                    log.exception("aborting the NCCL link of channel %s failed", self.channel.id)
-            end = time.monotonic() + 5.0  # the aborted operations complete (with errors): let the bridge report them
-            while self.bridge.pending and time.monotonic() < end:
-                time.sleep(0.01)
+            try:
+                if conn is not None:
+                    try:
+                        conn.abort()
+                    except Exception:  # noqa: BLE001
+                        log.exception("aborting the NCCL link of channel %s failed", self.channel.id)
+                end = time.monotonic() + 5.0  # the aborted operations complete (with errors): let the bridge report them
+                while self.bridge.pending and time.monotonic() < end:
+                    time.sleep(0.01)
+            finally:
+                _teardown_over(self.channel, teardown)
             self.bridge.close(timeout=5.0)
 
         threading.Thread(target=run, name="transport-nccl-abort", daemon=True).start()

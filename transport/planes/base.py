@@ -29,8 +29,29 @@ the stream never desynchronises).
 A subclass must set :attr:`name` and :attr:`inline_payload` and implement
 :meth:`put`, :meth:`get`, :meth:`probe` and :meth:`reaches`; it may override
 :meth:`close` to drop cached mappings and :meth:`registry_changed` to drop stale ones.
-Cancelling the awaiting task never interrupts a copy already handed to a
-thread; the tensors stay referenced until it finishes.
+
+Cancellation and timeouts. Cancelling the awaiting task never interrupts a copy
+already handed to a thread, a device or the socket (the tensors stay referenced
+until it finishes), and every plane keeps one rule about what is left: once
+``put``/``get`` has raised, nothing of that op writes into the peer's buffers or
+the caller's tensors any more, or every later op on those buffers is ordered
+after what still does (a put that follows returns only once the target holds
+exactly its bytes). Each plane keeps it its own way:
+
+- a plane whose thread or device writes memory directly (a copy into the peer's
+  memory or the caller's tensors: ``shm``, ``cuda_ipc``, the staged receive of a
+  get reply, the ``nccl`` receive of a get) sets ``op.busy`` under ``op.lock``
+  when that writing starts, unless ``op.abandoned`` was set first, may set
+  ``op.abandon_bound``, and sets ``op.quiet`` once nothing more will be written;
+  the channel's abandon then waits for ``op.quiet`` (off the event loop, shielded
+  from a second cancellation, bounded) before the call raises;
+- a plane whose put bytes travel in the channel's stream (``tcp``, ``staged``)
+  lets them go on: the target serves the channel's ops in stream order, so a
+  later op on the channel lands after them;
+- ``nccl``: a put's send that was posted completes, and later ops of the channel
+  are posted behind it on the link; one that timed out aborted the link and closed
+  the channel, and no new link with that peer joins, on either side, before that
+  abort is over (:mod:`transport.link`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ registry, the plane unmaps them once no copy of its uses them and sends ``Unmapp
 peer free that memory.
 
 Cancellation and timeouts: the op's deadline bounds the wait for the copies; copies already issued
-still complete (their tensors stay referenced until then). A get abandoned mid-copy is waited for
-(bounded) before ``get`` raises, so nothing is written into the caller's tensors after it returned.
+cannot be called back and still complete (their tensors stay referenced until then). An op abandoned
+once its copies were issued, a put's as well as a get's, waits for them (up to 30 s, off the event
+loop) before ``put``/``get`` raises, so nothing is written into the caller's tensors or the peer's
+buffer after it raised; no header is sent for it. (Past that bound, which only a stuck device
+reaches, the error is logged and the copies that are left still run first on the channel's queue.)
 """
 
 from __future__ import annotations
@@ -279,10 +282,13 @@ class CudaIpcPlane(DataPlane):
                 self.cache.release(h)
             self._leave(used)
             raise
-        if not into_peer:  # about to write into the caller's tensors: _abandon waits for op.quiet
-            with op.lock:
-                op.busy = True
-            op.abandon_bound = 30.0  # the copies wait for nothing: they take the time their bytes take
+        # about to write (the caller's tensors, or the peer's buffer): an op abandoned from here on raises
+        # only once its copies are over (op.quiet, bounded), so nothing of it writes after it raised (not
+        # even into a buffer that a later op over another channel writes); a get's copies wait for
+        # nothing, a put's only for the work queued on the caller's stream before the call
+        with op.lock:
+            op.busy = True
+        op.abandon_bound = 30.0
         futs = self._issue_all(op, groups, after, into_peer)
         for fut in futs:
             try:
@@ -335,7 +341,7 @@ class CudaIpcPlane(DataPlane):
                 self._batches.discard(batch)
             left[0] -= 1
             last = left[0] == 0
-        if last and not into_peer:
+        if last:
             op.quiet.set()
 
     def _issue(self, op: Op, device: str, group: list[tuple[torch.Tensor, torch.Tensor, IpcHandle]], after: Any,

@@ -19,8 +19,13 @@ frozen past the heartbeat timeout, socket error) or a failed operation aborts th
 communicator (``ncclCommAbort``, on a worker thread, bounded) and closes the channel: its pending
 ops fail with :class:`~transport.errors.PeerLostError`, the timed-out one with
 :class:`~transport.errors.TransportTimeoutError`; other channels are untouched; the next op dials
-a new channel, with a new communicator. A get abandoned mid-receive returns only once the abort
-has stopped the receive (bounded), so nothing is written into the caller's tensors afterwards.
+a new channel, with a new communicator, which each side joins only once the aborted one's
+operations are over (see :mod:`transport.link`): nothing of the timed-out op runs beside a later
+one. A get abandoned mid-receive returns only once the abort has stopped the receive (bounded), so
+nothing is written into the caller's tensors afterwards. A cancelled op (the caller's task, not the
+deadline) leaves the link up: a get waits for its receive to complete (bounded) before it raises;
+a put's send, once posted, completes, and every later op of the channel is posted after it on the
+link (the target's receive of a later put ends after the cancelled one's).
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ the old place: harmless when that memory was the unregistered tensor's alone
 (``unregister`` moves such a tensor out of the segment), but if the old place
 still belongs to another registered buffer (a view of an arena), that
 buffer's bytes there were overwritten.
+
+Cancellation and timeouts: the copy stops at its next chunk boundary (64 MiB,
+or one bounce buffer when staged) and sends no header, and the call raises only
+once it stopped, for puts and gets alike: nothing of a cancelled op writes into
+the peer's segment or the caller's tensors after it raised. The peer's buffer
+(put) or the caller's tensors (get) may then hold a mix of old and new bytes.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ __all__ = ["Segment", "ShmExport", "ShmPlane", "StagedShmPlane", "export_buffer"
 # Copies of at least this many bytes per op run on a worker thread so the event loop stays free.
 THREAD_COPY_BYTES = 1 << 20
 _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
+# What a cancelled or timed-out op waits, at most, for its copy to reach that boundary (a chunk
+# copies in tens of milliseconds; the bound is for a machine that is badly overloaded).
+_ABANDON_S = 10.0
 
 
 _export_ids = itertools.count(1)
@@ -229,8 +238,11 @@ class ShmPlane(DataPlane):
 
         Runs on a worker thread when the op is large or a segment still has to be
         mapped (that thread sends the header as soon as the copy is over: no trip back
-        through the event loop); a cancelled or timed-out op stops at the next chunk
-        boundary and sends nothing.
+        through the event loop). Cancellation and timeouts: the op's copy stops at the next
+        chunk boundary and sends nothing, and the call raises only once it stopped (the
+        channel's abandon waits for ``op.quiet``, off the loop, up to ``op.abandon_bound``),
+        a put's as well as a get's: nothing of a cancelled op writes into the peer's segment
+        or the caller's tensors after it raised, so an op that follows never races it.
         """
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
@@ -238,11 +250,11 @@ class ShmPlane(DataPlane):
 
         def work() -> None:
             views = [self._view(item, h, t.element_size()) for item, t, h in jobs]  # maps first
-            if not into_peer:  # about to write into the caller's tensors: tell _abandon
-                with op.lock:
-                    if op.abandoned:
-                        return
-                    op.busy = True
+            with op.lock:  # about to write (the peer's segment, or the caller's tensors): tell _abandon
+                if op.abandoned:
+                    return
+                op.abandon_bound = self._abandon_bound
+                op.busy = True
             try:
                 for (_, t, _), remote in zip(jobs, views, strict=True):
                     if op.abandoned or not self._copy_one(op, t, remote, into_peer):
@@ -262,6 +274,8 @@ class ShmPlane(DataPlane):
 
     #: copy on a worker thread whatever the size (a copy that waits for a device)
     always_threaded = False
+    #: how long an abandoned op's copy may take to reach its next chunk boundary (seconds)
+    _abandon_bound = _ABANDON_S
 
     def _copy_one(self, op, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
         """Copy between ``t`` and ``remote`` (its bytes in the peer's segment), in chunks; False if
@@ -334,6 +348,11 @@ class StagedShmPlane(ShmPlane):
     def __init__(self, channel, base: ShmPlane) -> None:
         super().__init__(channel)
         self._maps = base._maps  # one mapping per segment for both (the base drops stale ones)
+
+    @property
+    def _abandon_bound(self) -> float:  # (a chunk may wait for the staging engine, up to its stall bound)
+        cfg = self.channel.staging.config
+        return cfg.stall_timeout + 0.1 * cfg.buffers + 1.0 + _ABANDON_S
 
     async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
                     header: Callable[[list[int]], Message]) -> None:

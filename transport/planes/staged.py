@@ -29,6 +29,11 @@ first chunk is staged: if that fails, nothing is sent, the op fails with
 chunk that cannot be staged fails the op and closes the channel (the peer saw
 part of the payload). On the receiving side the rest of the payload is
 drained, the op fails with ``StagingError``, and the channel stays usable.
+
+Cancellation and timeouts are ``tcp``'s: a put's payload that reached the writer
+still goes out (staged chunk by chunk) and lands on the target before anything
+sent after it on the channel; a get waits, before it raises, for the copies into
+the caller's tensors already under way (bounded by the staging stall bound).
 """
 
 from __future__ import annotations

@@ -3,6 +3,14 @@
 The target's reader thread receives them with ``recv_into`` straight into the
 registered tensor: no intermediate copy on either side (the sender hands the
 tensor's memory to ``sendall``).
+
+Cancellation and timeouts: a put whose header was handed to the sender goes on
+(its source tensor stays referenced and is read until its last byte is sent) and
+the target still writes its bytes, but strictly before anything sent after it on
+the channel: a later put or get of the same buffer over the channel lands or
+reads after them. A get stops writing into the caller's tensors at the reader's
+next chunk and drains the rest; if its bytes are still trickling in, the channel
+is closed instead; either way the call raises only once nothing more is written.
 """
 
 from __future__ import annotations
