@@ -907,9 +907,22 @@ class Endpoint:
         :class:`BufferMismatchError`, :class:`InvalidTensorError`). At the
         deadline (``timeout`` or the endpoint's) it raises
         :class:`TransportTimeoutError`; a lost peer gives :class:`PeerLostError`.
-        Cancelling stops the wait: bytes already handed to the wire still go
-        (the source tensors stay referenced until then) and the endpoint stays
-        usable; the target's buffer may then hold a mix of old and new bytes.
+
+        Timeout and cancellation (of the calling task) leave no writer behind:
+        the call raises only once nothing of the op writes into the target's
+        buffers any more, or what still does is ordered before every later op of
+        this endpoint on them. A copy into the peer's memory (``shm``) stops at
+        its next chunk and is waited for; one that cannot be stopped
+        (``cuda_ipc``) is waited for; bytes already handed to the channel
+        (``tcp``, staged) or posted on its NCCL link still land, before anything
+        sent after them (a timeout on the NCCL link closes the channel, and the
+        next one's link is set up only once the old one's transfers are over). So
+        a put that follows returns only once the target holds exactly its bytes.
+        The target's buffer may hold a mix of old and new bytes, and the source
+        tensors stay referenced, and may still be read, until the bytes are out.
+        The endpoint stays usable. The waits are bounded (seconds; staged copies:
+        the staging stall bound) and a second cancellation does not cut them
+        short; one that runs out is logged (a timeout's message says so).
 
         CUDA tensors: the op waits for the work queued on this thread's current
         stream of each tensor's device when it starts (at the call, unless it
@@ -926,11 +939,14 @@ class Endpoint:
         """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
 
         Returns once every byte is in the local tensors. On timeout or
-        cancellation the tensors' contents are unspecified, but nothing is written
-        into them once the call has returned: a transfer still running stops at
-        its next chunk, and one whose bytes are still trickling in from the peer
-        has its channel closed (the other pending ops on it fail with
-        :class:`PeerLostError`).
+        cancellation the tensors' contents are unspecified, but nothing of the op
+        writes into them once the call has raised, so they can be reused at once:
+        a copy still running stops at its next chunk (``shm``, a get reply
+        arriving over ``tcp``), one that cannot be stopped (``cuda_ipc``, a staged
+        copy, an NCCL receive) is waited for, and one whose bytes are still
+        trickling in from the peer has its channel closed (the other pending ops
+        on it fail with :class:`PeerLostError`). The waits are bounded as for
+        :meth:`put`.
         """
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
