@@ -648,6 +648,57 @@ class FakeNccl:
 UID = bytes(range(128))
 
 
+def test_nccl_calls_on_different_communicators_never_overlap():
+    """NCCL's "Thread Safety": calls on communicators of one device from several threads at once are
+    unsafe. Two communicators driven from four threads: no two NCCL calls are ever inside NCCL at once."""
+
+    class Overlap(FakeNccl):
+        def __init__(self):
+            super().__init__(states=(0,))
+            self.inside = 0
+            self.most = 0
+
+        def _fn(self, name):
+            inner = super()._fn(name)
+
+            def call(*args):
+                with self.lock:
+                    self.inside += 1
+                    self.most = max(self.most, self.inside)
+                try:
+                    time.sleep(0.002)  # a call that takes a moment inside NCCL
+                    return inner(*args)
+                finally:
+                    with self.lock:
+                        self.inside -= 1
+            return call
+
+    fake = Overlap()
+    comms = [Communicator.init_rank(fake, 1, UID, 0) for _ in range(2)]
+    errors = []
+
+    def drive(comm):
+        try:
+            for _ in range(25):
+                with comm.group():
+                    comm.send(0x1000, 64, 0)
+                    comm.recv(0x2000, 64, 0)
+                comm.async_error()
+        except Exception as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(c,)) for c in comms for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in comms:
+        c.abort()
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert fake.count("ncclSend") == 100
+    assert fake.most == 1, f"{fake.most} NCCL calls ran at once"
+
+
 def _ready(fake: FakeNccl, **kwargs) -> Communicator:
     comm = Communicator.init_rank(fake, 1, UID, 0, **kwargs)
     fake.calls.clear()

@@ -59,6 +59,7 @@ __all__ = [
     "BYTES",
     "CONFIG_VERSION",
     "ENV_VAR",
+    "NCCL_LOCK",
     "OPTIONAL_FUNCTIONS",
     "REQUIRED_FUNCTIONS",
     "UNIQUE_ID_BYTES",
@@ -830,6 +831,16 @@ def _current_device(device: int | None) -> Iterator[None]:
         yield
 
 
+#: Held around every NCCL call a :class:`Communicator` makes (init, send/recv, group start/end,
+#: queries, finalize/destroy/abort), across all communicators of the process: NCCL's "Thread
+#: Safety" section makes concurrent calls on communicators of one device unsafe, and a channel's
+#: calls come from several threads (the event loop, reader threads, link set-up threads). One lock
+#: for the process rather than one per device: a process drives one device in practice, and every
+#: call it guards returns at once on a non-blocking communicator (the waits for ``ncclInProgress``
+#: poll outside it). A *blocking* communicator's calls may wait without bound while holding it.
+NCCL_LOCK = threading.RLock()
+
+
 class Communicator:
     """One NCCL communicator (``ncclComm_t``), owned; build it with :meth:`init_rank`.
 
@@ -859,7 +870,7 @@ class Communicator:
         self._handle: int | None = handle
         self._blocking = blocking
         self._timeout = timeout
-        self._lock = threading.RLock()
+        self._lock = NCCL_LOCK  # (process-wide: see NCCL_LOCK)
         self._tls = threading.local()
         self._nranks = -1
         self._rank = -1
@@ -905,7 +916,7 @@ class Communicator:
             log.warning("NCCL_COMM_BLOCKING=1 overrides blocking=False: NCCL calls may now wait without a deadline")
         deadline = time.monotonic() + timeout
         out = _comm_t()
-        with _current_device(device):
+        with _current_device(device), NCCL_LOCK:
             if init_name == "ncclCommInitRankConfig":
                 config = NcclConfig.make(blocking=blocking)
                 rc = lib._fn(init_name)(ctypes.byref(out), nranks, uid, rank, ctypes.byref(config))
@@ -1085,7 +1096,9 @@ class Communicator:
         post the matching operations.
         """
         self._live("ncclGroupStart")
-        check(self._lib._fn("ncclGroupStart")(), self._lib, "ncclGroupStart")
+        with self._lock:
+            rc = self._lib._fn("ncclGroupStart")()
+        check(rc, self._lib, "ncclGroupStart")
         depth = self._group_depth()
         self._tls.depth = depth + 1
         body_ok = False
