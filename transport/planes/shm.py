@@ -274,8 +274,10 @@ class ShmPlane(DataPlane):
 
     #: copy on a worker thread whatever the size (a copy that waits for a device)
     always_threaded = False
-    #: how long an abandoned op's copy may take to reach its next chunk boundary (seconds)
-    _abandon_bound = _ABANDON_S
+    @property
+    def _abandon_bound(self) -> float:
+        """How long an abandoned op's copy may take to reach its next chunk boundary (seconds)."""
+        return _ABANDON_S
 
     def _copy_one(self, op, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
         """Copy between ``t`` and ``remote`` (its bytes in the peer's segment), in chunks; False if
