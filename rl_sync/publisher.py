@@ -45,6 +45,7 @@ bounded: two slots of at most ``bucket_bytes`` per group.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -586,7 +587,9 @@ class _Run:
         self.packed_bytes = 0
         self.bar: Any = None
         self.groups: list[_Group] = []
-        self.took: list[float] = []  # how long each answered pull took (the relay stall bound's yardstick)
+        # how long the latest answered pulls took (the relay stall bound's yardstick; the watchdog takes
+        # its median every tick, so only the newest few are kept)
+        self.took: collections.deque[float] = collections.deque(maxlen=256)
 
     # ------------------------------------------------------------------ events
     def emit(self, t: _Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests._remote import pipe_reply
+
 _CTX = mp.get_context("spawn")
 
 
@@ -105,12 +107,7 @@ class RaceTarget:
         self.pid = self._reply(60.0)
 
     def _reply(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"{self.name}: no reply within {timeout} s")
-        status, value, tb = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name}: {value}\n{tb}")
-        return value
+        return pipe_reply(self._conn, self.name, timeout)
 
     def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
         with self._lock:

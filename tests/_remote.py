@@ -226,6 +226,17 @@ class RemoteError(Exception):
     pass
 
 
+def pipe_reply(conn: Any, name: str, timeout: float) -> Any:
+    """A child's next ``(status, value, traceback)`` reply on ``conn``, within ``timeout`` seconds:
+    the value, or :class:`RemoteError` with the child's traceback, or ``TimeoutError``."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"{name}: no reply within {timeout} s")
+    status, value, tb = conn.recv()
+    if status != "ok":
+        raise RemoteError(f"{name}: {value}\n{tb}")
+    return value
+
+
 class RemoteEndpoint:
     """Handle on an Endpoint in a spawned child process."""
 
@@ -240,12 +251,7 @@ class RemoteEndpoint:
         self.pid = info["pid"]
 
     def _reply(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"{self.name}: no reply within {timeout} s")
-        status, value, tb = self._conn.recv()
-        if status != "ok":
-            raise RemoteError(f"{self.name}: {value}\n{tb}")
-        return value
+        return pipe_reply(self._conn, self.name, timeout)
 
     def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
         self._conn.send((cmd, args))

@@ -193,6 +193,17 @@ def test_deeply_nested_frame_after_the_handshake(target, friend, caplog, tag):
 _HUGE = [2**62, 2**62]  # 2**124 elements: torch.Size.numel() wraps to 0
 
 
+@pytest.mark.timeout(20)
+def test_a_shape_of_many_huge_dimensions_is_refused_at_once():
+    """The element count stops growing once it passes int64: the product of 200k dimensions of 2**62
+    (what a 16 MiB frame can carry, and more) takes quadratic time in Python ints, minutes here."""
+    from transport.channel import specs_from_wire
+
+    bufs = [wire.WireBuffer("w", "float32", [2**62] * 200_000, "cpu", 0)]
+    with pytest.raises(transport.ProtocolError, match="overflows int64"):
+        specs_from_wire(bufs)
+
+
 @pytest.mark.parametrize("shape,nbytes", [(_HUGE, 0), ([2**63], 0), ([2**61], 2**63), ([2**64 - 1, 0], 0)],
                          ids=["wraps-to-0", "dim-over-int64", "bytes-over-int64", "uint64-dim-times-0"])
 def test_overflowing_shape_in_hello(target, friend, caplog, shape, nbytes):

@@ -1,6 +1,7 @@
 """Membership of the job: the secret a peer proves it holds before anything else it sends is read.
 
-Where the secret comes from (the first that applies, decided at ``Endpoint.open()``):
+Where the secret comes from (the first that applies; 1. and 2. are read when the ``Endpoint`` is made,
+3. at ``Endpoint.open()``):
 
 1. ``Endpoint(..., secret=...)`` (str or bytes);
 2. the ``TRANSPORT_SECRET`` environment variable (an empty one counts as unset);

@@ -34,7 +34,6 @@ import asyncio
 import enum
 import itertools
 import logging
-import math
 import re
 import select
 import socket
@@ -177,7 +176,8 @@ class Op:
         self.gated = False  # its plane may wait before sending: later ops are kept behind it (Channel.run)
         self.abandoned = False
         self.on_wire = False  # its header was handed to the sender
-        # Writing into the caller's tensors (a get's payload, a local copy): ``busy`` is set under
+        # Writing into the caller's tensors or the peer's buffer (a get's payload, a local copy, an shm or
+        # cuda_ipc put's copy): ``busy`` is set under
         # ``lock`` when it starts, unless the op was abandoned first; ``quiet`` is set once it
         # will write no more.
         self.lock = threading.Lock()
@@ -187,7 +187,7 @@ class Op:
         self.p2p = False  # its bytes move over the channel's NCCL link (cannot be cancelled: abort on timeout)
         # the op's own posted work (an nccl op's send/recv): the op ends only once it completed too
         self.after: asyncio.Future[None] | None = None
-        self.abandon_bound = 1.0  # how long an abandoned op may still be writing into the caller's tensors
+        self.abandon_bound = 1.0  # how long an abandoned op may still be writing (the caller's tensors, the peer's buffer)
 
 
 class CoreProtocol(Protocol):
@@ -272,15 +272,25 @@ def _spec_from_wire(b: WireBuffer) -> BufferSpec:
     except KeyError:
         raise ProtocolError(f"peer registry: buffer {b.name!r} has unknown dtype {b.dtype!r}") from None
     if any(d < 0 for d in b.shape):
-        raise ProtocolError(f"peer registry: buffer {b.name!r} has a negative dimension {b.shape}")
+        raise ProtocolError(f"peer registry: buffer {b.name!r} has a negative dimension {b.shape[:8]}")
     if not _DEVICE.fullmatch(b.device):
         raise ProtocolError(f"peer registry: buffer {b.name!r} is on an unknown device {b.device[:40]!r}")
-    numel = math.prod(b.shape)  # Python ints: torch.Size.numel() would wrap around
-    if numel * dtype.itemsize > _INT64_MAX or any(d > _INT64_MAX for d in b.shape):
+    # Python ints (torch.Size.numel() would wrap around), stopped as soon as the count passes int64:
+    # a product of a hostile frame's huge dimensions would take quadratic time
+    overflow = any(d > _INT64_MAX for d in b.shape)
+    numel = 0 if 0 in b.shape else 1
+    if numel and not overflow:
+        for d in b.shape:
+            numel *= d
+            if numel * dtype.itemsize > _INT64_MAX:
+                overflow = True
+                break
+    if overflow:
         raise ProtocolError(f"peer registry: buffer {b.name!r} has shape {b.shape[:8]}: its element count "
                             "overflows int64")
     if numel * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
-        raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}{b.shape}")
+        raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}"
+                            f"{b.shape[:8]}")
     return BufferSpec(b.name, dtype, torch.Size(b.shape), b.device, b.nbytes)
 
 
@@ -335,14 +345,10 @@ def check_hello(msg: Message) -> Hello:
 
 
 def _decode_hello(body: bytes) -> Hello:
-    try:
+    try:  # (decode turns every failure into a DecodeError; check_hello raises ProtocolError only)
         return check_hello(decode(body))
-    except ProtocolError:
-        raise
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed hello: {exc}") from None
-    except Exception as exc:  # anything the peer's bytes make go wrong is the peer's error
-        raise ProtocolError(f"malformed hello: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 async def _refuse(loop: asyncio.AbstractEventLoop, sock: socket.socket, reason: str) -> None:
@@ -809,7 +815,7 @@ class Channel:
     async def _abandon(self, op: Op) -> str | None:
         """The caller stopped waiting (event loop). An op whose header went out stays in the table
         until its reply arrives (a get's payload must still be consumed); one that never reached
-        the wire is forgotten now. No byte is written into the caller's tensors after this
+        the wire is forgotten now. No byte is written into the caller's tensors (or, by a copy of ours, the peer's buffer) after this
         returns: a writer that is busy stops at its next chunk (a local copy, or bytes arriving
         fast); bytes that trickle in are cut off by closing the channel.
 
@@ -823,7 +829,7 @@ class Channel:
         try:
             bound = self._abandon_now(op)
             if bound and not await self._wait_quiet(op, bound):
-                note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors were still pending {bound:.1f} s "
+                note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors (or the peer's buffer) were still pending {bound:.1f} s "
                         "after the op was abandoned; they may still land there")
                 log.error("channel %s: %s", self.id, note)
                 return note

@@ -64,7 +64,6 @@ class StoreClient:
         self.key = key
         self.store: Any = None
         self.broken = False
-        self.connects = 0  # clients made (the count of store connections this object opened)
         self._calls: queue.SimpleQueue[tuple[Any, tuple[Any, ...], concurrent.futures.Future[Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -75,6 +74,7 @@ class StoreClient:
         while True:
             job = self._calls.get()
             if job is None:
+                self.store = None
                 return
             fn, args, fut = job
             if not fut.set_running_or_notify_cancel():
@@ -82,7 +82,6 @@ class StoreClient:
             try:
                 if self.store is None:
                     self.store = self._make()
-                    self.connects += 1
                 fut.set_result(fn(self.store, *args))
             except BaseException as exc:  # handed to the waiting coroutine
                 fut.set_exception(exc)
@@ -336,5 +335,4 @@ class Rendezvous:
         endpoints; one of our own (served store, Store object) is dropped."""
         client, self._client = self._client, None
         if client is not None and client.key is None:
-            client.store = None
-            client.stop()
+            client.stop()  # (its thread drops the store when it ends)
