@@ -74,6 +74,8 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     version: int = 0  # the subscriber's committed version after this step
     bank: int = 0  # begin: the arena bank this push fills (relays read it from there)
     attempt: int = 0  # pull: the attempt of the Pull it answers (replies to superseded attempts are ignored)
+    plane: str = ""  # pull: the transport plane the bucket's bytes took (transport.Endpoint.route)
+    route: str = ""  # ... and why
 
 
 Message = Begin | Pull | Commit | Abort | Reply

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -63,6 +64,7 @@ from transport.errors import Phase
 
 from . import messages as m
 from .banks import BankSet, make_lock_dir, remove_lock_dir
+from .device import Copier, caller_marks, pack_device
 from .errors import PlanMismatchError, PushAbortedError, RlSyncError, StaleVersionError, SubscriberRejectedError
 from .fanout import FANOUTS, assign_sources
 from .plan import (
@@ -94,12 +96,14 @@ _POLL = 0.05
 class _Layout:
     """A subscriber's manifest and buckets, cached for one incarnation."""
 
-    def __init__(self, incarnation: int, manifest: Manifest, buckets: list[Bucket], digest: str, same_host: bool) -> None:
+    def __init__(self, incarnation: int, manifest: Manifest, buckets: list[Bucket], digest: str, same_host: bool,
+                 shm: bool) -> None:
         self.incarnation = incarnation
         self.manifest = manifest
         self.buckets = buckets
         self.digest = digest
-        self.same_host = same_host
+        self.same_host = same_host  # on the publisher's host (transport's Peer.same_host)
+        self.shm = shm  # ... and its channel runs shm (what mode="shared" maps the banks through)
         self.shared = manifest.shared  # mode="shared": it reads the publisher's banks
 
 
@@ -137,6 +141,7 @@ class _Target:
         self.commit_at = 0.0
         self.committed = False
         self.heard = 0.0  # when it last answered anything
+        self.planes: dict[str, str] = {}  # the transport planes its pulls took, and why (from its replies)
         self.error: BaseException | None = None
         self.finished_at = 0.0
         self.group: _Group | None = None
@@ -285,6 +290,7 @@ class WeightPublisher:
         self._run: _Run | None = None
         self._lost: set[str] = set()  # subscribers lost or unreachable at the last push
         self._packing: set[asyncio.Future[Any]] = set()  # pack threads still running (a cancelled push's too)
+        self._copiers: dict[torch.device, Copier] = {}  # where packs run: a stream per GPU of the trainer's weights
         # this publisher's registered buffers: slots and banks (several publishers may share an endpoint)
         self._prefix = f"rl_sync/pub/{secrets.token_hex(4)}/"
         _attach(self)
@@ -359,12 +365,18 @@ class WeightPublisher:
         if not self._subscribers:
             raise ValueError("the publisher has no subscribers")
         tensors = live_tensors(weights)
+        marks = caller_marks(tensors.values())  # the caller's queued GPU work: packing reads after it
+        device = pack_device(tensors.values())
         t0 = time.monotonic()
         limit = self.endpoint.timeout if timeout is None else timeout
         report = PushReport(version)
         if self._packing:  # a cancelled push's packs may still be writing a slot or a bank
             await asyncio.wait(set(self._packing))
         run = _Run(self, next(self._push_ids), version, t0 + min(limit, self.connect_timeout), t0)
+        copier = self._copiers.get(device)
+        if copier is None:
+            copier = self._copiers[device] = Copier(device)
+        run.copier, run.marks = copier, marks
         self._run = run
         try:
             groups = await self._prepare(run, tensors, report)
@@ -375,10 +387,11 @@ class WeightPublisher:
             await run.finish()
             self._run = None
         for name, t in run.targets.items():
+            plane, why = _route_of(t)
             report.results[name] = SubscriberResult(
                 ok=t.committed, error=t.error, bytes=sum(b.nbytes for b in t.layout.buckets) if t.committed else 0,
                 seconds=(t.finished_at or time.monotonic()) - t0, source=t.source or self.endpoint.name,
-                stage=t.stage)
+                stage=t.stage, plane=plane, plane_reason=why)
         report.seconds = time.monotonic() - t0
         report.packed_bytes = run.packed_bytes
         if any(r.ok for r in report.results.values()):
@@ -411,10 +424,13 @@ class WeightPublisher:
                 report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0, stage="plan")
                 continue
             layout = res
-            if layout.shared and not layout.same_host:
+            if layout.shared and not (layout.same_host and layout.shm):
+                plane = _plane_of(self.endpoint, name)
+                where = (f"it is not on the publisher's host (reached over {plane})" if not layout.same_host else
+                         f"its channel runs {plane}, not shm (planes= must allow shm on both sides)")
                 report.results[name] = SubscriberResult(error=RlSyncError(
-                    f"{name} runs mode='shared', which maps the publisher's memory, but it is not on the publisher's "
-                    f"host (reached over {_plane_of(self.endpoint, name)}); use another mode there"),
+                    f"{name} runs mode='shared', which maps the publisher's memory through shm, but {where}; "
+                    "use another mode there"),
                     seconds=time.monotonic() - run.t0, stage="plan")
                 continue
             try:
@@ -469,23 +485,25 @@ class WeightPublisher:
         await ep.get(name, {MANIFEST_BUFFER: raw}, timeout=max(0.001, deadline - time.monotonic()))
         manifest = decode_manifest(raw.numpy().tobytes())
         buckets = make_buckets(manifest, self.bucket_bytes)
-        layout = _Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.plane == "shm")
+        layout = _Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.same_host,
+                         peer.plane == "shm")
         self._layouts[name] = layout
         log.info("publisher %s: planned %s (%d tensors, %d buckets, %.1f MiB, via %s)", ep.name, name,
                  len(manifest.entries), len(buckets), sum(manifest.arenas) / 2**20, peer.plane)
         return layout
 
-    def _slot(self, layout: _Layout) -> tuple[list[str], list[torch.Tensor]]:
+    def _slot(self, layout: _Layout, device: torch.device) -> tuple[list[str], list[torch.Tensor]]:
+        """The layout's send slots, on ``device`` (where the trainer's weights are: a GPU's are packed there)."""
         size = max((b.nbytes for b in layout.buckets), default=64)
         have = self._slots.get(layout.digest)
-        if have is not None and have[1][0].numel() >= size:
+        if have is not None and have[1][0].numel() >= size and have[1][0].device == device:
             return have
         names = [f"{self._prefix}{layout.digest[:16]}/slot{i}" for i in range(SLOTS)]
         tensors = []
         for n in names:
             if n in self.endpoint.buffers:  # ours, too small: made again
                 self.endpoint.unregister(n, discard=True)
-            tensors.append(self.endpoint.new_buffer(n, (size,)))  # in shared memory at once: no copy
+            tensors.append(self.endpoint.new_buffer(n, (size,), device=device))  # (CPU: in shared memory, no copy)
         self._slots[layout.digest] = (names, tensors)
         return names, tensors
 
@@ -590,6 +608,8 @@ class _Run:
         # how long the latest answered pulls took (the relay stall bound's yardstick; the watchdog takes
         # its median every tick, so only the newest few are kept)
         self.took: collections.deque[float] = collections.deque(maxlen=256)
+        self.copier: Copier = Copier(torch.device("cpu"))  # where packs run (set by push())
+        self.marks: list[Any] = []  # the caller's GPU work queued when push() was called
 
     # ------------------------------------------------------------------ events
     def emit(self, t: _Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:
@@ -700,7 +720,7 @@ class _Run:
             buffer, offset = group.banks.names(group.bank)[bucket.arena], bucket.offset
         else:
             if not group.slots:
-                group.slots, group.slot_tensors = self.pub._slot(group.layout)
+                group.slots, group.slot_tensors = self.pub._slot(group.layout, self.copier.device)
             slot = await self._free_slot(group)
             await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
             buffer, offset = group.slots[slot], 0
@@ -801,7 +821,9 @@ class _Run:
                 self._pull(d, k, src.name, arena_name(src.bank, b.arena), b.offset, None)
 
     async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
-        pack = asyncio.ensure_future(asyncio.to_thread(_pack, bucket, sources, dest))
+        # on a worker thread; with the weights on a GPU, on the copier's stream once the caller's work queued
+        # at push() is done: the pulls are sent only once the bytes are in the slot
+        pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest), self.marks))
         self.pub._packing.add(pack)
         pack.add_done_callback(self.pub._packing.discard)
         await asyncio.shield(pack)
@@ -848,6 +870,8 @@ class _Run:
             if r.error is None:
                 self.took.append(now - p.sent)
                 t.have.add(r.bucket)
+                if r.plane:
+                    t.planes[r.plane] = r.route
                 self.emit(t, "pulled", r.bucket, p.source)
                 for d in t.dependents:
                     if d.source == t.name:
@@ -998,6 +1022,18 @@ class _Run:
 def _plane_of(ep: transport.Endpoint, name: str) -> str:
     p = ep.peers.get(name)
     return p.plane if p is not None else "no channel"
+
+
+def _route_of(t: _Target) -> tuple[str, str]:
+    """The plane(s) a subscriber's bytes took during the push, and why."""
+    if t.shared:
+        return "shared", ("mode='shared': its weights point into the publisher's bank through a read-only shm "
+                          "mapping; no bytes are copied to it")
+    if not t.planes:
+        return "", ""
+    if len(t.planes) == 1:
+        return next(iter(t.planes.items()))
+    return "+".join(sorted(t.planes)), "; ".join(f"{p}: {why}" for p, why in sorted(t.planes.items()))
 
 
 def _rejection(name: str, r: m.Reply) -> Exception:

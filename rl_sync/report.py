@@ -22,7 +22,11 @@ class SubscriberResult:
     (no answer to Begin yet), ``"transfer"``, ``"commit"`` (told to commit,
     no answer yet) or ``"committed"``; the error's message says what it was
     doing (buckets held, pulls outstanding and for how long, when it was
-    last heard from).
+    last heard from). ``plane`` is the transport plane its bytes took
+    (``shm``, ``tcp``, ``cuda_ipc``, ``nccl``, ``staged``; several joined by
+    ``+``; ``shared`` for a ``mode="shared"`` subscriber, whose weights point
+    into the publisher's bank) and ``plane_reason`` why, as
+    :meth:`transport.Endpoint.route` says (empty if no bucket arrived).
     """
 
     ok: bool = False
@@ -31,6 +35,8 @@ class SubscriberResult:
     seconds: float = 0.0
     source: str = ""
     stage: str = ""
+    plane: str = ""
+    plane_reason: str = ""
 
 
 @dataclass
@@ -58,6 +64,15 @@ class PushReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @property
+    def planes(self) -> dict[str, int]:
+        """How many subscribers' bytes took each plane (see :attr:`SubscriberResult.plane`)."""
+        counts: dict[str, int] = {}
+        for r in self.results.values():
+            if r.plane:
+                counts[r.plane] = counts.get(r.plane, 0) + 1
+        return counts
+
+    @property
     def failed(self) -> dict[str, BaseException | None]:
         return {name: r.error for name, r in self.results.items() if not r.ok}
 
@@ -65,6 +80,8 @@ class PushReport:
         ok = sum(r.ok for r in self.results.values())
         line = (f"version {self.version}: {ok}/{len(self.results)} subscribers committed, "
                 f"{self.bytes / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s)")
+        if self.planes:
+            line += " over " + ", ".join(f"{p} x{n}" for p, n in sorted(self.planes.items()))
         for name, err in self.failed.items():
             line += f"; {name} failed: {type(err).__name__}: {err}"
         return line

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -37,6 +38,7 @@ from transport.errors import Phase
 
 from . import messages as m
 from .banks import BankLease
+from .device import Copier, ReaderMarks, one_device
 from .errors import RlSyncError
 from .plan import (
     MANIFEST_BUFFER,
@@ -97,7 +99,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 class _Push:
     __slots__ = ("bank", "buckets", "by_bucket", "done", "dropped", "locked", "progress", "publisher", "pulled", "pulls",
-                 "push_id", "version")
+                 "push_id", "routes", "version")
 
     def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket], bank: int) -> None:
         self.bank = bank
@@ -112,6 +114,7 @@ class _Push:
         self.pulled = False  # a Pull of it arrived
         self.pulls: set[asyncio.Task[Any]] = set()  # its pulls still running
         self.by_bucket: dict[int, asyncio.Task[Any]] = {}  # the newest pull of each bucket
+        self.routes: dict[str, transport.Route] = {}  # source -> the plane its pulls take, and why
 
 
 class WeightSubscriber:
@@ -185,11 +188,15 @@ class WeightSubscriber:
         self._live = live_tensors(model_or_state_dict, keep_vars=mode in _REPOINTING)
         if not self._live:
             raise ValueError("the model has no tensors to receive")
-        if mode in _REPOINTING:
-            where = {n: t.device.type for n, t in self._live.items() if t.device.type != "cpu"}
-            if where:
-                raise ValueError(f"mode={mode!r} re-points CPU tensors; these are not on the CPU: {where} "
-                                 "(use mode='staged')")
+        self.device = one_device(self._live)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the model is on {self.device}: rl_sync receives into CPU or CUDA tensors")
+        if mode == "shared" and self.device.type != "cpu":
+            raise ValueError(f"mode='shared' points the weights into the publisher's CPU banks, and this model is on "
+                             f"{self.device}: use mode='staged', 'swap' or 'direct' for GPU weights (banks on the "
+                             "trainer's GPU, shared through CUDA IPC, are not built yet)")
+        self._copier = Copier(self.device)  # the staged commit's copies and direct mode's first move (GPU: a stream)
+        self._readers = ReaderMarks(self.device)  # GPU: where readers left hold(), waited for before weights change
         self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key(), shared=mode == "shared")
         nbanks = {"swap": 2, "shared": 0}.get(mode, 1)  # shared: the publisher's banks, mapped at commit
         self._banks: list[list[torch.Tensor]] = []
@@ -216,8 +223,9 @@ class WeightSubscriber:
             for bank in range(nbanks):
                 self._banks.append([])
                 for i, n in enumerate(self.manifest.arenas):
-                    # in shared memory at once (with shm allowed): no copy, pages appear as pulls write them
-                    self._banks[bank].append(endpoint.new_buffer(arena_name(bank, i), (n,)))
+                    # CPU: in shared memory at once (with shm allowed), no copy, pages appear as pulls write
+                    # them; CUDA: an allocation of its own that CUDA IPC can export (Endpoint.new_buffer)
+                    self._banks[bank].append(endpoint.new_buffer(arena_name(bank, i), (n,), device=self.device))
                     self._names.append(arena_name(bank, i))
             endpoint.register(MANIFEST_BUFFER, self._manifest_tensor)
             self._names.append(MANIFEST_BUFFER)
@@ -273,7 +281,7 @@ class WeightSubscriber:
             return self._version
 
     @contextlib.asynccontextmanager
-    async def hold(self, timeout: float | None = None) -> AsyncIterator[int]:
+    async def hold(self, timeout: float | None = None, *, streams: Sequence[Any] = ()) -> AsyncIterator[int]:
         """Keep the weights from changing inside the block; yields the version held.
 
         Many holders may overlap; a commit waits until all have left, and
@@ -282,6 +290,21 @@ class WeightSubscriber:
         within ``timeout``. Direct mode: while the weights are torn (a push
         failed after writing them) it waits for the next commit, and raises
         :class:`rl_sync.RlSyncError` if the subscriber is closed meanwhile.
+
+        Weights on a GPU: the GPU work queued inside the block on this
+        thread's current stream, and on each of ``streams`` (side streams, a
+        stream a CUDA graph is replayed on), is part of the read: leaving the
+        block records an event on each of them, and a commit (or a swap or
+        direct push's Begin) waits until those events are done before it
+        overwrites or re-points what the work reads (bounded by
+        ``commit_timeout``; past it the commit fails and nothing changes).
+        Work queued after a commit returned sees the new version on any
+        stream: the commit's own copies are done before it lets readers in.
+        Queue GPU work that reads the weights only inside the block, or on a
+        stream named here. Swap and direct re-point the tensors (direct: at
+        the first push), so a CUDA graph captured before a re-point keeps
+        reading the old memory: capture graphs over staged weights, or after
+        a direct subscriber's first commit.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -297,7 +320,10 @@ class WeightSubscriber:
         try:
             yield self._version
         finally:
-            self._lock.release_read()
+            try:
+                self._readers.leave(streams)
+            finally:
+                self._lock.release_read()
 
     def _readable(self) -> bool:
         """With the read lock had: True if the weights may be read (keep the lock); else (torn by a
@@ -310,8 +336,8 @@ class WeightSubscriber:
         return False
 
     @contextlib.contextmanager
-    def hold_blocking(self, timeout: float | None = None) -> Any:
-        """:meth:`hold` for a thread that is not the event loop's."""
+    def hold_blocking(self, timeout: float | None = None, *, streams: Sequence[Any] = ()) -> Any:
+        """:meth:`hold` for a thread that is not the event loop's (``streams`` likewise)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -329,7 +355,10 @@ class WeightSubscriber:
         try:
             yield self._version
         finally:
-            self._lock.release_read()
+            try:
+                self._readers.leave(streams)
+            finally:
+                self._lock.release_read()
 
     def close(self) -> None:
         """Stop serving pushes and unregister the buffers (idempotent). Call on the loop thread."""
@@ -471,6 +500,11 @@ class WeightSubscriber:
             return
         if self.mode == "direct" and not await self._begin_direct(push):
             return
+        if self.mode == "swap" and not await self._readers.wait(self.commit_timeout):
+            # (the bank this push fills was the live one until the last commit: GPU reads of it may be queued)
+            if not push.dropped:
+                self._reply(peer, m.Reply(push_id, "begin", -1, self._readers_late(), "timeout", self._version))
+            return
         push.bank = 0 if self._live_bank is None or len(self._banks) != 2 else 1 - self._live_bank
         if self._push is not None:  # (cannot be: every Begin drops it; kept as a guard)
             self._drop(self._push, f"superseded by push {push_id} of {peer}")
@@ -496,9 +530,18 @@ class WeightSubscriber:
             self._reply(push.publisher, m.Reply(push.push_id, "begin", -1, why, "other" if push.dropped else "stale",
                                                 self._version))
             return False
+        if not await self._readers.wait(self.commit_timeout):  # GPU reads queued in hold() before it was left
+            dropped = push.dropped
+            self._drop(push, "readers' GPU work was not done")
+            if not dropped:
+                self._reply(push.publisher, m.Reply(push.push_id, "begin", -1, self._readers_late(), "timeout",
+                                                    self._version))
+            return False
+        if push.dropped:  # aborted or superseded during that wait (which gave the lock back)
+            return False
         try:
             if self._live_bank is None:  # first push: the live tensors move into the arena, once
-                await asyncio.to_thread(self._adopt)
+                await self._copier.run(self._adopt)
         except BaseException as exc:  # including a cancellation by close(): never keep the lock
             self._drop(push, f"moving the weights into the arena failed: {exc!r}")
             if not isinstance(exc, Exception):
@@ -558,8 +601,12 @@ class WeightSubscriber:
                 self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, "the push was given up", "other"))
                 return
             self._torn = True  # from here on, the live weights may hold bytes of an uncommitted version
+        where = {msg.buffer: transport.At(dest, msg.offset)}
         try:
-            await self.endpoint.get(msg.source, {msg.buffer: transport.At(dest, msg.offset)})
+            route = push.routes.get(msg.source)
+            if route is None:  # which plane its bytes take, and why: for the push report (once per source)
+                route = push.routes[msg.source] = await self.endpoint.route(msg.source, where)
+            await self.endpoint.get(msg.source, where)
         except Exception as exc:
             self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other",
                                                 attempt=msg.attempt))
@@ -567,7 +614,8 @@ class WeightSubscriber:
         finally:
             push.progress = time.monotonic()  # finished either way: the publisher may now repair it
         push.done.add(msg.bucket)
-        self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, attempt=msg.attempt))
+        self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, attempt=msg.attempt, plane=route.plane,
+                                            route=route.reason))
 
     async def _commit(self, push: _Push) -> None:
         if self.mode == "direct":
@@ -583,12 +631,17 @@ class WeightSubscriber:
             self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
                                                 self._version))
             return
+        if self.mode == "staged" and not await self._readers.wait(self.commit_timeout):
+            self._lock.release_write()  # (GPU reads queued in hold() may still read the live weights)
+            self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, self._readers_late(), "timeout",
+                                                self._version))
+            return
         await self._applying.acquire()
         try:
             if self.mode == "swap":
                 self._repoint(push.bank)  # microseconds: no need to leave the loop
             else:
-                await asyncio.to_thread(self._apply, push.bank)
+                await self._copier.run(functools.partial(self._apply, push.bank))
             with self._version_cond:
                 self._version = push.version
                 self._version_cond.notify_all()
@@ -665,6 +718,10 @@ class WeightSubscriber:
         self._drop(push, "committed")
         log.debug("subscriber %s: committed version %d (direct)", self.endpoint.name, push.version)
         self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
+
+    def _readers_late(self) -> str:
+        return (f"GPU work that readers queued inside hold() was not done within {self.commit_timeout} s "
+                "(commit_timeout)")
 
     def _adopt(self) -> None:
         """Direct mode, first push: copy the live weights into bank 0 and re-point them there."""

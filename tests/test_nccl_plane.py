@@ -274,6 +274,45 @@ async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(s
         b.stop()
 
 
+async def test_a_get_cancelled_while_its_peer_is_frozen_aborts_the_link_at_once(store_url, uname):
+    """Cancelling (not timing out) a get whose receive waits on a frozen peer: the call raises within
+    the 0.25 s grace plus the abort, not at the endpoint's timeout or the heartbeat's; the link is
+    aborted and the channel closed, nothing lands in the tensor afterwards, and once the peer runs
+    again a new channel serves it (rl_sync relies on this when a relay freezes)."""
+    t = RemoteEndpoint(uname("nccl-frozen"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    try:
+        async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
+                                      nccl_engine=SocketLinkEngine, heartbeat_timeout=60) as ep:
+            s = seed()
+            t.call("register_data", "w", "uint8", (1 << 20,), s)
+            await ep.get(t.name, {"w": poisoned("uint8", (1 << 20,))})  # the channel and its link are up
+            old = ep._channels[t.name]
+            t.signal(signal.SIGSTOP)
+            try:
+                out = poisoned("uint8", (1 << 20,))
+                task = asyncio.ensure_future(ep.get(t.name, {"w": out}))
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 10)
+                took = time.monotonic() - t0
+                assert took < 3.0, f"the cancelled get took {took:.2f} s"
+                assert not old.is_open and old.link is not None and old.link.state == "down"
+                assert _ops(ep, "get")[-1]["state"] in ("cancelled", "failed")  # (the abort fails it first)
+                after = out.clone()
+            finally:
+                t.signal(signal.SIGCONT)
+            await asyncio.sleep(0.5)
+            assert torch.equal(out, after)  # nothing landed after the call raised
+            back = poisoned("uint8", (1 << 20,))
+            await ep.get(t.name, {"w": back}, timeout=20)
+            assert same_bytes(back, make_tensor("uint8", (1 << 20,), s))
+            assert ep._channels[t.name] is not old
+    finally:
+        t.kill()
+
+
 async def test_an_abandoned_get_writes_nothing_after_it_raised(store_url, uname):
     slow = functools.partial(SocketLinkEngine, delay=1.5)
     t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)

@@ -44,8 +44,8 @@ CASES = [("staged", "direct"), ("staged", "chain"), ("swap", "direct"), ("swap",
 class _Gens:
     """Three subscriber processes; the victim (the middle of a chain) can be restarted under its name."""
 
-    def __init__(self, store_url: str, uname, mode: str) -> None:
-        self.kw = {"store": store_url, "timeout": 20, "heartbeat_timeout": 10.0}
+    def __init__(self, store_url: str, uname, mode: str, **endpoint_kw) -> None:
+        self.kw = {"store": store_url, "timeout": 20, "heartbeat_timeout": 10.0, **endpoint_kw}
         self.mode = mode
         self.gens = [self._spawn(uname(f"gen{i}")) for i in range(3)]
 

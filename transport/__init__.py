@@ -7,7 +7,7 @@
 """
 
 from .blocking import BlockingEndpoint
-from .channel import Notification, Peer
+from .channel import Notification, Peer, Route
 from .endpoint import Endpoint
 from .errors import (
     AuthenticationError,
@@ -44,6 +44,7 @@ __all__ = [
     "PlaneUnavailableError",
     "ProtocolError",
     "RemoteError",
+    "Route",
     "StagingConfig",
     "StagingError",
     "TransportError",

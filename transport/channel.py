@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 import torch
@@ -110,11 +110,12 @@ if TYPE_CHECKING:
     from .planes.nccl import NcclPlane
     from .planes.staged import StagedPlane
 
-__all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "handshake", "specs_from_wire"]
+__all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "Route", "handshake", "specs_from_wire"]
 
 log = logging.getLogger(__name__)
 
 _SCRATCH = 1 << 20
+_P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to complete before the link is aborted
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
 # Receiving a payload of _LOWAT_FROM bytes or more, the reader raises SO_RCVLOWAT so that the
 # kernel wakes it once a chunk of a quarter of the payload (at most _LOWAT_MAX) has arrived, instead
@@ -479,6 +480,7 @@ class Channel:
         self._ipc_names: frozenset[str] = frozenset()  # the peer's buffers with a cuda_ipc export
         self._ipc: CudaIpcPlane | None = None  # ops over cuda_ipc (created on the first)
         self._refused: set[str] = set()  # reasons already logged for ops that could not use the GPU plane
+        self.last_refusal = ""  # why the latest op that could not use the GPU plane was staged
         self.link: Link | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
         self._nccl: NcclPlane | None = None
         self._bye = False  # say_bye ran: no new cuda_ipc plane (its copies were quiesced)
@@ -624,10 +626,23 @@ class Channel:
             self._staged = StagedPlane(self)
         return self._staged
 
+    def reason_for(self, plane: DataPlane) -> str:
+        """Why an op that :meth:`plane_for` gave ``plane`` takes it (event loop)."""
+        if plane is self.plane:
+            return self.plane_reason
+        if plane is self._staged_shm:
+            return (f"a GPU tensor here with the peer's CPU buffer: through this side's bounce buffers into its "
+                    f"{self.plane.name} segment")
+        if plane.name == self.gpu_plane:
+            return self.gpu_plane_reason or ""
+        refused = f"; {self.last_refusal}" if self.last_refusal else ""
+        return f"GPU buffers with this peer use {self.gpu_plane} ({self.gpu_plane_reason}){refused}"
+
     def _usable(self, plane: str, why: str | None) -> bool:
         """Whether the chosen GPU plane takes this op (``why`` it cannot: logged once per reason)."""
         if why is None:
             return True
+        self.last_refusal = f"{plane} cannot take it: {why}"
         if why not in self._refused:
             self._refused.add(why)
             log.warning("channel %s: an op with %r cannot use %s (%s); it goes through the staged path",
@@ -828,6 +843,13 @@ class Channel:
         past its bound (its tensor is then held until it ends, see :func:`~transport.staging.stage_in`)."""
         try:
             bound = self._abandon_now(op)
+            if bound and op.p2p and not await self._wait_quiet(op, _P2P_ABANDON_GRACE):
+                # an NCCL receive cannot be called back: one still pending after the grace (a frozen or
+                # slow peer) is stopped by aborting the link, which closes the channel
+                self.lose(PeerLostError(
+                    f"{op.kind.value} #{op.op_id} was abandoned with its NCCL receive still pending after "
+                    f"{_P2P_ABANDON_GRACE} s: the link with {self.peer_name!r} was aborted and the channel closed "
+                    "so that it cannot land in the caller's tensors later"))
             if bound and not await self._wait_quiet(op, bound):
                 note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors (or the peer's buffer) were still pending {bound:.1f} s "
                         "after the op was abandoned; they may still land there")
@@ -857,7 +879,7 @@ class Channel:
             self.lose(PeerLostError(
                 f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                 f"to {self.peer_name!r} was closed so that they cannot land in the caller's tensors"))
-        if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted
+        if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted (_abandon)
             return 20.0  # (ncclCommAbort is bounded: NCCL's abort flag ends its waits; then the completions are reported)
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
@@ -1487,6 +1509,13 @@ class Channel:
                 self.send(Unmapped(msg.epoch))
 
 
+class Route(NamedTuple):
+    """The plane an op takes and why, as :meth:`transport.Endpoint.route` says."""
+
+    plane: str
+    reason: str
+
+
 class Peer:
     """A connected peer, as ``await ep.connect(name)`` returns it.
 
@@ -1519,8 +1548,14 @@ class Peer:
         return self._channel.plane_reason
 
     @property
+    def same_host(self) -> bool:
+        """Whether the peer runs on this host (same kernel boot and pid namespace, from the host identity its
+        ``Hello`` carried: :func:`transport.hostinfo.same_host`), whatever plane its channel runs."""
+        return same_host(local_host(), self._channel.host)[0]
+
+    @property
     def gpu_plane(self) -> str:
-        """The data plane for ops touching GPU memory with this peer: ``cuda_ipc`` or ``staged``."""
+        """The data plane for ops touching GPU memory with this peer: ``cuda_ipc``, ``nccl`` or ``staged``."""
         return self.gpu_plane_choice[0]
 
     @property

@@ -84,10 +84,11 @@ def _ipc() -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
         return {"available": False, "reason": f"the CUDA IPC engine cannot be loaded: {exc}"}
     out: dict[str, Any] = {"available": engine is not None, "reason": reason}
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments:true" in conf.replace(" ", "").lower():
-        out["warning"] = ("PYTORCH_CUDA_ALLOC_CONF enables expandable segments: their memory cannot be exported "
-                          "with cudaIpc handles, so registered GPU buffers go through the staged path")
+    from transport.cuda.ipc import allocator_warning
+
+    warning = allocator_warning()
+    if warning:
+        out["warning"] = warning
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import auth
-from .channel import Channel, Notification, Peer, handshake, hang_up
+from .channel import Channel, Notification, Peer, Route, handshake, hang_up
 from .errors import (
     AuthenticationError,
     BufferMismatchError,
@@ -403,14 +403,20 @@ class Endpoint:
         self._registry_changed()
         return buf.spec
 
-    def new_buffer(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """Register a new zero-filled CPU tensor under ``name`` and return it. Non-blocking.
+    def new_buffer(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8, *,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+        """Register a new zero-filled tensor under ``name`` and return it. Non-blocking.
 
-        Like ``register(name, torch.zeros(shape, dtype=dtype))``, but with the
-        ``shm`` plane allowed the tensor is made in shared memory from the
-        start: nothing is copied, and its pages are zero-filled by the kernel
-        when first touched (by whoever writes it first), so a buffer of many
-        GiB costs the event loop microseconds. Same errors as :meth:`register`.
+        Like ``register(name, torch.zeros(shape, dtype=dtype, device=device))``, except where the
+        memory comes from. A CPU buffer (the default), with the ``shm`` plane allowed, is made in
+        shared memory from the start: nothing is copied, and its pages are zero-filled by the
+        kernel when first touched (by whoever writes it first), so a buffer of many GiB costs the
+        event loop microseconds. A CUDA buffer, with ``cuda_ipc`` allowed and CUDA's IPC engine
+        in use, is one driver allocation of its own (``cuMemAlloc``), which CUDA IPC can export
+        whatever torch's allocator is set to (expandable segments, ``cudaMallocAsync`` and
+        cuMem-based pools cannot be exported); it is freed when the last view of it dies and is
+        not counted by ``torch.cuda.memory_allocated()``. Same errors as :meth:`register`, and
+        :class:`PlaneUnavailableError` if the driver refuses the allocation.
         """
         if self._state in ("closing", "closed"):
             raise EndpointClosedError(f"endpoint {self.name!r} is closed")
@@ -418,6 +424,21 @@ class Endpoint:
         if not isinstance(dtype, torch.dtype) or any(not isinstance(d, int) or d < 0 for d in shape):
             raise InvalidTensorError(f"{name!r}: new_buffer needs a torch.dtype and a shape of ints >= 0, "
                                      f"got {dtype!r} and {shape!r}")
+        try:
+            where = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidTensorError(f"{name!r}: new_buffer: bad device {device!r}: {exc}") from exc
+        if where.type not in ("cpu", "cuda"):
+            raise InvalidTensorError(f"{name!r}: new_buffer makes CPU or CUDA buffers, not {where.type}")
+        if where.type == "cuda":
+            if "cuda_ipc" in self.planes and self._ipc_factory is None and torch.Size(shape).numel():
+                from .cuda.ipc import exportable_zeros
+
+                tensor = exportable_zeros(shape, dtype, where)
+            else:
+                tensor = torch.zeros(shape, dtype=dtype, device=where)
+            self.register(name, tensor)
+            return tensor
         if "shm" not in self.planes or torch.Size(shape).numel() == 0:
             tensor = torch.zeros(shape, dtype=dtype)
             self.register(name, tensor)
@@ -943,14 +964,30 @@ class Endpoint:
         writes into them once the call has raised, so they can be reused at once:
         a copy still running stops at its next chunk (``shm``, a get reply
         arriving over ``tcp``), one that cannot be stopped (``cuda_ipc``, a staged
-        copy, an NCCL receive) is waited for, and one whose bytes are still
-        trickling in from the peer has its channel closed (the other pending ops
-        on it fail with :class:`PeerLostError`). The waits are bounded as for
+        copy) is waited for, and one whose bytes are still trickling in from the
+        peer, or an NCCL receive not done 0.25 s after the call gave up, has its
+        channel closed (the link aborted; the other pending ops on it fail with
+        :class:`PeerLostError`). The waits are bounded as for
         :meth:`put`.
         """
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
         await self._transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs))
+
+    async def route(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> Route:
+        """Which plane a put or get of ``tensors`` with ``peer`` takes now, and why; no byte moves.
+
+        ``tensors`` is what :meth:`put` or :meth:`get` would be given, and is checked the same way
+        (bad input raises the same errors). Connects first if needed, and waits for an NCCL link
+        still being set up (bounded by ``timeout``, or the endpoint's); cancellable like
+        :meth:`connect`. The answer holds until the peer's registry, the channel or its link
+        changes.
+        """
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        pairs = await self._plan(ch, tensors, deadline)
+        plane = await self._plane(ch, pairs, deadline)
+        return Route(plane.name, ch.reason_for(plane))
 
     async def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
         """A read-only CPU tensor that *is* ``peer``'s registered buffer ``name``: no copy.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from ..errors import PlaneUnavailableError
 from ..wire import IpcHandle
 from .marks import caller_marks
 
-__all__ = ["CudaIpcEngine", "cuda_ipc_engine"]
+__all__ = ["CudaIpcEngine", "allocator_warning", "cuda_ipc_engine", "exportable_zeros"]
 
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _HANDLE_BYTES = 64
@@ -64,6 +65,9 @@ class _Driver:
         self.ctx_set = self._fn("cuCtxSetCurrent", [ctypes.c_void_p])
         self.device_get = self._fn("cuDeviceGet", [p(ctypes.c_int), ctypes.c_int])
         self.primary_retain = self._fn("cuDevicePrimaryCtxRetain", [p(ctypes.c_void_p), ctypes.c_int])
+        self.mem_alloc = self._fn("cuMemAlloc_v2", [p(u64), ctypes.c_size_t], "cuMemAlloc")
+        self.mem_free = self._fn("cuMemFree_v2", [u64], "cuMemFree")
+        self.memset = self._fn("cuMemsetD8_v2", [u64, ctypes.c_ubyte, ctypes.c_size_t], "cuMemsetD8")
 
     def _fn(self, name: str, argtypes: list[Any], fallback: str | None = None) -> Any:
         for n in (name, fallback):
@@ -141,6 +145,59 @@ class _Cai:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
+class _Allocation:
+    """One ``cuMemAlloc`` allocation, owned; freed when the last tensor made from it dies (torch
+    keeps this object alive from the ``__cuda_array_interface__`` it reads)."""
+
+    def __init__(self, index: int, ptr: int, nbytes: int) -> None:
+        self.index = index
+        self.ptr = ptr
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+    def __del__(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            try:
+                with _in_device(self.index) as drv:
+                    drv.mem_free(ptr)  # (cuMemFree waits for the device's work on it)
+            except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone; the process frees it
+                pass
+
+
+def allocator_warning() -> str | None:
+    """Why memory from torch's caching allocator cannot be exported with CUDA IPC handles in this
+    process (expandable segments, ``cudaMallocAsync``), or None. Reads ``PYTORCH_ALLOC_CONF`` (the
+    current name) and ``PYTORCH_CUDA_ALLOC_CONF`` (the older one) as torch does."""
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        conf = os.environ.get(var, "").replace(" ", "").lower()
+        if "expandable_segments:true" in conf:
+            return (f"{var} enables expandable segments: tensors from torch's allocator cannot be exported with "
+                    "CUDA IPC handles, so peers reach them through the staged path (buffers from "
+                    "Endpoint.new_buffer(..., device=...) are exported all the same)")
+        if "backend:cudamallocasync" in conf:
+            return (f"{var} selects cudaMallocAsync: its pool memory cannot be exported with CUDA IPC handles "
+                    "(buffers from Endpoint.new_buffer(..., device=...) can)")
+    return None
+
+
+def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor in a ``cuMemAlloc`` allocation of its own, which ``cuIpcGetMemHandle``
+    exports whatever torch's allocator is set to (expandable segments, ``cudaMallocAsync``, a
+    cuMem-based pool). Blocks until the memset is done; :class:`PlaneUnavailableError` if the
+    driver refuses (out of memory)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    ptr = ctypes.c_uint64()
+    with _in_device(index) as drv:
+        drv.check(drv.mem_alloc(ctypes.byref(ptr), nbytes), f"cuMemAlloc of {nbytes} bytes on cuda:{index}")
+        owner = _Allocation(index, ptr.value, nbytes)
+        drv.check(drv.memset(ptr.value, 0, nbytes), "cuMemsetD8")
+    raw = torch.as_tensor(owner, device=torch.device("cuda", index))
+    if raw.data_ptr() != ptr.value:
+        raise PlaneUnavailableError(f"cuda_ipc: wrapping a new allocation made a copy (0x{raw.data_ptr():x})")
+    return raw.view(dtype).view(shape)
+
+
 class _CudaMapping:
     def __init__(self, index: int, ptr: int, size: int) -> None:
         self.index = index
@@ -208,7 +265,8 @@ class CudaIpcEngine:
             except PlaneUnavailableError as exc:
                 raise PlaneUnavailableError(
                     f"{exc} (memory from expandable segments or cudaMallocAsync pools cannot be exported with "
-                    "cudaIpc handles; unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to use cuda_ipc)"
+                    "cudaIpc handles: register memory from Endpoint.new_buffer(..., device=...), or unset "
+                    "expandable_segments in PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF)"
                 ) from exc
         raw = ctypes.string_at(ctypes.addressof(handle), _HANDLE_BYTES)
         return _uuid(index), raw, size.value, ptr - base.value, None

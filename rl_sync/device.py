@@ -1,0 +1,166 @@
+"""Where a model's weights live, and how rl_sync's own copies on them are ordered.
+
+rl_sync copies weights itself in three places: the publisher packs (and casts) buckets into its
+send slots, the subscriber's staged commit copies its staging arenas into the live weights, and
+direct mode's first push moves the live weights into the arena. On the CPU a copy runs on a worker
+thread and nothing else needs ordering: readers are held off by the subscriber's lock.
+
+On a GPU the lock is not enough: a reader's kernels queued inside :meth:`WeightSubscriber.hold`
+may still run after it left the block, and the trainer's optimizer step may still be queued when
+``push()`` is called. So:
+
+- :class:`Copier` runs a batch of copies on a dedicated stream of the device, first making that
+  stream wait (on the GPU) for the events it is given, and returns once the copies are done (the
+  wait for the batch's event sleeps on a worker thread, never on the event loop).
+- :class:`ReaderMarks` keeps, per stream, the newest event recorded where a reader left ``hold()``
+  (on its thread's current stream, and on any stream it names). Events recorded on one stream
+  complete in order, so the newest covers the older. Before rl_sync overwrites or re-points
+  weights that readers read, it waits for them (:meth:`ReaderMarks.wait`, bounded).
+- :func:`caller_marks` records events on the calling thread's current streams: what a pack waits
+  for, so that it reads the weights as the caller's queued work leaves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Copier", "ReaderMarks", "caller_marks", "one_device", "pack_device"]
+
+
+def one_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    """The one device all of ``tensors`` are on; ``ValueError`` naming the devices if several."""
+    devices: dict[torch.device, list[str]] = {}
+    for name, t in tensors.items():
+        devices.setdefault(_normal(t.device), []).append(name)
+    if len(devices) > 1:
+        listed = "; ".join(f"{d}: {names[:3]}{' ...' if len(names) > 3 else ''}" for d, names in devices.items())
+        raise ValueError(f"the model's tensors are on several devices ({listed}): one WeightSubscriber receives "
+                         "onto one device (make one per device, or move the model first)")
+    return next(iter(devices), torch.device("cpu"))
+
+
+def pack_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """Where the publisher packs: the first CUDA device among the trainer's tensors, else the CPU."""
+    for t in tensors:
+        if t.is_cuda:
+            return _normal(t.device)
+    return torch.device("cpu")
+
+
+def _normal(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def caller_marks(tensors: Iterable[torch.Tensor]) -> list[Any]:
+    """On the caller's thread: one event per CUDA device of ``tensors``, recorded on that device's
+    current stream (what a :class:`Copier` batch waits for). Empty for CPU tensors."""
+    events = []
+    for device in {_normal(t.device) for t in tensors if t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+class Copier:
+    """rl_sync's copies on one device (see the module docstring). Any thread may call :meth:`run`;
+    batches of one copier run one after the other on its stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = _normal(device)
+        self.is_cuda = self.device.type == "cuda"
+        self._stream: Any = None  # made at the first batch, on the device
+        self._lock = threading.Lock()
+
+    async def run(self, copies: Callable[[], None], after: Sequence[Any] = ()) -> None:
+        """Run ``copies()`` (which queues ``copy_`` calls) and return once they are done.
+
+        CPU: on a worker thread. CUDA: on a worker thread, inside the copier's stream, which
+        first waits for the events ``after``; then the batch's event is waited for there.
+        Cancelling the awaiting task does not stop a batch already started: its copies finish.
+        """
+        await asyncio.to_thread(self.run_blocking, copies, after)
+
+    def run_blocking(self, copies: Callable[[], None], after: Sequence[Any] = ()) -> None:
+        """:meth:`run` on the calling thread (blocks until the copies are done)."""
+        if not self.is_cuda:
+            with torch.no_grad():
+                copies()
+            return
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            stream = self._stream
+            with torch.cuda.device(self.device), torch.cuda.stream(stream), torch.no_grad():
+                for event in after:
+                    stream.wait_event(event)
+                copies()
+                done = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning
+                done.record(stream)
+        done.synchronize()
+
+
+class ReaderMarks:
+    """Where readers of weights on a GPU left ``hold()``: the newest event per stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = _normal(device)
+        self.active = self.device.type == "cuda"
+        self._events: dict[int, Any] = {}  # stream handle -> its newest mark
+        self._late: list[Any] = []  # marks a wait gave up on: waited for again next time
+        self._lock = threading.Lock()
+
+    def leave(self, streams: Sequence[Any] = ()) -> None:
+        """A reader leaves ``hold()`` (its thread): record an event on its current stream of the
+        device and on each of ``streams``. Nothing on the CPU."""
+        if not self.active:
+            return
+        marks = []
+        for stream in (torch.cuda.current_stream(self.device), *streams):
+            event = torch.cuda.Event()
+            event.record(stream)
+            marks.append((stream.cuda_stream, event))
+        with self._lock:
+            self._events.update(marks)
+
+    def take(self) -> list[Any]:
+        """The events recorded so far, forgotten here (the caller waits for them)."""
+        with self._lock:
+            events = [*self._late, *self._events.values()]
+            self._events.clear()
+            self._late.clear()
+        return events
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait until the GPU work readers queued before leaving ``hold()`` is done (polled on a
+        worker thread, at most ``timeout`` s). False at the deadline: the events not yet done are
+        kept, so a later wait waits for them again. True at once on the CPU."""
+        events = self.take()
+        if not events:
+            return True
+        late = await asyncio.to_thread(_wait_events, events, timeout)
+        if late:
+            with self._lock:
+                self._late.extend(late)
+            return False
+        return True
+
+
+def _wait_events(events: list[Any], timeout: float) -> list[Any]:
+    """Poll ``events`` until done or ``timeout``; the ones not done."""
+    deadline = time.monotonic() + timeout
+    delay = 50e-6
+    while True:
+        events = [e for e in events if not e.query()]
+        if not events or time.monotonic() >= deadline:
+            return events
+        time.sleep(delay)
+        delay = min(delay * 2, 5e-3)

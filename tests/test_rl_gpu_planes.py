@@ -1,0 +1,152 @@
+"""rl_sync over the GPU planes' protocols, on CPU: ``cuda_ipc`` and ``nccl`` with their CPU stand-in engines.
+
+``Endpoint(ipc_engine=MemfdIpcEngine)`` runs the ``cuda_ipc`` plane's whole protocol (exports in the
+registry, the peer's allocation mapped once, copies on an ordered queue awaited through a completion
+bridge, header after the copy) on memfd-backed CPU memory; ``Endpoint(nccl_engine=SocketLinkEngine)``
+runs the ``nccl`` plane's (a 2-rank link per channel, the dialer's post order, ``Go`` frames, abort)
+over a second socket, with ``shm`` left out as between hosts. Trainer and generators are real
+processes; only the engine differs from a GPU run (tests/gpu/test_rl_sync_gpu.py runs CUDA's).
+
+What must hold on those planes as on the CPU ones: every mode and fan-out delivers exact bytes, the
+push report names the plane each subscriber's bytes took (checked against the subscriber's own
+flight recorder) and why; a subscriber frozen or killed mid-transfer holds up only itself and keeps
+its last version; a push cancelled mid-transfer is never committed; the next push reaches everyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+import rl_sync
+import transport
+from tests._rl_remote import seeded
+from tests.test_rl_faults import BUCKET, SPEC, TIMEOUT, TRAIN, _check_all, _Gens, _Trap
+from transport.ipc_memfd import MemfdIpcEngine
+from transport.p2p import SocketLinkEngine
+
+ENGINES = {
+    "cuda_ipc": {"ipc_engine": MemfdIpcEngine},
+    "nccl": {"nccl_engine": SocketLinkEngine, "planes": ("tcp", "nccl")},  # no shm: as between two hosts
+}
+CASES = [(e, m, f) for e in ENGINES for m in ("staged", "swap", "direct", "shared") for f in ("direct", "chain")
+         if not (e == "nccl" and m == "shared")]  # (shared maps the publisher's banks through shm: one host only)
+
+
+def _pub(ep, gens, **kw):
+    return rl_sync.WeightPublisher(ep, [g.name for g in gens], dtype="auto", bucket_bytes=BUCKET, **kw)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("engine", "mode", "fanout"), CASES, ids=[f"{e}-{m}-{f}" for e, m, f in CASES])
+async def test_every_mode_and_fanout_delivers_and_reports_its_plane(store_url, uname, engine, mode, fanout):
+    gens = _Gens(store_url, uname, mode, **ENGINES[engine])
+    try:
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **ENGINES[engine]) as ep:
+            pub = _pub(ep, gens.gens, fanout=fanout)
+            for version in (1, 2):
+                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
+                assert report.ok, report.summary()
+                _check_all(gens.gens, {version})
+            want = "shared" if mode == "shared" else engine
+            for g in gens.gens:
+                r = report.results[g.name]
+                assert r.plane == want and r.plane_reason, (g.name, r)
+                if mode != "shared":
+                    assert g.call("op_planes", "get") == [engine], "the report and the flight recorder disagree"
+            assert report.planes == {want: len(gens.gens)} and f"over {want} x3" in report.summary()
+            if fanout == "chain" and mode != "shared":
+                assert sorted(r.source for r in report.results.values()) == sorted(
+                    [ep.name, gens.gens[0].name, gens.gens[1].name]), report.results
+    finally:
+        gens.close()
+
+
+FAULTS = [(e, m) for e in ENGINES for m in ("staged", "swap", "direct")]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("engine", "mode"), FAULTS, ids=[f"{e}-{m}" for e, m in FAULTS])
+async def test_a_frozen_or_killed_subscriber_holds_up_only_itself(store_url, uname, engine, mode):
+    """SIGSTOP, then SIGKILL, of the middle subscriber of three once it holds two buckets (chain
+    fan-out: it relays to the third, who then pulls from the publisher)."""
+    gens = _Gens(store_url, uname, mode, **ENGINES[engine])
+    trap = _Trap()
+    lines = []
+    try:
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **ENGINES[engine]) as ep:
+            pub = _pub(ep, gens.gens, fanout="chain", observer=trap)
+            normal = []
+            for version in (1, 2, 3):
+                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
+                assert report.ok, report.summary()
+                normal.append(max(r.seconds for r in report.results.values()))
+            bound = 2 * max(normal[1:]) + 1.0
+            version = 3
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                g = gens.gens[1]
+                trap.arm(g.name, g.pid, "transfer", sig)
+                version += 1
+                t0 = time.monotonic()
+                report = await pub.push(seeded(TRAIN, version), version, timeout=TIMEOUT)
+                wall = time.monotonic() - t0
+                assert trap.fired_at is not None, report.summary()
+                healthy = [report.results[h.name] for h in gens.gens if h is not g]
+                res = report.results[g.name]
+                lines.append(f"  {sig.name} mid-transfer: healthy committed in "
+                             f"{', '.join(f'{r.seconds:.2f}' for r in healthy)} s (bound {bound:.2f}), push {wall:.2f} s, "
+                             f"planes {report.planes}")
+                assert all(r.ok and r.seconds <= bound and r.plane == engine for r in healthy), (lines[-1],
+                                                                                                  report.summary())
+                assert not res.ok and res.stage == "transfer", res
+                _check_all([h for h in gens.gens if h is not g], {version})
+                if sig == signal.SIGSTOP:
+                    assert isinstance(res.error, transport.TransportTimeoutError), res
+                    g.signal(signal.SIGCONT)
+                    await asyncio.sleep(0.3)
+                    if mode == "direct":
+                        assert g.call("sub_torn") and g.call("sub_version") == version - 1
+                    else:
+                        _check_all([g], {version - 1})
+                else:
+                    assert isinstance(res.error, transport.PeerLostError), res
+                    gens.restart(1)
+                version += 1
+                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
+                assert report.ok, report.summary()
+                _check_all(gens.gens, {version})
+    finally:
+        gens.close()
+    print(f"\n[{engine}, {mode}]\n" + "\n".join(lines))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("engine", "mode"), [(e, m) for e in ENGINES for m in ("staged", "direct")])
+async def test_a_push_cancelled_mid_transfer_is_never_committed(store_url, uname, engine, mode):
+    gens = _Gens(store_url, uname, mode, **ENGINES[engine])
+    try:
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **ENGINES[engine]) as ep:
+            task: asyncio.Task | None = None
+
+            def cancel_mid_transfer(ev: rl_sync.PushEvent) -> None:
+                if ev.version == 2 and ev.kind == "pulled" and ev.have >= 2 and task is not None:
+                    task.cancel()
+
+            pub = _pub(ep, gens.gens, observer=cancel_mid_transfer)
+            assert (await pub.push(seeded(TRAIN, 1), 1, timeout=30)).ok
+            task = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2, timeout=30))
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), 30)
+            await asyncio.sleep(0.5)
+            if mode == "direct":  # written in place: torn until the next commit, never version 2
+                assert [g.call("sub_version") for g in gens.gens] == [1, 1, 1]
+            else:
+                assert _check_all(gens.gens, {1}) == [1, 1, 1]
+            report = await pub.push(seeded(TRAIN, 3), 3, timeout=30)
+            assert report.ok and report.planes == {engine: 3}, report.summary()
+            _check_all(gens.gens, {3})
+    finally:
+        gens.close()
