@@ -30,9 +30,10 @@ def seeded(spec: dict[str, tuple[str, tuple[int, ...]]], seed: int) -> dict[str,
 async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
     from rl_sync import WeightSubscriber
 
-    if cmd == "sub_create":
-        spec, kwargs = args
-        model = {n: poisoned(dt, tuple(sh)) for n, (dt, sh) in spec.items()}
+    if cmd == "sub_create":  # (spec, kwargs[, device]): a poisoned model on the device (default the CPU)
+        spec, kwargs, *where = args
+        device = where[0] if where else "cpu"
+        model = {n: poisoned(dt, tuple(sh)).to(device) for n, (dt, sh) in spec.items()}
         state["model"] = model
         state["sub"] = WeightSubscriber(ep, model, **kwargs)
         return len(state["sub"].manifest.arenas)
@@ -46,14 +47,31 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
         pub_spec, seed = args
         want = seeded(pub_spec, seed)
         async with sub.hold():
-            return {n: same_bytes(state["model"][n], want[n].to(state["model"][n].dtype)) for n in want}
+            return {n: same_bytes(state["model"][n].cpu(), want[n].to(state["model"][n].dtype)) for n in want}
     if cmd == "sub_check_held":  # inside one hold(): the version held, and whether the weights are exactly its bytes
         pub_spec = args[0]
         async with sub.hold() as v:
             if v == 0:
                 return 0, True
             want = seeded(pub_spec, v)
-            return v, all(same_bytes(state["model"][n], want[n].to(state["model"][n].dtype)) for n in want)
+            return v, all(same_bytes(state["model"][n].cpu(), want[n].to(state["model"][n].dtype)) for n in want)
+    if cmd == "sub_gpu_read":  # inside hold(streams=[side]): a long kernel, then copies of the weights, on a
+        # side stream; returns at once (GPU tests: the copies must see the version held, whatever commits next)
+        cycles = args[0]
+        side = state.setdefault("side", torch.cuda.Stream())
+        async with sub.hold(streams=[side]) as v:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(cycles)
+                state["snap"] = (v, {n: t.clone() for n, t in state["model"].items()})
+        return v
+    if cmd == "sub_gpu_read_result":  # once the side stream is done: the version read, and whether exactly its bytes
+        pub_spec = args[0]
+        await asyncio.to_thread(state["side"].synchronize)
+        v, snap = state.pop("snap")
+        if v == 0:
+            return 0, True
+        want = seeded(pub_spec, v)
+        return v, all(same_bytes(snap[n].cpu(), want[n].to(snap[n].dtype)) for n in want)
     if cmd == "sub_check_stamp":
         async with sub.hold() as v:
             return v, all(bool((t == v).all()) for t in state["model"].values())

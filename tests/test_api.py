@@ -67,6 +67,12 @@ async def test_new_buffer_is_registered_zeros_and_discard_skips_the_copy_back(pa
         b.new_buffer("fresh", (2,), torch.float32)
     with pytest.raises(transport.InvalidTensorError):
         b.new_buffer("bad", (-1,), torch.float32)
+    with pytest.raises(transport.InvalidTensorError, match="CPU or CUDA"):
+        b.new_buffer("bad", (2,), torch.float32, device="meta")
+    with pytest.raises(transport.InvalidTensorError, match="bad device"):
+        b.new_buffer("bad", (2,), torch.float32, device="nowhere:3")
+    assert "bad" not in b.buffers
+    assert b.new_buffer("here", (3,), device="cpu").device.type == "cpu"
     b.unregister("fresh", discard=True)
     assert t.numel() == 0, "discard leaves the tensor empty"
     with pytest.raises(transport.UnknownBufferError):
@@ -96,6 +102,24 @@ async def test_unregistering_a_view_before_open_keeps_the_new_buffer_in_its_segm
     where = arena.data_ptr()
     async with ep:
         assert arena.data_ptr() == where, "the arena was copied into a new segment at open"
+
+
+async def test_route_names_the_plane_an_op_takes_and_why(pair):
+    a, b = pair
+    b.register("w", torch.zeros(4, 4))
+    route = await a.route(b.name, {"w": torch.ones(4, 4)})
+    peer = await a.connect(b.name)
+    assert isinstance(route, transport.Route) and route == (peer.plane, peer.plane_reason) and route.reason
+    assert route.plane == a.planes[0]
+    assert peer.same_host is True  # (two endpoints of this process)
+    assert await a.route(b.name, {"w": transport.At(torch.zeros(2), 3)}) == route  # ranges too
+    with pytest.raises(transport.UnknownBufferError):  # checked like put and get
+        await a.route(b.name, {"nope": torch.zeros(1)})
+    with pytest.raises(transport.BufferMismatchError):
+        await a.route(b.name, {"w": torch.zeros(5)})
+    with pytest.raises(transport.PeerNotFoundError):
+        await a.route("nobody-here", {"w": torch.zeros(4, 4)}, timeout=0.2)
+    assert not b._registry.get("w").tensor.any()  # no byte moved
 
 
 async def test_registered_parameter_keeps_working(pair):

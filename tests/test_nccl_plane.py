@@ -17,6 +17,7 @@ import asyncio
 import functools
 import itertools
 import signal
+import threading
 import time
 import uuid
 
@@ -497,3 +498,46 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
         early.stop()
         late.stop()
         dialer.stop()
+
+
+def test_the_poster_runs_each_ops_job_in_order_on_its_own_thread():
+    """What NcclConn posts with (transport.p2p.Poster): jobs run in submission order on the poster's
+    thread, never the caller's; a job's Posted completes once the job ran and the waitable it
+    returned completed; a job that raises fails its own Posted only."""
+    from transport.completion import ThreadDone
+    from transport.p2p import Poster
+
+    poster = Poster()
+    gate = threading.Event()
+    ran: list[tuple[int, int]] = []
+    later = ThreadDone()
+
+    def job(i: int, result=None, fail: bool = False):
+        def run():
+            if i == 0:
+                assert gate.wait(10)
+            ran.append((i, threading.get_ident()))
+            if fail:
+                raise ValueError(f"job {i}")
+            return result
+        return run
+
+    try:
+        posted = [poster.submit(job(0)), poster.submit(job(1, fail=True)), poster.submit(job(2, later)),
+                  poster.submit(job(3))]
+        assert not any(p.query() for p in posted)  # nothing ran: job 0 waits on the gate
+        gate.set()
+        posted[3].synchronize()
+        assert [i for i, _ in ran] == [0, 1, 2, 3]
+        assert {tid for _, tid in ran} != {threading.get_ident()} and len({tid for _, tid in ran}) == 1
+        assert posted[0].query() and posted[3].query()
+        with pytest.raises(RuntimeError, match="job 1"):
+            posted[1].query()
+        with pytest.raises(RuntimeError, match="job 1"):
+            posted[1].synchronize()
+        assert not posted[2].query()  # it ran, but the work it queued is not done yet
+        later.finished.set()
+        assert posted[2].query()
+        posted[2].synchronize()
+    finally:
+        poster.close()

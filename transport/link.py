@@ -269,13 +269,9 @@ class Link:
 
     def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], after: Any) -> Any:
         """Post (under :attr:`lock`, held by the caller) sends then receives; the last waitable."""
-        conn = self._conn()
-        last = None
-        for t in sends:
-            last = conn.send(t, after)
-        for t in recvs:
-            last = conn.recv(t, after)
-        return last
+        if not sends and not recvs:
+            return None
+        return self._conn().post(sends, recvs, after)
 
     def completed(self, waitable: Any, callback: Callable[[BaseException | None], None]) -> None:
         """``callback(error or None)`` on the bridge thread once ``waitable`` completed (now if None).

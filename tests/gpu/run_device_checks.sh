@@ -21,12 +21,13 @@
 # Anywhere else: bash tests/gpu/run_device_checks.sh [OUTDIR]   (default $OUT, else /tmp/device-out)
 # On a machine without CUDA it runs end to end too: GPU tests and bench skipped, CPU tests run.
 #
-# Steps (each under `timeout`, all within a total budget of DEVICE_CHECKS_BUDGET_S = 480 s; a
+# Steps (each under `timeout`, all within a total budget of DEVICE_CHECKS_BUDGET_S = 510 s; a
 # failing step does not stop the next): nvidia-smi; python/torch/CUDA/NCCL versions;
 # `python -m transport doctor --json`; pytest tests/gpu (the NCCL binding on a GPU, CUDA tensors
 # through the staged path between two processes: test_staged_gpu.py, over cuda_ipc between two
 # processes on the GPU: test_ipc_gpu.py, over the nccl plane between two processes:
-# test_nccl_plane_gpu.py); pytest tests/test_nccl_binding.py;
+# test_nccl_plane_gpu.py; rl_sync GPU to GPU in every mode, stream-ordered hold() and push():
+# test_rl_sync_gpu.py); pytest tests/test_nccl_binding.py;
 # bench/bench_gpu.py (copies, NCCL library/raw, put over cuda_ipc and staged with their ratios
 # against d2d copy_ and pinned h2d); bench/bench_transport.py --only raw,tcp (CPU: the tcp target
 # on a 16-core host; info only); bench/bench_rl_sync.py (CPU: the fan-out target on a 16-core host;
@@ -44,7 +45,7 @@ LOG=$OUTDIR/device_checks.log
 STEP_OUT=$OUTDIR/step.out # the running step's output (left behind only if the run is killed mid-step)
 : >"$LOG"
 export PYTHONUNBUFFERED=1
-BUDGET=${DEVICE_CHECKS_BUDGET_S:-480}
+BUDGET=${DEVICE_CHECKS_BUDGET_S:-510}
 START=$SECONDS
 SUMMARY=()
 FAILED=0
@@ -219,7 +220,7 @@ fi
 # -- the checks ------------------------------------------------------------------------------------
 # DEVICE_CHECKS_PYTEST_ARGS (split on spaces; e.g. "-k ipc") narrows the GPU tests of a short rerun
 read -r -a EXTRA <<<"${DEVICE_CHECKS_PYTEST_ARGS:-}"
-step check gpu-tests 240 "${PYTEST[@]}" tests/gpu -v -rA --durations=15 "${EXTRA[@]}"
+step check gpu-tests 300 "${PYTEST[@]}" tests/gpu -v -rA --durations=15 "${EXTRA[@]}"
 annotate "$(pytest_note gpu-tests)"
 
 step check cpu-binding 110 "${PYTEST[@]}" tests/test_nccl_binding.py -v
@@ -242,8 +243,8 @@ fi
 # where one core saturates memory bandwidth, only mode="shared" (no copy per subscriber) meets it;
 # this machine has 16 cores, so the copying modes may too. CPU only, and only with what is left of
 # the budget (an info step: it never fails the run).
-# DEVICE_CHECKS_RL_SYNC=0 skips it.
-if [ "${DEVICE_CHECKS_RL_SYNC:-1}" != 0 ]; then
+# Off by default now (the GPU tests take that time); DEVICE_CHECKS_RL_SYNC=1 runs it.
+if [ "${DEVICE_CHECKS_RL_SYNC:-0}" != 0 ]; then
     step info rl-sync-bench 150 "$PY" bench/bench_rl_sync.py --rounds 1 --reps 3 --json "$OUTDIR/rl_sync.json"
     annotate "$(sed -n '/^=== \[rl-sync-bench\] .*timeout/,$p' "$LOG" | grep -E 'fan-out t\(4\)/t\(1\)' | tr -s ' ' | tr '\n' ';')"
 fi

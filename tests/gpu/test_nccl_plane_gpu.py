@@ -53,12 +53,21 @@ async def call(t: RemoteEndpoint, *args):
     return await asyncio.to_thread(t.call, *args)
 
 
+# Two NCCL "hosts" on one machine (NCCL_HOSTID): NCCL's multi-node NVLink check can fail the init
+# there, and its socket transport must use the loopback. Both processes need it; NCCL reads its
+# environment once, at the first communicator, so this process sets it at import.
+_ONE_HOST_NCCL = {"NCCL_MNNVL_ENABLE": "0", "NCCL_SOCKET_IFNAME": "lo"}
+for _k, _v in _ONE_HOST_NCCL.items():
+    os.environ.setdefault(_k, _v)
+
+
 def _spawn_target(store_url: str, device: int, *, nccl_hostid: str | None = None) -> RemoteEndpoint:
     """A target process whose current device (hence its link's) is ``device``; ``nccl_hostid``
     makes NCCL in it take this host for another one."""
     env = {"CUDA_VISIBLE_DEVICES": str(device)}  # its cuda:0 is our cuda:<device>
     if nccl_hostid is not None:
         env["NCCL_HOSTID"] = nccl_hostid
+        env.update(_ONE_HOST_NCCL)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # (a spawned child takes the environment of the moment)
     try:

@@ -3,9 +3,11 @@
 One 2-rank communicator per channel, created non-blocking (``ncclCommInitRankConfig``, bounded by the
 endpoint's timeout) on the endpoint's device, plus one dedicated stream. Right after joining, both
 ranks exchange one byte inside a group, so NCCL's point-to-point connection is set up before the
-first real op (posting then never waits on it). A send or receive first waits (``wait_event``, on
-the GPU) for the event recorded on the caller's current stream at the call, then is followed by a
-blocking-sync event that the link's completion bridge sleeps on. Abort is ``ncclCommAbort``.
+first real op (posting then never waits on it). Each op's sends and receives are one NCCL group,
+posted by the link's own thread (its group end returns ``ncclInProgress`` on a non-blocking
+communicator and is polled there, never on the event loop), after a ``wait_event`` (on the GPU) for
+the event recorded on the caller's current stream at the call; a blocking-sync event recorded after
+the group is what the link's completion bridge sleeps on. Abort is ``ncclCommAbort``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ..errors import PlaneUnavailableError, StagingError
 from .marks import caller_marks
+from ..p2p import Posted, Poster
 from .nccl_lib import Communicator, NcclUnavailableError, load_nccl
 from .staging import CudaCopyHandle
 
@@ -26,7 +29,8 @@ __all__ = ["NcclConn", "NcclLinkEngine", "nccl_link_engine"]
 
 
 class NcclConn:
-    """One side of a channel's link: the communicator, its peer rank and the channel's stream."""
+    """One side of a channel's link: the communicator, its peer rank, the channel's stream, and the
+    thread that posts on them (:class:`~transport.p2p.Poster`)."""
 
     def __init__(self, comm: Communicator, index: int) -> None:
         self.comm = comm
@@ -34,27 +38,32 @@ class NcclConn:
         self.peer = 1 - comm.rank
         self.stream = torch.cuda.Stream(device=index)
         self._handle = self.stream.cuda_stream
+        self._poster = Poster(f"transport-nccl-post-{index}")
 
-    def _post(self, what: str, data: torch.Tensor, after: Any) -> torch.cuda.Event:
-        with torch.cuda.device(self.index):
-            for event in after or ():
-                self.stream.wait_event(event)
-            if what == "send":
-                self.comm.send(data.data_ptr(), data.numel(), self.peer, self._handle)
-            else:
-                self.comm.recv(data.data_ptr(), data.numel(), self.peer, self._handle)
-            done = torch.cuda.Event(blocking=True)  # the completion bridge sleeps on it
-            done.record(self.stream)
-        return done
+    def post(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], after: Any) -> Posted:
+        """One op's sends and receives in one NCCL group, after ``after`` (events of the caller's
+        streams), on the poster's thread: the group end's ``ncclInProgress`` is polled there, never
+        on the caller's. The event that completes the op is recorded once the group is launched."""
+        sends, recvs = list(sends), list(recvs)
 
-    def send(self, data: torch.Tensor, after: Any) -> torch.cuda.Event:
-        return self._post("send", data, after)
+        def job() -> torch.cuda.Event:
+            with torch.cuda.device(self.index):
+                for event in after or ():
+                    self.stream.wait_event(event)
+                with self.comm.group():
+                    for t in sends:
+                        self.comm.send(t.data_ptr(), t.numel(), self.peer, self._handle)
+                    for t in recvs:
+                        self.comm.recv(t.data_ptr(), t.numel(), self.peer, self._handle)
+                done = torch.cuda.Event(blocking=True)  # the completion bridge sleeps on it
+                done.record(self.stream)
+            return done
 
-    def recv(self, data: torch.Tensor, after: Any) -> torch.cuda.Event:
-        return self._post("recv", data, after)
+        return self._poster.submit(job)
 
     def abort(self) -> None:
         self.comm.abort()
+        self._poster.close(timeout=0)  # (jobs still queued fail at once: the communicator is gone)
 
 
 class NcclLinkEngine:
