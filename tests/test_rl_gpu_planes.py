@@ -24,7 +24,7 @@ import pytest
 import rl_sync
 import transport
 from tests._rl_remote import seeded
-from tests.test_rl_faults import BUCKET, SPEC, TIMEOUT, TRAIN, _check_all, _Gens, _Trap
+from tests.test_rl_faults import BUCKET, TIMEOUT, TRAIN, _check_all, _Gens, _Trap
 from transport.ipc_memfd import MemfdIpcEngine
 from transport.p2p import SocketLinkEngine
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import PlaneUnavailableError, StagingError
-from .marks import caller_marks
 from ..p2p import Posted, Poster
+from .marks import caller_marks
 from .nccl_lib import Communicator, NcclUnavailableError, load_nccl
 from .staging import CudaCopyHandle
 
