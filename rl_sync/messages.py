@@ -7,7 +7,8 @@ reading its own notifications (one process may even be both). One push, seen fro
 
     Begin ──────────────▶  subscriber checks version and plan hash
           ◀──────────────  Reply(stage="begin")
-    Pull(bucket k) ─────▶  subscriber gets bucket k from its source into its staging arena
+    Pull(bucket k) ─────▶  subscriber gets bucket k from its source into its staging arena (from a
+                           send slot, a relay's arena, or, served live, the trainer's own tensors)
           ◀──────────────  Reply(stage="pull", bucket=k)        (repeated for every bucket)
     Pull(bucket k, attempt a+1) ─▶  supersedes attempt a of bucket k: the subscriber cancels that
                            pull (its get leaves nothing behind), then pulls again; only the newest
@@ -47,6 +48,9 @@ class Pull(msgspec.Struct, tag="pull", array_like=True):
     buffer: str
     offset: int
     attempt: int = 0  # echoed in the Reply; a newer Pull of the same bucket supersedes an older one
+    # served live (the publisher's ``live``): no buffer/offset, but one buffer of the source per piece of
+    # the bucket, in the bucket's piece order, each holding that piece's entry (read at the piece's offset)
+    live: tuple[str, ...] = ()
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):

@@ -76,6 +76,7 @@ from .plan import (
     check_sources,
     decode_manifest,
     dtype_from_name,
+    dtype_name,
     make_buckets,
     plan_hash,
 )
@@ -203,6 +204,7 @@ class _Group:
         self.packed: set[int] = set()  # buckets packed into the bank
         self.targets: list[_Target] = []
         self.served = 0  # buckets whose pulls the main pass has sent (later beginners repair the rest)
+        self.live: dict[str, str] | None = None  # entry -> the trainer tensor's buffer, when served live
 
 
 class WeightPublisher:
@@ -242,6 +244,21 @@ class WeightPublisher:
             at every step of every subscriber (begin, each bucket, stalls,
             commit, failure); for progress displays, tests and benchmarks. It
             must not block; an exception it raises is logged and ignored.
+        live: serve pulls from the trainer's own tensors, with no send slot
+            and no pack: each subscriber copies the bytes straight out of
+            them (``cuda_ipc``: one device-to-device copy into its arena,
+            which in ``mode="direct"`` is its live weights; the colocated RL
+            case). Taken per layout, when no tensor needs a cast and every
+            one is contiguous, and none of the layout's subscribers is in
+            ``mode="shared"``. ``"auto"`` (default): when the trainer's
+            tensors are on a GPU (registering a GPU tensor moves nothing).
+            ``True``: on the CPU too, where registering moves each tensor
+            into shared memory (its storage changes, once; views taken before
+            stop aliasing it). ``False``: always pack. The tensors are
+            registered on the endpoint until :meth:`close` (again when one is
+            replaced); subscribers read them during the push, after the work
+            queued on the caller's stream at ``push()``, so they must not
+            change until it returns.
 
     One push runs at a time; call it from the endpoint's event loop.
     """
@@ -249,7 +266,8 @@ class WeightPublisher:
     def __init__(self, endpoint: transport.Endpoint, subscribers: list[str] | tuple[str, ...], *,
                  dtype: torch.dtype | str | None = None, bucket_bytes: int = 256 << 20, name_map: NameMap | None = None,
                  fanout: str = "auto", connect_timeout: float = 5.0, shared_banks: int = 2,
-                 stall_timeout: float = 5.0, observer: Callable[[PushEvent], Any] | None = None) -> None:
+                 stall_timeout: float = 5.0, observer: Callable[[PushEvent], Any] | None = None,
+                 live: bool | str = "auto") -> None:
         if dtype is not None and dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, 'auto' or None, got {dtype!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 64:
@@ -273,6 +291,10 @@ class WeightPublisher:
             raise ValueError(f"stall_timeout must be > 0, got {stall_timeout!r}")
         if observer is not None and not callable(observer):
             raise TypeError("observer must be callable")
+        if live not in (True, False, "auto"):
+            raise ValueError(f"live must be True, False or 'auto', got {live!r}")
+        self.live = live
+        self._live: dict[str, torch.Tensor] = {}  # buffer name -> the trainer tensor registered under it
         self.stall_timeout = float(stall_timeout)
         self.observer = observer
         self._background: set[asyncio.Task[Any]] = set()  # best-effort Aborts of ended pushes, each bounded
@@ -328,6 +350,10 @@ class WeightPublisher:
                 with contextlib.suppress(transport.TransportError):
                     self.endpoint.unregister(n, discard=True)
         self._slots.clear()
+        for n in self._live:
+            with contextlib.suppress(transport.TransportError):
+                self.endpoint.unregister(n)
+        self._live.clear()
         for bs in self._bank_sets.values():
             bs.close()
         self._bank_sets.clear()
@@ -442,6 +468,7 @@ class WeightPublisher:
             group = groups.get(layout.digest)
             if group is None:
                 group = groups[layout.digest] = _Group(layout.digest, layout, sources)
+                group.live = self._live_buffers(layout, sources)
             if layout.shared and group.banks is None:
                 try:
                     group.banks = self._bank_set(layout)
@@ -460,6 +487,9 @@ class WeightPublisher:
         if mismatches:
             run.targets.clear()
             raise PlanMismatchError(mismatches)
+        for group in groups.values():
+            if group.live is not None and any(t.shared for t in group.targets):
+                group.live = None  # (shared subscribers read the bank: the layout is packed anyway)
         self._drop_unused_slots(set(groups))
         self._drop_unused_banks()
         for group in groups.values():
@@ -506,6 +536,29 @@ class WeightPublisher:
             tensors.append(self.endpoint.new_buffer(n, (size,), device=device))  # (CPU: in shared memory, no copy)
         self._slots[layout.digest] = (names, tensors)
         return names, tensors
+
+    def _live_buffers(self, layout: _Layout, sources: dict[str, torch.Tensor]) -> dict[str, str] | None:
+        """Register the trainer's tensors to be pulled from directly (see ``live``), or None."""
+        if self.live is False or layout.shared:
+            return None
+        entries = layout.manifest.entries
+        if self.live == "auto" and not all(sources[e.name].is_cuda for e in entries):
+            return None
+        for e in entries:
+            t = sources[e.name]
+            if dtype_name(t.dtype) != e.dtype or not t.is_contiguous() or t.nbytes != e.nbytes:
+                return None  # a cast (or a strided tensor): packed into slots
+        names = {}
+        for e in entries:
+            t, name = sources[e.name], f"{self._prefix}live/{e.name}"
+            have = self._live.get(name)
+            if have is None or have is not t or name not in self.endpoint.buffers:
+                if name in self.endpoint.buffers:
+                    self.endpoint.unregister(name, discard=True)
+                self.endpoint.register(name, t)
+                self._live[name] = t
+            names[e.name] = name
+        return names
 
     def _bank_set(self, layout: _Layout) -> BankSet:
         bs = self._bank_sets.get(layout.digest)
@@ -610,6 +663,7 @@ class _Run:
         self.took: collections.deque[float] = collections.deque(maxlen=256)
         self.copier: Copier = Copier(torch.device("cpu"))  # where packs run (set by push())
         self.marks: list[Any] = []  # the caller's GPU work queued when push() was called
+        self._marks_wait: asyncio.Future[Any] | None = None  # live pulls: the host wait for those marks
 
     # ------------------------------------------------------------------ events
     def emit(self, t: _Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:
@@ -713,6 +767,12 @@ class _Run:
         returns then to pull it."""
         bucket = group.buckets[k]
         slot: int | None = None
+        if group.live is not None:  # straight from the trainer's tensors: no slot, no pack
+            await self._marks_done()
+            live = tuple(group.live[p.entry.name] for p in bucket.pieces)
+            for t in pick():
+                self._pull(t, k, None, "", 0, None, live)
+            return
         if group.bank is not None and group.banks is not None:
             if k not in group.packed:
                 await self._pack_into(bucket, group.sources, group.banks.region(group.bank, bucket))
@@ -763,10 +823,11 @@ class _Run:
             return self.pub.stall_timeout
         return max(_STALL_MIN, _STALL_FACTOR * took)
 
-    def _pull(self, t: _Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None) -> None:
+    def _pull(self, t: _Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None,
+              live: tuple[str, ...] = ()) -> None:
         t.orphaned.discard(k)
         p = t.inflight[k] = _Pull(next(t.attempts), source, slot, time.monotonic())
-        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt))
+        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt, live))
         self.emit(t, "pull_sent", k, source)
 
     def _stall(self, t: _Target, why: str) -> None:
@@ -819,6 +880,14 @@ class _Run:
             if k not in d.have and k not in d.inflight:
                 b = d.layout.buckets[k]
                 self._pull(d, k, src.name, arena_name(src.bank, b.arena), b.offset, None)
+
+    async def _marks_done(self) -> None:
+        """Live pulls read the trainer's tensors from other processes: first the work the caller
+        queued on its streams at ``push()`` must be done (a host wait, on a worker thread, once)."""
+        if self._marks_wait is None:
+            marks = self.marks
+            self._marks_wait = asyncio.ensure_future(asyncio.to_thread(lambda: [e.synchronize() for e in marks]))
+        await asyncio.shield(self._marks_wait)
 
     async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
         # on a worker thread; with the weights on a GPU, on the copier's stream once the caller's work queued

@@ -601,7 +601,11 @@ class WeightSubscriber:
                 self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, "the push was given up", "other"))
                 return
             self._torn = True  # from here on, the live weights may hold bytes of an uncommitted version
-        where = {msg.buffer: transport.At(dest, msg.offset)}
+        try:
+            where = self._where(b, dest, msg)
+        except ValueError as exc:
+            self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, str(exc), "plan", attempt=msg.attempt))
+            return
         try:
             route = push.routes.get(msg.source)
             if route is None:  # which plane its bytes take, and why: for the push report (once per source)
@@ -616,6 +620,22 @@ class WeightSubscriber:
         push.done.add(msg.bucket)
         self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, attempt=msg.attempt, plane=route.plane,
                                             route=route.reason))
+
+    @staticmethod
+    def _where(b: Bucket, dest: torch.Tensor, msg: m.Pull) -> dict[str, Any]:
+        """What a Pull reads into ``dest`` (bucket ``b``'s bytes in the arena): one range of the
+        source's buffer, or, served live, each piece from the source's tensor of its entry."""
+        if not msg.live:
+            return {msg.buffer: transport.At(dest, msg.offset)}
+        if len(msg.live) != len(b.pieces) or len(set(msg.live)) != len(msg.live):
+            raise ValueError(f"the pull names {len(msg.live)} live buffers for the {len(b.pieces)} pieces of "
+                             f"bucket {b.index}")
+        where: dict[str, Any] = {}
+        for name, p in zip(msg.live, b.pieces, strict=True):
+            dt = dtype_from_name(p.entry.dtype)
+            at = p.entry.offset + p.start - b.offset
+            where[name] = transport.At(dest[at:at + p.stop - p.start].view(dt), p.start // dt.itemsize)
+        return where
 
     async def _commit(self, push: _Push) -> None:
         if self.mode == "direct":

@@ -20,11 +20,12 @@ import signal
 import time
 
 import pytest
+import torch
 
 import rl_sync
 import transport
 from tests._rl_remote import seeded
-from tests.test_rl_faults import BUCKET, TIMEOUT, TRAIN, _check_all, _Gens, _Trap
+from tests.test_rl_faults import BUCKET, SPEC, TIMEOUT, TRAIN, _check_all, _Gens, _Trap
 from transport.ipc_memfd import MemfdIpcEngine
 from transport.p2p import SocketLinkEngine
 
@@ -148,5 +149,45 @@ async def test_a_push_cancelled_mid_transfer_is_never_committed(store_url, uname
             report = await pub.push(seeded(TRAIN, 3), 3, timeout=30)
             assert report.ok and report.planes == {engine: 3}, report.summary()
             _check_all(gens.gens, {3})
+    finally:
+        gens.close()
+
+
+LIVE = [(e, m, f) for e in ENGINES for m, f in (("staged", "direct"), ("swap", "direct"), ("direct", "chain"))]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("engine", "mode", "fanout"), LIVE, ids=[f"{e}-{m}-{f}" for e, m, f in LIVE])
+async def test_a_push_served_live_from_the_trainers_tensors(store_url, uname, engine, mode, fanout):
+    """No cast needed (bfloat16 on both sides) and ``live=True``: nothing is packed, the subscribers
+    pulling from the publisher read the trainer's own tensors (one copy: into the arena, which in
+    direct mode is the live weights), the others relay as usual; a frozen subscriber holds up only
+    itself; the trainer's tensors keep their values (a push only reads them)."""
+    gens = _Gens(store_url, uname, mode, **ENGINES[engine])
+    trap = _Trap()
+    try:
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **ENGINES[engine]) as ep:
+            pub = _pub(ep, gens.gens, fanout=fanout, live=True, observer=trap)
+            for version in (1, 2):
+                weights = seeded(SPEC, version)
+                report = await pub.push(weights, version, timeout=30)
+                assert report.ok, report.summary()
+                assert report.packed_bytes == 0 and report.planes == {engine: 3}, report.summary()
+                _check_all(gens.gens, {version})
+                assert all(torch.equal(t, seeded(SPEC, version)[n]) for n, t in weights.items())
+            live = [n for n in ep.buffers if "/live/" in n]
+            assert len(live) == len(SPEC) and not [n for n in ep.buffers if "/slot" in n]
+            g = gens.gens[1]
+            trap.arm(g.name, g.pid, "transfer", signal.SIGSTOP)
+            report = await pub.push(seeded(SPEC, 3), 3, timeout=TIMEOUT)
+            g.signal(signal.SIGCONT)
+            assert trap.fired_at is not None
+            assert all(report.results[h.name].ok for h in gens.gens if h is not g), report.summary()
+            await asyncio.sleep(0.3)
+            report = await pub.push(seeded(SPEC, 4), 4, timeout=30)
+            assert report.ok, report.summary()
+            _check_all(gens.gens, {4})
+            pub.close()
+            assert not [n for n in ep.buffers if "/live/" in n]
     finally:
         gens.close()
