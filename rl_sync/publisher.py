@@ -252,13 +252,16 @@ class WeightPublisher:
             one is contiguous, and none of the layout's subscribers is in
             ``mode="shared"``. ``"auto"`` (default): when the trainer's
             tensors are on a GPU (registering a GPU tensor moves nothing).
-            ``True``: on the CPU too, where registering moves each tensor
-            into shared memory (its storage changes, once; views taken before
-            stop aliasing it). ``False``: always pack. The tensors are
-            registered on the endpoint until :meth:`close` (again when one is
-            replaced); subscribers read them during the push, after the work
-            queued on the caller's stream at ``push()``, so they must not
-            change until it returns.
+            ``True``: on the CPU too, where registering copies a tensor that
+            is not in shared memory already into a segment of the endpoint's
+            (an alias of it is registered; the trainer's tensor is untouched),
+            at every push, so it saves nothing over packing: for tests, and for
+            tensors made by :meth:`transport.Endpoint.new_buffer`. ``False``:
+            always pack. The tensors stay registered on the endpoint until
+            :meth:`close` (registered again when their memory changes);
+            subscribers read them during the push, after the work queued on
+            the caller's stream at ``push()``, so they must not change until
+            it returns.
 
     One push runs at a time; call it from the endpoint's event loop.
     """
@@ -552,7 +555,9 @@ class WeightPublisher:
         for e in entries:
             t, name = sources[e.name], f"{self._prefix}live/{e.name}"
             have = self._live.get(name)
-            if have is None or have is not t or name not in self.endpoint.buffers:
+            # (state_dict() gives new alias objects every push: the same memory is the same buffer)
+            if (have is None or name not in self.endpoint.buffers or have.data_ptr() != t.data_ptr()
+                    or have.device != t.device or have.dtype != t.dtype or have.shape != t.shape):
                 if name in self.endpoint.buffers:
                     self.endpoint.unregister(name, discard=True)
                 self.endpoint.register(name, t)

@@ -164,3 +164,30 @@ def test_a_push_waits_for_the_work_queued_on_the_trainers_stream(store_url):
                     assert await _call(g, "sub_check_stamp") == (3, True)
 
         _run(body)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_a_colocated_push_served_live_copies_once_from_the_trainers_tensors(store_url, mode):
+    """Trainer and generator on one GPU, bfloat16 on both sides (no cast): nothing is packed, the
+    generator copies straight out of the trainer's tensors over cuda_ipc (direct mode: into its
+    live weights); the second push reuses the first one's registrations."""
+    same = dict(SPEC)
+    with _gens(store_url, 1, mode) as gens:
+        async def body() -> None:
+            async with transport.Endpoint(_name("gpu-trainer"), store=store_url, timeout=60) as ep:
+                pub = rl_sync.WeightPublisher(ep, [gens[0].name], bucket_bytes=BUCKET)
+                weights = {n: t.to(DEV) for n, t in seeded(same, 1).items()}
+                report = await pub.push(weights, 1, timeout=60)
+                assert report.ok and report.packed_bytes == 0, report.summary()
+                assert report.results[gens[0].name].plane == "cuda_ipc", report.results
+                v, exact = await _call(gens[0], "sub_check_held", same)
+                assert (v, exact) == (1, True)
+                epoch = ep._registry.snapshot()[0]
+                for n, t in weights.items():  # the next "optimizer step", in place
+                    t.copy_(seeded(same, 2)[n].to(DEV))
+                report = await pub.push(weights, 2, timeout=60)
+                assert report.ok and report.packed_bytes == 0, report.summary()
+                assert ep._registry.snapshot()[0] == epoch, "the live tensors were registered again"
+                assert await _call(gens[0], "sub_check_held", same) == (2, True)
+
+        _run(body)
