@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import transport
@@ -52,9 +52,11 @@ class BlockingWeightSubscriber:
         return self._sub.wait_for_version_blocking(version, timeout)
 
     @contextlib.contextmanager
-    def hold(self, timeout: float | None = None) -> Iterator[int]:
-        """Keep the weights from changing inside the block; yields the version held."""
-        with self._sub.hold_blocking(timeout) as v:
+    def hold(self, timeout: float | None = None, *, streams: Sequence[Any] = ()) -> Iterator[int]:
+        """Keep the weights from changing inside the block; yields the version held. GPU work
+        queued inside it on this thread's current stream and on ``streams`` is part of the read
+        (see :meth:`WeightSubscriber.hold`)."""
+        with self._sub.hold_blocking(timeout, streams=streams) as v:
             yield v
 
     def close(self) -> None:

@@ -114,8 +114,7 @@ class ReaderMarks:
     def __init__(self, device: torch.device) -> None:
         self.device = _normal(device)
         self.active = self.device.type == "cuda"
-        self._events: dict[int, Any] = {}  # stream handle -> its newest mark
-        self._late: list[Any] = []  # marks a wait gave up on: waited for again next time
+        self._events: dict[tuple[int, int], Any] = {}  # (device index, stream handle) -> its newest mark
         self._lock = threading.Lock()
 
     def leave(self, streams: Sequence[Any] = ()) -> None:
@@ -127,31 +126,29 @@ class ReaderMarks:
         for stream in (torch.cuda.current_stream(self.device), *streams):
             event = torch.cuda.Event()
             event.record(stream)
-            marks.append((stream.cuda_stream, event))
+            marks.append(((stream.device.index, stream.cuda_stream), event))
         with self._lock:
             self._events.update(marks)
 
-    def take(self) -> list[Any]:
-        """The events recorded so far, forgotten here (the caller waits for them)."""
+    def pending(self) -> list[Any]:
+        """The events recorded so far (kept: :meth:`wait` forgets them only once they are done)."""
         with self._lock:
-            events = [*self._late, *self._events.values()]
-            self._events.clear()
-            self._late.clear()
-        return events
+            return list(self._events.values())
 
     async def wait(self, timeout: float) -> bool:
         """Wait until the GPU work readers queued before leaving ``hold()`` is done (polled on a
-        worker thread, at most ``timeout`` s). False at the deadline: the events not yet done are
-        kept, so a later wait waits for them again. True at once on the CPU."""
-        events = self.take()
+        worker thread, at most ``timeout`` s). Events are forgotten only once done, so concurrent or
+        later waits (a superseding push, a retry after a timeout) still see the ones not done.
+        False at the deadline. True at once on the CPU."""
+        events = self.pending()
         if not events:
             return True
         late = await asyncio.to_thread(_wait_events, events, timeout)
-        if late:
-            with self._lock:
-                self._late.extend(late)
-            return False
-        return True
+        done = {id(e) for e in events} - {id(e) for e in late}
+        with self._lock:
+            for key in [k for k, e in self._events.items() if id(e) in done]:
+                del self._events[key]
+        return not late
 
 
 def _wait_events(events: list[Any], timeout: float) -> list[Any]:

@@ -98,13 +98,16 @@ class _Layout:
     """A subscriber's manifest and buckets, cached for one incarnation."""
 
     def __init__(self, incarnation: int, manifest: Manifest, buckets: list[Bucket], digest: str, same_host: bool,
-                 shm: bool) -> None:
+                 shm: bool, cuda_ipc: bool) -> None:
         self.incarnation = incarnation
         self.manifest = manifest
         self.buckets = buckets
         self.digest = digest
         self.same_host = same_host  # on the publisher's host (transport's Peer.same_host)
         self.shm = shm  # ... and its channel runs shm (what mode="shared" maps the banks through)
+        # fan-out: it reads the publisher's slots with its own copy engine (shm, or cuda_ipc for GPU
+        # buffers), so it never costs the publisher a send: "auto" serves it from the publisher
+        self.local = same_host and (shm or cuda_ipc)
         self.shared = manifest.shared  # mode="shared": it reads the publisher's banks
 
 
@@ -497,7 +500,7 @@ class WeightPublisher:
         self._drop_unused_banks()
         for group in groups.values():
             by_name = {t.name: t for t in group.targets if not t.shared}  # shared ones read the bank itself
-            src = assign_sources(list(by_name), {n: t.layout.same_host for n, t in by_name.items()},
+            src = assign_sources(list(by_name), {n: t.layout.local for n, t in by_name.items()},
                                  {n: t.layout.manifest.host for n, t in by_name.items()}, self.fanout)
             for name, source in src.items():
                 by_name[name].source = source
@@ -519,7 +522,7 @@ class WeightPublisher:
         manifest = decode_manifest(raw.numpy().tobytes())
         buckets = make_buckets(manifest, self.bucket_bytes)
         layout = _Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.same_host,
-                         peer.plane == "shm")
+                         peer.plane == "shm", peer.gpu_plane == "cuda_ipc")
         self._layouts[name] = layout
         log.info("publisher %s: planned %s (%d tensors, %d buckets, %.1f MiB, via %s)", ep.name, name,
                  len(manifest.entries), len(buckets), sum(manifest.arenas) / 2**20, peer.plane)

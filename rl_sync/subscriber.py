@@ -97,6 +97,25 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+async def _uncancellable(coro: Any) -> Any:
+    """Await ``coro`` to its end even if the caller is cancelled meanwhile (then re-raise the
+    cancellation): copies into the live weights must be over before the lock that guards them is
+    let go."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
 class _Push:
     __slots__ = ("bank", "buckets", "by_bucket", "done", "dropped", "locked", "progress", "publisher", "pulled", "pulls",
                  "push_id", "routes", "version")
@@ -222,6 +241,8 @@ class WeightSubscriber:
         try:
             for bank in range(nbanks):
                 self._banks.append([])
+                if mode == "direct":  # made at the first push, one at a time as the weights move in: see _adopt
+                    break
                 for i, n in enumerate(self.manifest.arenas):
                     # CPU: in shared memory at once (with shm allowed), no copy, pages appear as pulls write
                     # them; CUDA: an allocation of its own that CUDA IPC can export (Endpoint.new_buffer)
@@ -540,8 +561,8 @@ class WeightSubscriber:
         if push.dropped:  # aborted or superseded during that wait (which gave the lock back)
             return False
         try:
-            if self._live_bank is None:  # first push: the live tensors move into the arena, once
-                await self._copier.run(self._adopt)
+            if self._live_bank is None:  # first push: the live tensors move into the arenas, once
+                await self._adopt()
         except BaseException as exc:  # including a cancellation by close(): never keep the lock
             self._drop(push, f"moving the weights into the arena failed: {exc!r}")
             if not isinstance(exc, Exception):
@@ -659,9 +680,12 @@ class WeightSubscriber:
         await self._applying.acquire()
         try:
             if self.mode == "swap":
+                if self._live_bank is None and not await self._readers.wait(self.commit_timeout):
+                    # (the first re-point lets the model's own memory go: GPU reads of it may be queued)
+                    raise transport.TransportTimeoutError(self._readers_late(), Phase.COMMIT)
                 self._repoint(push.bank)  # microseconds: no need to leave the loop
             else:
-                await self._copier.run(functools.partial(self._apply, push.bank))
+                await _uncancellable(self._copier.run(functools.partial(self._apply, push.bank)))
             with self._version_cond:
                 self._version = push.version
                 self._version_cond.notify_all()
@@ -743,14 +767,40 @@ class WeightSubscriber:
         return (f"GPU work that readers queued inside hold() was not done within {self.commit_timeout} s "
                 "(commit_timeout)")
 
-    def _adopt(self) -> None:
-        """Direct mode, first push: copy the live weights into bank 0 and re-point them there."""
+    async def _adopt(self) -> None:
+        """Direct mode, first push: make the arenas one at a time, copying each one's weights in and
+        re-pointing them there, so that at most one arena more than the weights is held at once
+        (an arena's old tensors are freed as it is adopted, unless the application keeps other
+        references to them; on a GPU the freed blocks are handed back to the driver before the next
+        arena is allocated). A failure leaves every tensor whole, in its arena or its old memory,
+        and the next push goes on from the arenas adopted."""
         arenas = self._banks[0]
-        with torch.no_grad():
-            for e in self.manifest.entries:
-                view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
-                view.view(e.shape).copy_(self._live[e.name])
-        self._repoint(0)
+        for i, n in enumerate(self.manifest.arenas):
+            if i < len(arenas):
+                continue  # adopted by an earlier, failed, attempt
+            arena = self.endpoint.new_buffer(arena_name(0, i), (n,), device=self.device)
+            self._names.append(arena_name(0, i))
+            try:
+                await _uncancellable(self._copier.run(functools.partial(self._adopt_arena, i, arena)))
+            except BaseException:
+                self._names.remove(arena_name(0, i))
+                with contextlib.suppress(transport.TransportError):
+                    self.endpoint.unregister(arena_name(0, i), discard=True)
+                raise
+            arenas.append(arena)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._live_bank = 0
+
+    def _adopt_arena(self, i: int, arena: torch.Tensor) -> None:
+        """Copy the weights of arena ``i`` into ``arena`` and re-point them there (a Copier batch)."""
+        entries = [e for e in self.manifest.entries if e.arena == i]
+        for e in entries:
+            src = self._live[e.name]
+            arena[e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape).copy_(src)
+            if src.is_cuda:  # its memory is let go at the re-point below, before this stream read it
+                src.record_stream(torch.cuda.current_stream(src.device))
+        self._repoint(0, {i: arena}, entries)
 
     def _leave_bank(self) -> None:
         """Shared mode, at close: once no reader is in :meth:`hold` (now, or when the last one
@@ -802,11 +852,13 @@ class WeightSubscriber:
                 view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
                 self._live[e.name].copy_(view.view(e.shape))
 
-    def _repoint(self, bank: int, arenas: list[torch.Tensor] | None = None) -> None:
-        """Point every live tensor into ``arenas`` (default: bank ``bank`` of this subscriber's own)."""
+    def _repoint(self, bank: int, arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,
+                 entries: Sequence[Any] | None = None) -> None:
+        """Point every live tensor (or those of ``entries``) into ``arenas`` (default: bank ``bank``
+        of this subscriber's own)."""
         arenas = self._banks[bank] if arenas is None else arenas
         moves = []  # every place is checked before any tensor moves: a bad layout leaves them all as they were
-        for e in self.manifest.entries:
+        for e in (self.manifest.entries if entries is None else entries):
             arena = arenas[e.arena]
             size = dtype_from_name(e.dtype).itemsize
             start = arena.storage_offset() + e.offset
@@ -817,7 +869,8 @@ class WeightSubscriber:
         with torch.no_grad():
             for t, storage, offset, shape in moves:
                 t.set_(storage, offset, shape, _contiguous_strides(shape))
-        self._live_bank = bank
+        if entries is None:
+            self._live_bank = bank
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
         async def send() -> None:

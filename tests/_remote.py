@@ -169,6 +169,8 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
         if cmd == "peer_planes":
             p = await ep.connect(args[0])
             return {"plane": p.plane, "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason}
+        if cmd == "peer_specs_local":  # the names this endpoint has registered
+            return sorted(ep.buffers)
         if cmd == "op_planes":  # the planes this side's ops of a kind took, as its flight recorder has them
             return sorted({r["plane"] for r in ep.recorder.snapshot()
                            if r["kind"] == args[0] and r["role"] == "initiator" and r["nbytes"]})

@@ -340,6 +340,24 @@ async def test_direct_mode_writes_the_live_weights_and_a_failed_push_tears_them(
             assert all(g.call("sub_check", spec, 10).values())
 
 
+async def test_direct_mode_makes_its_arenas_at_the_first_push_one_at_a_time(store_url, uname):
+    """Direct mode holds the weights once: no arena exists before the first push, which makes them
+    one at a time as the weights move in (several arenas here), and a chain of direct subscribers
+    relays from arenas registered at that push."""
+    with generators(store_url, uname, 2, mode="direct", arena_bytes=16 << 10) as gens:
+        assert not [n for n in gens[0].call("peer_specs_local") if n.startswith("rl_sync/arena/")]
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens, fanout="chain")
+            for version in (1, 2):
+                report = await pub.push(seeded(TRAIN, version * 10), version)
+                assert report.ok, report.summary()
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, version * 10).values())
+            arenas = sorted(n for n in gens[0].call("peer_specs_local") if n.startswith("rl_sync/arena/"))
+            assert len(arenas) >= 3 and all(n.startswith("rl_sync/arena/0/") for n in arenas), arenas
+            assert {r.source for r in report.results.values()} == {ep.name, gens[0].name}
+
+
 async def test_direct_mode_gives_up_a_push_that_stops_and_lets_readers_back(store_url, uname):
     """A publisher that vanishes mid-push (no Abort, no Commit) must not lock the readers out forever."""
     spec = {"w": torch.zeros(4096)}
@@ -891,3 +909,34 @@ def test_lock_folders_of_dead_publishers_are_removed():
         assert not os.path.exists(other)
     finally:
         remove_lock_dir(mine)
+
+
+async def test_reader_marks_are_forgotten_only_once_done():
+    """ReaderMarks' bookkeeping (rl_sync/device.py), with stand-in events (CUDA events on a GPU): a
+    wait that times out keeps what is not done, a second wait running at the same time still waits
+    for it (a superseding push never skips readers' GPU work), and only done events are dropped."""
+    import threading
+
+    from rl_sync.device import ReaderMarks
+
+    class Ev:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def query(self) -> bool:
+            return self.done.is_set()
+
+    marks = ReaderMarks(torch.device("cpu"))
+    assert await marks.wait(0.01)  # CPU: nothing recorded, nothing to wait for
+    slow, quick = Ev(), Ev()
+    quick.done.set()
+    marks._events.update({(0, 1): slow, (0, 2): quick})
+    assert not await marks.wait(0.05)  # slow is not done
+    assert marks.pending() == [slow]  # quick is forgotten, slow kept
+    first = asyncio.ensure_future(marks.wait(5.0))
+    second = asyncio.ensure_future(marks.wait(5.0))
+    await asyncio.sleep(0.1)
+    assert not first.done() and not second.done()  # both wait for slow
+    slow.done.set()
+    assert await first and await second
+    assert marks.pending() == []

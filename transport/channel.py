@@ -115,7 +115,8 @@ __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "Route", "ha
 log = logging.getLogger(__name__)
 
 _SCRATCH = 1 << 20
-_P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to complete before the link is aborted
+_P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to complete before the link is aborted,
+_P2P_ABANDON_RATE = 1e9  # ... plus its bytes at this rate (bytes/s): a healthy slow link is not cut off
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
 # Receiving a payload of _LOWAT_FROM bytes or more, the reader raises SO_RCVLOWAT so that the
 # kernel wakes it once a chunk of a quarter of the payload (at most _LOWAT_MAX) has arrived, instead
@@ -549,6 +550,7 @@ class Channel:
         through our bounce buffers straight into (or out of) the peer's mapped segments
         (:class:`~transport.planes.shm.StagedShmPlane`). A peer's GPU buffer is never in shared
         memory, so staged ops on one travel inline on this channel's socket."""
+        self.last_refusal = ""
         specs = self.peer_specs  # replaced whole by the reader on a registry update
         if specs is not self._staged_of:
             wire = self.remote_wire
@@ -843,12 +845,13 @@ class Channel:
         past its bound (its tensor is then held until it ends, see :func:`~transport.staging.stage_in`)."""
         try:
             bound = self._abandon_now(op)
-            if bound and op.p2p and not await self._wait_quiet(op, _P2P_ABANDON_GRACE):
+            grace = _P2P_ABANDON_GRACE + op.record.nbytes / _P2P_ABANDON_RATE  # (a big receive on a slow link)
+            if bound and op.p2p and not await self._wait_quiet(op, grace):
                 # an NCCL receive cannot be called back: one still pending after the grace (a frozen or
                 # slow peer) is stopped by aborting the link, which closes the channel
                 self.lose(PeerLostError(
                     f"{op.kind.value} #{op.op_id} was abandoned with its NCCL receive still pending after "
-                    f"{_P2P_ABANDON_GRACE} s: the link with {self.peer_name!r} was aborted and the channel closed "
+                    f"{grace:.2f} s: the link with {self.peer_name!r} was aborted and the channel closed "
                     "so that it cannot land in the caller's tensors later"))
             if bound and not await self._wait_quiet(op, bound):
                 note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors (or the peer's buffer) were still pending {bound:.1f} s "

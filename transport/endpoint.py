@@ -965,7 +965,8 @@ class Endpoint:
         a copy still running stops at its next chunk (``shm``, a get reply
         arriving over ``tcp``), one that cannot be stopped (``cuda_ipc``, a staged
         copy) is waited for, and one whose bytes are still trickling in from the
-        peer, or an NCCL receive not done 0.25 s after the call gave up, has its
+        peer, or an NCCL receive not done 0.25 s (plus its bytes at 1 GB/s) after
+        the call gave up, has its
         channel closed (the link aborted; the other pending ops on it fail with
         :class:`PeerLostError`). The waits are bounded as for
         :meth:`put`.

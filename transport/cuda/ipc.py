@@ -39,6 +39,7 @@ from .marks import caller_marks
 __all__ = ["CudaIpcEngine", "allocator_warning", "cuda_ipc_engine", "exportable_zeros"]
 
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 _HANDLE_BYTES = 64
 
 
@@ -68,6 +69,7 @@ class _Driver:
         self.mem_alloc = self._fn("cuMemAlloc_v2", [p(u64), ctypes.c_size_t], "cuMemAlloc")
         self.mem_free = self._fn("cuMemFree_v2", [u64], "cuMemFree")
         self.memset = self._fn("cuMemsetD8_v2", [u64, ctypes.c_ubyte, ctypes.c_size_t], "cuMemsetD8")
+        self.stream_sync = self._fn("cuStreamSynchronize", [ctypes.c_void_p])
 
     def _fn(self, name: str, argtypes: list[Any], fallback: str | None = None) -> Any:
         for n in (name, fallback):
@@ -183,15 +185,25 @@ def allocator_warning() -> str | None:
 def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor in a ``cuMemAlloc`` allocation of its own, which ``cuIpcGetMemHandle``
     exports whatever torch's allocator is set to (expandable segments, ``cudaMallocAsync``, a
-    cuMem-based pool). Blocks until the memset is done; :class:`PlaneUnavailableError` if the
-    driver refuses (out of memory)."""
+    cuMem-based pool). Blocks until the memset is done (it also waits for the work queued on the
+    device's legacy default stream: call it at set-up, not per op). Out of memory: torch's cache is
+    emptied and the allocation tried once more; then :class:`PlaneUnavailableError`. Runs on the
+    calling thread; the allocation is freed (``cuMemFree``, which waits for the device) on the
+    thread that drops its last view."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     ptr = ctypes.c_uint64()
     with _in_device(index) as drv:
-        drv.check(drv.mem_alloc(ctypes.byref(ptr), nbytes), f"cuMemAlloc of {nbytes} bytes on cuda:{index}")
+        rc = drv.mem_alloc(ctypes.byref(ptr), nbytes)
+        if rc == _CUDA_ERROR_OUT_OF_MEMORY:  # torch's cache may hold what is missing: hand it back, once
+            torch.cuda.empty_cache()
+            rc = drv.mem_alloc(ctypes.byref(ptr), nbytes)
+        drv.check(rc, f"cuMemAlloc of {nbytes} bytes on cuda:{index}")
         owner = _Allocation(index, ptr.value, nbytes)
+        # cuMemsetD8 on device memory may return before it is done, and torch's streams do not wait for
+        # the legacy stream it runs on: wait here, so no later copy on another stream races the zeroing
         drv.check(drv.memset(ptr.value, 0, nbytes), "cuMemsetD8")
+        drv.check(drv.stream_sync(None), "cuStreamSynchronize")
     raw = torch.as_tensor(owner, device=torch.device("cuda", index))
     if raw.data_ptr() != ptr.value:
         raise PlaneUnavailableError(f"cuda_ipc: wrapping a new allocation made a copy (0x{raw.data_ptr():x})")

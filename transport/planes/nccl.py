@@ -23,8 +23,8 @@ a new channel, with a new communicator, which each side joins only once the abor
 operations are over (see :mod:`transport.link`): nothing of the timed-out op runs beside a later
 one. A get abandoned mid-receive returns only once the abort has stopped the receive (bounded), so
 nothing is written into the caller's tensors afterwards. A cancelled op (the caller's task, not the
-deadline) leaves the link up if it can: a get waits 0.25 s for its receive to complete; one still
-pending then (a frozen or slow peer) aborts the link and closes the channel, and the get raises once
+deadline) leaves the link up if it can: a get waits 0.25 s (plus its bytes at 1 GB/s) for its
+receive to complete; one still pending then (a frozen or slow peer) aborts the link and closes the channel, and the get raises once
 the abort stopped the receive (bounded), so a cancelled get never waits on a frozen peer. A put's
 send, once posted, completes, and every later op of the channel is posted after it on the link (the
 target's receive of a later put ends after the cancelled one's).
