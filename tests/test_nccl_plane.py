@@ -501,11 +501,10 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
 
 
 def test_the_poster_runs_each_ops_job_in_order_on_its_own_thread():
-    """What NcclConn posts with (transport.p2p.Poster): jobs run in submission order on the poster's
+    """What NcclConn posts with (transport.completion.Poster): jobs run in submission order on the poster's
     thread, never the caller's; a job's Posted completes once the job ran and the waitable it
     returned completed; a job that raises fails its own Posted only."""
-    from transport.completion import ThreadDone
-    from transport.p2p import Poster
+    from transport.completion import Poster, ThreadDone
 
     poster = Poster()
     gate = threading.Event()

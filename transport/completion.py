@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 from .errors import EndpointClosedError, TransportError
 
-__all__ = ["CompletionBridge", "CompletionError", "ThreadDone", "Waitable"]
+__all__ = ["CompletionBridge", "CompletionError", "Posted", "Poster", "ThreadDone", "Waitable"]
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +214,68 @@ class ThreadDone:
         self.finished.wait()
         if self.error is not None:
             raise RuntimeError(f"the operation failed: {self.error!r}")
+
+
+class Posted:
+    """The :class:`~transport.completion.Waitable` :meth:`Poster.submit` returns: complete once its
+    job has run on the poster's thread and what the job returned (a waitable: a CUDA event) is."""
+
+    __slots__ = ("error", "ran", "waitable")
+
+    def __init__(self) -> None:
+        self.ran = threading.Event()
+        self.waitable: Any = None
+        self.error: BaseException | None = None
+
+    def query(self) -> bool:
+        if not self.ran.is_set():
+            return False
+        if self.error is not None:
+            raise RuntimeError(f"posting the operation failed: {self.error!r}")
+        return self.waitable is None or bool(self.waitable.query())
+
+    def synchronize(self) -> None:
+        self.ran.wait()
+        if self.error is not None:
+            raise RuntimeError(f"posting the operation failed: {self.error!r}")
+        if self.waitable is not None:
+            self.waitable.synchronize()
+
+
+class Poster:
+    """One thread that runs a link's posting jobs in submission order, so that the caller (the
+    event loop) never waits for the library: NCCL's non-blocking group end returns
+    ``ncclInProgress`` and is polled to completion here. A job returns the waitable of the work it
+    queued (or None); a job that raises fails its :class:`Posted` and the ones after it still run
+    (each fails on its own: after an abort the library refuses them)."""
+
+    def __init__(self, name: str = "transport-link-post") -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> Posted:
+        """Queue ``job`` (any thread); returns at once."""
+        posted = Posted()
+        self._jobs.put((job, posted))
+        return posted
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Run what is queued, then stop the thread (waits at most ``timeout`` s; idempotent)."""
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, posted = item
+            try:
+                posted.waitable = job()
+            except BaseException as exc:  # noqa: BLE001 - reported through the waitable
+                posted.error = exc
+            finally:
+                posted.ran.set()
+            del item, job, posted

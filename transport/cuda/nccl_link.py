@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ..completion import Posted, Poster
 from ..errors import PlaneUnavailableError, StagingError
-from ..p2p import Posted, Poster
 from .marks import caller_marks
 from .nccl_lib import Communicator, NcclUnavailableError, load_nccl
 from .staging import CudaCopyHandle
@@ -30,7 +30,7 @@ __all__ = ["NcclConn", "NcclLinkEngine", "nccl_link_engine"]
 
 class NcclConn:
     """One side of a channel's link: the communicator, its peer rank, the channel's stream, and the
-    thread that posts on them (:class:`~transport.p2p.Poster`)."""
+    thread that posts on them (:class:`~transport.completion.Poster`)."""
 
     def __init__(self, comm: Communicator, index: int) -> None:
         self.comm = comm
