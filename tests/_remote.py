@@ -11,6 +11,7 @@ the data is made on the CPU from the seed and moved there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -294,6 +295,22 @@ class RemoteEndpoint:
 
 
 # ---------------------------------------------------------------------------- test helpers
+@contextlib.contextmanager
+def child_env(env: dict[str, str] | None) -> Any:
+    """Set ``env`` in this process's environment for the block (spawned children take the
+    environment of the moment they start), then put back what was there."""
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 async def until(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
     """Poll ``cond()`` (bounded) from a test's event loop; AssertionError if it never holds."""
     end = time.monotonic() + timeout

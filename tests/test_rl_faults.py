@@ -89,6 +89,18 @@ class _Trap:
             self.armed, self.fired_at = None, time.monotonic()
 
 
+async def warm_up(pub: rl_sync.WeightPublisher, version: int = 0) -> tuple[int, float]:
+    """Three pushes (plans, arenas faulted in, banks made); returns the last version and the bound
+    the healthy subscribers' commits are held to: 2x the slower of the last two pushes + 1 s."""
+    normal = []
+    for _ in range(3):
+        version += 1
+        report = await pub.push(seeded(TRAIN, version), version, timeout=30)
+        assert report.ok, report.summary()
+        normal.append(max(r.seconds for r in report.results.values()))
+    return version, 2 * max(normal[1:]) + 1.0
+
+
 def _check_all(gens: list[RemoteEndpoint], versions: set[int]) -> list[int]:
     """Every subscriber's held version is in ``versions`` and its weights are exactly that version's bytes."""
     held = []
@@ -112,15 +124,8 @@ async def test_one_frozen_or_killed_subscriber_never_holds_up_the_others(store_u
         async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
             pub = rl_sync.WeightPublisher(ep, [g.name for g in gens.gens], dtype="auto", bucket_bytes=BUCKET,
                                           fanout=fanout, observer=trap)
-            version = 0
-            normal = []
-            for _ in range(3):  # warm-up: plans, arenas faulted in, banks made; the last two are the yardstick
-                version += 1
-                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
-                assert report.ok, report.summary()
-                normal.append(max(r.seconds for r in report.results.values()))
-            base = max(normal[1:])
-            bound = 2 * base + 1.0
+            version, bound = await warm_up(pub)
+            base = (bound - 1.0) / 2  # a normal push
             victim = 1  # the middle of a chain: a relay and a dependent
             for sig in (signal.SIGSTOP, signal.SIGKILL):
                 for phase in phases:
@@ -186,12 +191,7 @@ async def test_a_slow_subscriber_holds_up_only_itself(store_url, uname, mode):
     try:
         async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
             pub = rl_sync.WeightPublisher(ep, [g.name for g in gens.gens], dtype="auto", bucket_bytes=BUCKET)
-            normal = []
-            for version in (1, 2, 3):
-                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
-                assert report.ok, report.summary()
-                normal.append(max(r.seconds for r in report.results.values()))
-            bound = 2 * max(normal[1:]) + 1.0
+            _, bound = await warm_up(pub)
             slow = gens.gens[1]
             # a reader holds the weights for 3 s
             slow.call("sub_hold", 3.0)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_behind_side_stream, same_bytes
+from tests._remote import RemoteEndpoint, child_env, make_tensor, poisoned, put_behind_side_stream, same_bytes
 
 MiB = 1 << 20
 PLANES = ("tcp", "nccl")
@@ -68,16 +68,8 @@ def _spawn_target(store_url: str, device: int, *, nccl_hostid: str | None = None
     if nccl_hostid is not None:
         env["NCCL_HOSTID"] = nccl_hostid
         env.update(_ONE_HOST_NCCL)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # (a spawned child takes the environment of the moment)
-    try:
+    with child_env(env):
         return RemoteEndpoint(f"nccl-gpu-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES, cuda_device=0)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # Where the link's target runs: on cuda:1 (skipped unless there are two GPUs), or on our cuda:0

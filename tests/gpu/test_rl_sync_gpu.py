@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 
 import rl_sync
 import transport
-from tests._remote import RemoteEndpoint
+from tests._remote import RemoteEndpoint, child_env
 from tests._rl_remote import seeded
 
 DEV = "cuda:0"
@@ -45,20 +44,12 @@ def _train(seed: int) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _gens(store_url: str, n: int, mode: str, env: dict[str, str] | None = None):
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})  # (a spawned child takes the environment at its start)
     gens = []
-    try:
+    with child_env(env):
         for i in range(n):
             g = RemoteEndpoint(_name(f"gpu-gen{i}"), store=store_url, timeout=60)
             gens.append(g)
             g.call("sub_create", SPEC, {"mode": mode}, DEV)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield gens
     finally:
