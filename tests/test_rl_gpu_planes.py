@@ -16,8 +16,14 @@ its last version; a push cancelled mid-transfer is never committed; the next pus
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import shutil
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +35,7 @@ from tests.test_rl_faults import BUCKET, SPEC, TIMEOUT, TRAIN, _check_all, _Gens
 from transport.ipc_memfd import MemfdIpcEngine
 from transport.p2p import SocketLinkEngine
 
+REPO = Path(__file__).resolve().parents[1]
 ENGINES = {
     "cuda_ipc": {"ipc_engine": MemfdIpcEngine},
     "nccl": {"nccl_engine": SocketLinkEngine, "planes": ("tcp", "nccl")},  # no shm: as between two hosts
@@ -185,3 +192,62 @@ async def test_a_push_served_live_from_the_trainers_tensors(store_url, uname, en
             assert not [n for n in ep.buffers if "/live/" in n]
     finally:
         gens.close()
+
+
+def _other_host_unavailable() -> str | None:
+    """Why a process cannot be started as another "host" here (new pid and mount namespaces), or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1)"
+    try:
+        res = subprocess.run(["unshare", "--pid", "--mount", "--fork", "--mount-proc", "--kill-child", "true"],
+                             capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare failed: {exc}"
+    return None if res.returncode == 0 else f"unshare --pid --mount needs root: {res.stderr.strip()}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(_other_host_unavailable() is not None, reason=str(_other_host_unavailable()))
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+async def test_on_another_host_one_pulls_over_nccl_and_its_neighbour_relays_over_cuda_ipc(store_url, uname, mode):
+    """Point 6's topology on CPU: two generators in one process on another "host" (new pid and
+    mount namespaces: transport sees another host) with fanout="auto": one of them pulls from the
+    trainer over nccl, the other relays from it over cuda_ipc (its neighbour on that host); both
+    hold the exact bytes, and the report says so."""
+    names = [uname("hostb-gen0"), uname("hostb-gen1")]  # (sorted: the first is the host's leader)
+    proc = subprocess.Popen(["unshare", "--pid", "--mount", "--fork", "--mount-proc", "--kill-child",  # noqa: ASYNC220 - starts it only
+                             sys.executable, "tests/_pidns_host.py", store_url, mode, *names],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+    async def line() -> str:
+        got = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert got, f"the other host's process ended (rc {proc.poll()})"
+        return got.strip()
+
+    try:
+        assert await line() == "ready"
+        kw = {**ENGINES["cuda_ipc"], **ENGINES["nccl"], "planes": ("tcp", "cuda_ipc", "nccl")}
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **kw) as ep:
+            pub = rl_sync.WeightPublisher(ep, names, dtype="auto", bucket_bytes=BUCKET)
+            for version in (1, 2):
+                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
+                assert report.ok, report.summary()
+                proc.stdin.write(f"check {json.dumps(TRAIN)}\n")
+                proc.stdin.flush()
+                assert json.loads(await line()) == [[version, True], [version, True]]
+            lead, other = report.results[names[0]], report.results[names[1]]
+            assert (lead.source, lead.plane) == (ep.name, "nccl"), lead
+            assert (other.source, other.plane) == (names[0], "cuda_ipc"), other
+            assert not (await ep.connect(names[0])).same_host
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.write("quit\n")
+            proc.stdin.flush()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        for f in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()

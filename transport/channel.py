@@ -578,11 +578,12 @@ class Channel:
                     local = True
                     break
         cpu_link = False  # CPU buffers only, offered to a link engine on CPU memory
-        if not (remote or local or ipc):
+        if not (remote or local):
             link = self.link
-            if link is None or link.engine.device != "cpu" or link.state == "down":
+            if link is not None and link.engine.device == "cpu" and link.state != "down":
+                local = cpu_link = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
+            elif not ipc:
                 return self.plane
-            local = cpu_link = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
         if self.gpu_plane is None:
             self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
             log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
@@ -599,7 +600,7 @@ class Channel:
 
                     self._nccl = NcclPlane(self)
                 return self._nccl
-        if cpu_link:  # the link went down (another thread) since the look above: CPU bytes take our plane
+        if cpu_link and not ipc:  # the link went down (another thread) since the look above: CPU bytes take our plane
             return self.plane
         if self.gpu_plane == "cuda_ipc" and (remote or ipc):
             if self._usable("cuda_ipc", self._ipc_refusal(pairs)):
@@ -610,7 +611,7 @@ class Channel:
 
                     self._ipc = CudaIpcPlane(self)
                 return self._ipc
-        if not (remote or local):
+        if cpu_link or not (remote or local):  # (CPU buffers that neither stand-in engine took)
             return self.plane
         if not remote and not self.plane.inline_payload:  # the peer's buffers are in its shm segments
             for _, t in pairs:
