@@ -147,14 +147,14 @@ class _Cai:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class _Allocation:
+class _Allocation(_Cai):
     """One ``cuMemAlloc`` allocation, owned; freed when the last tensor made from it dies (torch
     keeps this object alive from the ``__cuda_array_interface__`` it reads)."""
 
     def __init__(self, index: int, ptr: int, nbytes: int) -> None:
+        super().__init__(ptr, nbytes)
         self.index = index
         self.ptr = ptr
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
     def __del__(self) -> None:
         ptr, self.ptr = self.ptr, 0
