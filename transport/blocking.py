@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .channel import Notification, Peer
+from .channel import Notification, Peer, Route
 from .endpoint import Endpoint
 from .errors import EndpointClosedError, Phase, TransportError, TransportTimeoutError
 from .ranges import At
@@ -150,6 +150,10 @@ class BlockingEndpoint:
     def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
         """See :meth:`Endpoint.map`."""
         return self._call(self._ep.map(peer, name, timeout=timeout), timeout)
+
+    def map_route(self, peer: str, name: str, *, timeout: float | None = None) -> Route:
+        """See :meth:`Endpoint.map_route`."""
+        return self._call(self._ep.map_route(peer, name, timeout=timeout), timeout)
 
     def notify(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
         """See :meth:`Endpoint.notify`."""

@@ -55,6 +55,7 @@ from .errors import (
     EndpointClosedError,
     PeerLostError,
     Phase,
+    PlaneUnavailableError,
     ProtocolError,
     RemoteError,
     StagingError,
@@ -584,15 +585,7 @@ class Channel:
                 local = cpu_link = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
             elif not ipc:
                 return self.plane
-        if self.gpu_plane is None:
-            self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
-            log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
-                     self.gpu_plane_reason,
-                     "" if self.plane.inline_payload or self.gpu_plane == "cuda_ipc" else
-                     f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
-                     "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
-                     "read from a CPU buffer of the peer goes through our bounce buffers into or out of its "
-                     f"{self.plane.name} segment)")
+        self._choose_gpu_plane()
         if self.gpu_plane == "nccl" and (remote or local):
             if self._usable("nccl", self._nccl_refusal(pairs)):
                 if self._nccl is None:
@@ -604,13 +597,7 @@ class Channel:
             return self.plane
         if self.gpu_plane == "cuda_ipc" and (remote or ipc):
             if self._usable("cuda_ipc", self._ipc_refusal(pairs)):
-                if self._ipc is None:
-                    if self._bye:
-                        raise PeerLostError(f"channel to {self.peer_name!r} is closing")
-                    from .planes.cuda_ipc import CudaIpcPlane
-
-                    self._ipc = CudaIpcPlane(self)
-                return self._ipc
+                return self._ipc_plane()
         if cpu_link or not (remote or local):  # (CPU buffers that neither stand-in engine took)
             return self.plane
         if not remote and not self.plane.inline_payload:  # the peer's buffers are in its shm segments
@@ -640,6 +627,64 @@ class Channel:
             return self.gpu_plane_reason or ""
         refused = f"; {self.last_refusal}" if self.last_refusal else ""
         return f"GPU buffers with this peer use {self.gpu_plane} ({self.gpu_plane_reason}){refused}"
+
+    def _choose_gpu_plane(self) -> None:
+        if self.gpu_plane is not None:
+            return
+        self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
+        log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
+                 self.gpu_plane_reason,
+                 "" if self.plane.inline_payload or self.gpu_plane == "cuda_ipc" else
+                 f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
+                 "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
+                 "read from a CPU buffer of the peer goes through our bounce buffers into or out of its "
+                 f"{self.plane.name} segment)")
+
+    def _ipc_plane(self) -> DataPlane:
+        if self._ipc is None:
+            if self._bye:
+                raise PeerLostError(f"channel to {self.peer_name!r} is closing")
+            from .planes.cuda_ipc import CudaIpcPlane
+
+            self._ipc = CudaIpcPlane(self)
+        return self._ipc
+
+    def map_plane(self, name: str) -> tuple[DataPlane, str]:
+        """The plane that aliases the peer's buffer ``name`` in this process
+        (:meth:`transport.Endpoint.map`), and why (event loop): ``cuda_ipc`` for a buffer the peer
+        exports through its IPC engine (every GPU buffer; CPU ones too with a CPU stand-in engine)
+        when that is this peer's GPU plane, else the channel's own plane for a CPU buffer if it
+        maps peer memory (``shm``). Raises :class:`PlaneUnavailableError` saying why none can."""
+        spec = self.peer_specs.get(name)
+        if spec is None:
+            raise StaleBufferError(f"{self.peer_name!r} has no buffer {name!r} any more")
+        wb = self.remote_wire.get(name)
+        if wb is not None and wb.ipc is not None:
+            self._choose_gpu_plane()
+            if self.gpu_plane == "cuda_ipc":
+                engine = self.core.ipc_engine
+                if engine is None:
+                    why: str | None = "no IPC engine here"
+                else:
+                    from .ipc import mapping_cache
+
+                    why = engine.reachable(wb.ipc) or mapping_cache(engine).refusal(wb.ipc)
+                if why is None:
+                    return self._ipc_plane(), f"cuda_ipc: {self.gpu_plane_reason}"
+                raise PlaneUnavailableError(f"{name!r} cannot be mapped over cuda_ipc: {why}")
+            if spec.device != "cpu":
+                raise PlaneUnavailableError(
+                    f"{name!r} is on {spec.device} and GPU buffers with {self.peer_name!r} use {self.gpu_plane} "
+                    f"({self.gpu_plane_reason}): mapping a GPU buffer needs cuda_ipc (a peer on this host)")
+        if spec.device != "cpu":
+            raise PlaneUnavailableError(f"{name!r} is on {spec.device} and the peer exports no CUDA IPC handle for "
+                                        "it: only CPU buffers (over shm) and exported GPU buffers (over cuda_ipc) "
+                                        "can be mapped")
+        if not self.plane.maps_peer_memory:
+            raise PlaneUnavailableError(
+                f"the channel runs the {self.plane.name} plane; mapping needs shm (a peer on this host, with shm "
+                "allowed by planes= on both sides)")
+        return self.plane, f"{self.plane.name}: a CPU buffer of a peer on this host, mapped read-only"
 
     def _usable(self, plane: str, why: str | None) -> bool:
         """Whether the chosen GPU plane takes this op (``why`` it cannot: logged once per reason)."""

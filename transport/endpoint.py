@@ -43,7 +43,7 @@ from .hostinfo import local_host, same_host
 from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
-from .planes.shm import Segment, ShmPlane, export_buffer, new_segment
+from .planes.shm import Segment, export_buffer, new_segment
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
@@ -991,48 +991,71 @@ class Endpoint:
         return Route(plane.name, ch.reason_for(plane))
 
     async def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
-        """A read-only CPU tensor that *is* ``peer``'s registered buffer ``name``: no copy.
+        """A tensor that *is* ``peer``'s registered buffer ``name``: no copy.
 
-        Only for a peer on this host whose channel runs the ``shm`` plane, and a
-        CPU buffer (anything else raises :class:`PlaneUnavailableError`, saying
-        why); :class:`UnknownBufferError` if the peer has no such buffer.
-        Connects first if needed; bounded by ``timeout`` (or the endpoint's),
-        cancellable like :meth:`connect`.
+        For a peer on this host: a CPU buffer is mapped over ``shm`` (the channel
+        must run it), read-only; a GPU buffer over ``cuda_ipc`` (it must be this
+        peer's GPU plane), as a CUDA tensor on the device that holds the
+        allocation. Anything else raises :class:`PlaneUnavailableError` saying
+        why (:meth:`map_route` tells which plane would map it, without mapping);
+        :class:`UnknownBufferError` if the peer has no such buffer. Connects
+        first if needed; bounded by ``timeout`` (or the endpoint's), cancellable
+        like :meth:`connect` (opening a CUDA mapping runs on a worker thread; a
+        cancelled call gives it back).
 
         The tensor has the buffer's dtype and shape and shows the peer's bytes
         as they are at each read: nothing orders reads with the peer's writes,
         so the application arranges that (rl_sync's ``mode="shared"`` does it
-        with a lock per bank). The mapping is read-only: writing through the
-        tensor kills this process with SIGSEGV rather than change what the peer
-        and other readers see. It stays valid while the tensor (or a view of
-        it) lives, even after the peer unregisters the buffer or exits; it then
-        shows the bytes the buffer last held, not a buffer registered later
-        under the same name. Each call reads the peer's registry (one round
-        trip), so it maps the buffer registered under ``name`` at the call. One
-        mapping per peer segment is kept while the peer exports it, so mapping
-        the same buffer again costs no page faults.
+        with a lock per bank, and on a GPU by the publisher waiting for its
+        copies before it lets readers in). Writes: an shm mapping is read-only,
+        and writing through it kills this process with SIGSEGV rather than
+        change what the peer and other readers see; CUDA cannot map peer memory
+        read-only, so writes through a ``cuda_ipc`` mapping *do* change the
+        peer's buffer, for the peer and every other process mapping it.
+
+        Lifetime: the mapping stays valid while the tensor (or a view of it)
+        lives, even after the peer unregisters the buffer; it then shows the
+        bytes the buffer last held, not a buffer registered later under the
+        same name. An shm mapping also outlives the peer's process. A
+        ``cuda_ipc`` mapping keeps the peer's memory retained for this process
+        (the peer frees it only after the last view here died), but not past
+        the peer's process: CUDA leaves the memory of an exporting process
+        that exited undefined, so keep the peer alive while reading. Each call
+        reads the peer's registry (one round trip), so it maps the buffer
+        registered under ``name`` at the call. One mapping per peer segment or
+        allocation is kept, so mapping the same buffer again costs no new
+        mapping.
         """
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
         await ch.sync_registry(deadline)  # the peer's registry as of now: never a buffer it has replaced
         for retry in (False, True):
-            spec = ch.peer_specs.get(name)
-            if spec is None:
+            if name not in ch.peer_specs:
                 raise UnknownBufferError(f"peer {peer!r} has no buffer {name!r}")
-            if not isinstance(ch.plane, ShmPlane):
-                raise PlaneUnavailableError(
-                    f"map({peer!r}, {name!r}): the channel runs the {ch.plane.name} plane; mapping needs shm "
-                    "(a peer on this host, with shm allowed by planes= on both sides)")
-            if spec.device != "cpu":
-                raise PlaneUnavailableError(f"map({peer!r}, {name!r}): the buffer is on {spec.device}; "
-                                            "only CPU buffers can be mapped")
+            plane, _ = ch.map_plane(name)
             try:
-                return ch.plane.map_readonly(name)
+                async with asyncio.timeout_at(deadline):
+                    return await plane.map(name)
+            except TimeoutError:
+                raise TransportTimeoutError(f"map({peer!r}, {name!r}): opening the mapping timed out",
+                                            Phase.CONNECT) from None
             except StaleBufferError:  # re-registered or unregistered since the registry was read
                 if retry:
                     raise
                 await ch.sync_registry(deadline)
         raise AssertionError("unreachable")
+
+    async def map_route(self, peer: str, name: str, *, timeout: float | None = None) -> Route:
+        """Which plane :meth:`map` would map ``peer``'s buffer ``name`` over, and why; maps nothing.
+        Raises what :meth:`map` raises when no plane can map it. Connects first if needed and reads
+        the peer's registry (one round trip); bounded by ``timeout`` (or the endpoint's)."""
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        await ch.sync_registry(deadline)
+        if name not in ch.peer_specs:
+            raise UnknownBufferError(f"peer {peer!r} has no buffer {name!r}")
+        plane, why = ch.map_plane(name)
+        return Route(plane.name, why)
 
     async def _transfer(self, ch: Channel, kind: OpKind, tensors: _Tensors, deadline: float,
                         start: Callable[[Any, Any, list[Any]], Awaitable[None]]) -> None:

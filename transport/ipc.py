@@ -59,8 +59,10 @@ export_ids = itertools.count(1 << 40)  # distinct from shm's export ids, for rea
 class IpcMapping(Protocol):
     """A peer's allocation, mapped into this process."""
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """``uint8`` tensor over bytes ``[offset, offset + nbytes)`` of the allocation."""
+    def view(self, offset: int, nbytes: int, keep: object = None) -> torch.Tensor:
+        """``uint8`` tensor over bytes ``[offset, offset + nbytes)`` of the allocation. ``keep``
+        (if not None) lives as long as the memory of the returned tensor and of every view of it
+        (:meth:`transport.Endpoint.map` ties the mapping's use count to it)."""
         ...
 
     def close(self) -> None:

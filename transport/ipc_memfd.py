@@ -7,6 +7,7 @@ and :mod:`transport.ipc` runs as with the CUDA engine, on a machine without a GP
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -68,10 +69,17 @@ class _MemfdMapping:
     def __init__(self, data: torch.Tensor) -> None:
         self._data: torch.Tensor | None = data
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+    def view(self, offset: int, nbytes: int, keep: object = None) -> torch.Tensor:
         if self._data is None:
             raise PlaneUnavailableError("cuda_ipc(memfd): the mapping was closed")
-        return self._data[offset : offset + nbytes]
+        view = self._data[offset : offset + nbytes]
+        if keep is None or not nbytes:
+            return view
+        # a tensor whose storage holds ``keep``: torch.frombuffer keeps the buffer object alive (and
+        # the buffer object ``view``, so the mmap lives as long as the tensor, like a CUDA mapping's)
+        buf = (ctypes.c_uint8 * nbytes).from_address(view.data_ptr())
+        buf.keep = (keep, view)  # type: ignore[attr-defined]
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
     def close(self) -> None:
         self._data = None

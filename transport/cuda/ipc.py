@@ -144,6 +144,7 @@ class _Cai:
     """A device pointer as ``__cuda_array_interface__`` (v2: no stream synchronisation)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
+        self.keep: object = None  # what must live as long as tensors made from this
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
@@ -216,13 +217,15 @@ class _CudaMapping:
         self.ptr = ptr
         self.size = size
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+    def view(self, offset: int, nbytes: int, keep: object = None) -> torch.Tensor:
         if not self.ptr:
             raise PlaneUnavailableError("cuda_ipc: the mapping was closed")
         if offset < 0 or offset + nbytes > self.size:
             raise PlaneUnavailableError(f"cuda_ipc: bytes [{offset}, {offset + nbytes}) lie outside the peer's "
                                         f"allocation of {self.size} bytes")
-        view = torch.as_tensor(_Cai(self.ptr + offset, nbytes), device=torch.device("cuda", self.index))
+        cai = _Cai(self.ptr + offset, nbytes)
+        cai.keep = keep  # (torch keeps the interface's object alive while the tensor's storage lives)
+        view = torch.as_tensor(cai, device=torch.device("cuda", self.index))
         if view.data_ptr() != self.ptr + offset or view.device.index != self.index:  # a copy would lose the put
             raise PlaneUnavailableError(f"cuda_ipc: wrapping the peer's memory made a copy (at 0x{view.data_ptr():x} "
                                         f"on {view.device}, not 0x{self.ptr + offset:x} on cuda:{self.index})")

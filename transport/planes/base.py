@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..errors import PlaneUnavailableError
 from ..wire import HostInfo, Item
 
 if TYPE_CHECKING:
@@ -98,6 +99,16 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         """Start reading the peer's buffers into the tensors of ``pairs``."""
+
+    #: True for a plane that can alias a peer's buffer in this process (:meth:`map`)
+    maps_peer_memory: ClassVar[bool] = False
+
+    async def map(self, name: str) -> torch.Tensor:
+        """The peer's registered buffer ``name`` as a tensor of its dtype and shape that aliases
+        its memory (:meth:`transport.Endpoint.map`). Raises
+        :class:`~transport.errors.StaleBufferError` if the peer no longer exports it, and
+        :class:`~transport.errors.PlaneUnavailableError` if this plane cannot map it."""
+        raise PlaneUnavailableError(f"the {self.name} plane cannot map a peer's buffer")
 
     def registry_changed(self) -> None:  # noqa: B027 - optional hook
         """The peer's registry changed: drop what is cached for buffers that are gone."""

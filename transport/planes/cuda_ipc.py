@@ -92,6 +92,32 @@ class _Batch:
         self._finish()
 
 
+class _Held:
+    """A mapped view's hold on the peer's allocation and export: given back (mapping use count,
+    export busy count, so ``Unmapped`` may go out) when the last tensor over it dies, on the
+    thread that drops it."""
+
+    __slots__ = ("_handle", "_plane", "__weakref__")
+
+    def __init__(self, plane: CudaIpcPlane, handle: IpcHandle) -> None:
+        self._plane: CudaIpcPlane | None = plane
+        self._handle = handle
+
+    def drop(self) -> None:
+        plane, self._plane = self._plane, None
+        if plane is not None:
+            try:
+                plane.cache.release(self._handle)
+            finally:
+                plane._leave([self._handle])
+
+    def __del__(self) -> None:
+        try:
+            self.drop()
+        except Exception:  # noqa: BLE001 - at interpreter exit, or a failed unmap (logged by the cache)
+            pass
+
+
 class CudaIpcPlane(DataPlane):
     name = "cuda_ipc"
     inline_payload = False
@@ -364,6 +390,47 @@ class CudaIpcPlane(DataPlane):
         op.keep = [t for _, t in pairs]
         ids = await self._copy(op, pairs, into_peer=False)
         self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, ids), op=op)
+
+    # ------------------------------------------------------------------ mapping
+    maps_peer_memory = True
+
+    async def map(self, name: str) -> torch.Tensor:
+        """The peer's buffer ``name`` aliased here (see :meth:`map_blocking`); the mapping is opened
+        on a worker thread if it is not open yet. Cancelled: the tensor, once made, is dropped,
+        which gives the mapping back."""
+        spec = self.channel.peer_specs.get(name)
+        if spec is not None and spec.nbytes == 0:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        return await asyncio.to_thread(self.map_blocking, name)
+
+    def map_blocking(self, name: str) -> torch.Tensor:
+        """Blocking (it may open the peer's allocation): a tensor of the buffer's dtype and shape
+        over the peer's memory. While that tensor, or a view of it, lives, the allocation stays
+        mapped here and the export counts as in use: the peer's memory is retained for us even
+        once it unregisters the buffer, and ``Unmapped`` confirms it only after the last view died.
+        CUDA maps peer memory read-write: writes through the tensor change the peer's buffer."""
+        spec = self.channel.peer_specs.get(name)
+        with self._lock:
+            if self._closed or self._quiet:
+                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+            wb = self.channel.remote_wire.get(name)
+            if spec is None or wb is None or wb.ipc is None:
+                raise StaleBufferError(f"cuda_ipc: {self.channel.peer_name!r} no longer exports {name!r}")
+            h = wb.ipc
+            self._busy[h.export_id] = self._busy.get(h.export_id, 0) + 1
+        try:
+            mapping = self.cache.acquire(h)
+        except BaseException:
+            self._leave([h])
+            raise
+        assert mapping is not None  # (a blocking acquire maps or raises)
+        held = _Held(self, h)
+        try:
+            raw = mapping.view(h.offset, spec.nbytes, held)
+        except BaseException:
+            held.drop()
+            raise
+        return raw.view(spec.dtype).view(spec.shape)
 
     # ------------------------------------------------------------------ teardown
     def quiesce(self, timeout: float) -> bool:

@@ -301,6 +301,14 @@ class ShmPlane(DataPlane):
         items = [it for it, _ in pairs]
         await self._copy(op, pairs, False, lambda ids: Get(op.op_id, op.seq, items, self.name, ids))
 
+    maps_peer_memory = True
+
+    async def map(self, name: str) -> torch.Tensor:
+        spec = self.channel.peer_specs.get(name)
+        if spec is not None and spec.device != "cpu":
+            raise PlaneUnavailableError(f"shm: {name!r} is on {spec.device}; only CPU buffers can be mapped over shm")
+        return self.map_readonly(name)
+
     def map_readonly(self, name: str) -> torch.Tensor:
         """The peer's buffer ``name`` as a read-only tensor of its dtype and shape, aliasing its
         memory. One mapping per segment, cached like the copy path's (so its pages fault in once)."""
