@@ -1,4 +1,4 @@
-"""The NCCL binding (transport/cuda/nccl_lib.py) on a machine without a GPU.
+"""The NCCL binding (transport/cuda/nccl_lib.py: nccl_table, nccl_loader, nccl_comm) on a machine without a GPU.
 
 What runs here: finding and loading libnccl (order, reasons, explicit choices that fail loudly),
 the version, unique ids, error strings and NcclError, the function tables checked against the
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from transport.cuda import nccl_lib as m
+from transport.cuda import nccl_loader as loader
 from transport.cuda.nccl_lib import (
     Communicator,
     NcclConfig,
@@ -137,11 +138,11 @@ def test_system_step_when_pathfinder_finds_nothing(lib):
     lib_dir = os.path.dirname(lib.path)
     out = _run_python(
         "import json\n"
-        "from transport.cuda import nccl_lib as m\n"
+        "from transport.cuda import nccl_loader as loader\n"
         "def no_pathfinder():\n"
-        "    raise m._CandidateError('disabled by the test')\n"
-        "m._locate_with_pathfinder = no_pathfinder\n"
-        "lib = m.load_nccl()\n"
+        "    raise loader._CandidateError('disabled by the test')\n"
+        "loader._locate_with_pathfinder = no_pathfinder  # replaced where _search looks it up\n"
+        "lib = loader.load_nccl()\n"
         "print(json.dumps([lib.source.value, lib.path, [list(a) for a in lib.attempts]]))\n",
         env={"LD_LIBRARY_PATH": lib_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")},
     )
@@ -157,13 +158,14 @@ def test_system_step_when_pathfinder_finds_nothing(lib):
 def test_every_step_failing_names_every_step(monkeypatch):
     def fail(reason):
         def step():
-            raise m._CandidateError(reason)
+            raise loader._CandidateError(reason)
 
         return step
 
-    monkeypatch.setattr(m, "_locate_in_process", fail("nothing mapped (test)"))
-    monkeypatch.setattr(m, "_locate_with_pathfinder", fail("pathfinder off (test)"))
-    monkeypatch.setattr(m, "_locate_system", lambda: ("libnccl-that-does-not-exist.so.2", "test"))
+    # Patched in nccl_loader, where _search looks the steps up (the nccl_lib facade only re-exports).
+    monkeypatch.setattr(loader, "_locate_in_process", fail("nothing mapped (test)"))
+    monkeypatch.setattr(loader, "_locate_with_pathfinder", fail("pathfinder off (test)"))
+    monkeypatch.setattr(loader, "_locate_system", lambda: ("libnccl-that-does-not-exist.so.2", "test"))
     monkeypatch.delenv(m.ENV_VAR, raising=False)
     with pytest.raises(NcclUnavailableError) as ei:
         m.load_nccl(cached=False)
@@ -457,8 +459,9 @@ def test_missing_optional_function_is_a_clear_error(monkeypatch, lib):
         m.OptionalFunction("ncclCommAbort", ctypes.c_int, (ctypes.c_void_p,), (99, 0, 0)),
         m.OptionalFunction("ncclNotInAnyNccl", ctypes.c_int, (), (2, 0, 0)),
     )
-    monkeypatch.setattr(m, "OPTIONAL_FUNCTIONS", rows)
-    monkeypatch.setattr(m, "_ALL_NAMES", m._ALL_NAMES | {"ncclNotInAnyNccl"})
+    # NcclLibrary reads both names from nccl_loader's globals (OPTIONAL_FUNCTIONS is nccl_table's, imported there).
+    monkeypatch.setattr(loader, "OPTIONAL_FUNCTIONS", rows)
+    monkeypatch.setattr(loader, "_ALL_NAMES", loader._ALL_NAMES | {"ncclNotInAnyNccl"})
     odd = m.load_nccl(lib.path, cached=False)
     assert not odd.has("ncclCommAbort") and not odd.has("ncclNotInAnyNccl")
     with pytest.raises(NcclUnavailableError) as ei:

@@ -58,7 +58,7 @@ def _cross_process_shm() -> tuple[bool, str]:
 def _nccl() -> dict[str, Any]:
     """Where libnccl was found (through the binding's search order), why, its version and optional functions."""
     from transport.cuda import NcclUnavailableError, load_nccl
-    from transport.cuda.nccl_lib import OPTIONAL_FUNCTIONS
+    from transport.cuda.nccl_table import OPTIONAL_FUNCTIONS
 
     try:
         lib = load_nccl()

@@ -4,8 +4,10 @@
 not import torch or ``cuda.pathfinder``: :func:`load_nccl` loads NCCL on its first call, and
 explains every place it looked if it cannot.
 
-* :mod:`transport.cuda.nccl_lib`: the ctypes binding for NCCL (library search, function tables,
-  result codes, :class:`NcclError`, :class:`Communicator`).
+* :mod:`transport.cuda.nccl_lib`: the ctypes binding for NCCL, re-exporting its three parts:
+  :mod:`~transport.cuda.nccl_table` (constants, result codes, data types, structs, function
+  tables), :mod:`~transport.cuda.nccl_loader` (library search, :class:`NcclLibrary`,
+  :class:`NcclError`) and :mod:`~transport.cuda.nccl_comm` (:class:`Communicator`).
 * :mod:`transport.cuda.staging`: the CUDA copy engine of the staged path (dedicated streams per
   device, pinned bounce buffers, events polled with a bound). It imports torch, so it is not
   imported here; :class:`transport.staging.Staging` imports it when a CUDA tensor is staged.
@@ -13,21 +15,18 @@ explains every place it looked if it cannot.
 
 from __future__ import annotations
 
-from .nccl_lib import (
-    BYTES,
+from .nccl_comm import Communicator
+from .nccl_loader import (
     ENV_VAR,
-    Communicator,
     LoadAttempt,
-    NcclDataType,
     NcclError,
     NcclLibrary,
-    NcclResult,
     NcclSource,
     NcclUnavailableError,
     check,
     load_nccl,
-    nccl_dtype,
 )
+from .nccl_table import BYTES, NcclDataType, NcclResult, nccl_dtype
 
 __all__ = [
     "BYTES",

@@ -22,7 +22,8 @@ import torch
 from ..completion import Posted, Poster
 from ..errors import PlaneUnavailableError, StagingError
 from .marks import caller_marks
-from .nccl_lib import Communicator, NcclUnavailableError, load_nccl
+from .nccl_comm import Communicator
+from .nccl_loader import NcclUnavailableError, load_nccl
 from .staging import CudaCopyHandle
 
 __all__ = ["NcclConn", "NcclLinkEngine", "nccl_link_engine"]
