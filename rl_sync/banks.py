@@ -3,12 +3,16 @@
 Theory of operation (``WeightSubscriber(..., mode="shared")``):
 
 * The publisher keeps ``shared_banks`` *banks* per layout (default 2), each a
-  full copy of the subscribers' arenas, registered on its endpoint (so they live in
-  shared memory). A push packs (and casts) every bucket straight into one bank;
-  at the commit each shared subscriber maps that bank read-only
-  (:meth:`transport.Endpoint.map`) and re-points its live tensors into it. Four
+  full copy of the subscribers' arenas, registered on its endpoint, on the
+  device the trainer's weights are packed on: CPU banks live in shared memory,
+  GPU banks are allocations of their own that CUDA IPC exports. A push packs
+  (and casts) every bucket straight into one bank; at the commit each shared
+  subscriber maps that bank (:meth:`transport.Endpoint.map`: read-only over
+  shm, read-write over cuda_ipc) and re-points its live tensors into it. Four
   local subscribers then cost the trainer one pass over the weights, and the
-  subscribers no copy at all.
+  subscribers no copy at all. On a GPU the publisher seals a bank only once
+  its packing copies are done, and a subscriber lets go of the bank it left
+  only once the GPU work its readers queued inside ``hold()`` is done.
 * A bank is rewritten only when no subscriber's weights point into it. That is
   kept by the kernel, with one lock file per bank (``flock``): a subscriber
   holds a shared lock on the bank its weights use; the publisher takes the
@@ -59,7 +63,7 @@ class _Bank:
     """One bank: its registered arenas and its lock file (kept open)."""
 
     def __init__(self, endpoint: transport.Endpoint, prefix: str, key: str, index: int, arenas: tuple[int, ...],
-                 lock_dir: str) -> None:
+                 lock_dir: str, device: torch.device) -> None:
         self.names = [f"{prefix}{key}/bank{index}/{i}" for i in range(len(arenas))]
         self.path = os.path.join(lock_dir, f"{key}-{index}.lock")
         self.tensors: list[torch.Tensor] = []
@@ -69,8 +73,9 @@ class _Bank:
         try:
             os.pwrite(self.fd, _stamp(0, 0), 0)
             for name, n in zip(self.names, arenas, strict=True):
-                # made in shared memory at once: no copy on the event loop, pages appear as packing writes them
-                self.tensors.append(endpoint.new_buffer(name, (n,)))
+                # CPU: made in shared memory at once (no copy on the event loop, pages appear as packing writes
+                # them); GPU: an allocation of its own that CUDA IPC exports whatever torch's allocator is set to
+                self.tensors.append(endpoint.new_buffer(name, (n,), device=device))
         except BaseException:
             self.close(endpoint)
             raise
@@ -108,8 +113,9 @@ class BankSet:
     """
 
     def __init__(self, endpoint: transport.Endpoint, prefix: str, key: str, arenas: tuple[int, ...], keep: int,
-                 lock_dir: str) -> None:
+                 lock_dir: str, device: torch.device | None = None) -> None:
         self.endpoint = endpoint
+        self.device = device if device is not None else torch.device("cpu")  # where the banks are
         self.prefix = prefix  # of the buffer names: unique to one publisher
         self.key = key
         self.arenas = arenas
@@ -131,7 +137,8 @@ class BankSet:
     def _add(self) -> int:
         index = self._next
         self._next += 1
-        self._banks[index] = _Bank(self.endpoint, self.prefix, self.key, index, self.arenas, self.lock_dir)
+        self._banks[index] = _Bank(self.endpoint, self.prefix, self.key, index, self.arenas, self.lock_dir,
+                                   self.device)
         self._order.insert(0, index)
         return index
 

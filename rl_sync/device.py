@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Copier", "ReaderMarks", "caller_marks", "one_device", "pack_device"]
+__all__ = ["Copier", "ReaderMarks", "caller_marks", "normal_device", "one_device", "pack_device", "wait_events"]
 
 
 def one_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
     """The one device all of ``tensors`` are on; ``ValueError`` naming the devices if several."""
     devices: dict[torch.device, list[str]] = {}
     for name, t in tensors.items():
-        devices.setdefault(_normal(t.device), []).append(name)
+        devices.setdefault(normal_device(t.device), []).append(name)
     if len(devices) > 1:
         listed = "; ".join(f"{d}: {names[:3]}{' ...' if len(names) > 3 else ''}" for d, names in devices.items())
         raise ValueError(f"the model's tensors are on several devices ({listed}): one WeightSubscriber receives "
@@ -49,11 +49,12 @@ def pack_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     """Where the publisher packs: the first CUDA device among the trainer's tensors, else the CPU."""
     for t in tensors:
         if t.is_cuda:
-            return _normal(t.device)
+            return normal_device(t.device)
     return torch.device("cpu")
 
 
-def _normal(device: torch.device) -> torch.device:
+def normal_device(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -63,7 +64,7 @@ def caller_marks(tensors: Iterable[torch.Tensor]) -> list[Any]:
     """On the caller's thread: one event per CUDA device of ``tensors``, recorded on that device's
     current stream (what a :class:`Copier` batch waits for). Empty for CPU tensors."""
     events = []
-    for device in {_normal(t.device) for t in tensors if t.is_cuda}:
+    for device in {normal_device(t.device) for t in tensors if t.is_cuda}:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
@@ -75,7 +76,7 @@ class Copier:
     batches of one copier run one after the other on its stream."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = _normal(device)
+        self.device = normal_device(device)
         self.is_cuda = self.device.type == "cuda"
         self._stream: Any = None  # made at the first batch, on the device
         self._lock = threading.Lock()
@@ -112,7 +113,7 @@ class ReaderMarks:
     """Where readers of weights on a GPU left ``hold()``: the newest event per stream."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = _normal(device)
+        self.device = normal_device(device)
         self.active = self.device.type == "cuda"
         self._events: dict[tuple[int, int], Any] = {}  # (device index, stream handle) -> its newest mark
         self._lock = threading.Lock()
@@ -143,7 +144,7 @@ class ReaderMarks:
         events = self.pending()
         if not events:
             return True
-        late = await asyncio.to_thread(_wait_events, events, timeout)
+        late = await asyncio.to_thread(wait_events, events, timeout)
         done = {id(e) for e in events} - {id(e) for e in late}
         with self._lock:
             for key in [k for k, e in self._events.items() if id(e) in done]:
@@ -151,8 +152,9 @@ class ReaderMarks:
         return not late
 
 
-def _wait_events(events: list[Any], timeout: float) -> list[Any]:
-    """Poll ``events`` until done or ``timeout``; the ones not done."""
+def wait_events(events: list[Any], timeout: float) -> list[Any]:
+    """Poll ``events`` (CUDA events) until done or ``timeout`` s, sleeping between polls
+    (blocking: not on the event loop); the ones not done."""
     deadline = time.monotonic() + timeout
     delay = 50e-6
     while True:

@@ -104,7 +104,8 @@ class _Layout:
         self.buckets = buckets
         self.digest = digest
         self.same_host = same_host  # on the publisher's host (transport's Peer.same_host)
-        self.shm = shm  # ... and its channel runs shm (what mode="shared" maps the banks through)
+        self.shm = shm  # ... and its channel runs shm (what mode="shared" maps CPU banks through)
+        self.cuda_ipc = cuda_ipc  # ... and its GPU plane is cuda_ipc (what mode="shared" maps GPU banks through)
         # fan-out: it reads the publisher's slots with its own copy engine (shm, or cuda_ipc for GPU
         # buffers), so it never costs the publisher a send: "auto" serves it from the publisher
         self.local = same_host and (shm or cuda_ipc)
@@ -456,14 +457,10 @@ class WeightPublisher:
                 report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0, stage="plan")
                 continue
             layout = res
-            if layout.shared and not (layout.same_host and layout.shm):
-                plane = _plane_of(self.endpoint, name)
-                where = (f"it is not on the publisher's host (reached over {plane})" if not layout.same_host else
-                         f"its channel runs {plane}, not shm (planes= must allow shm on both sides)")
-                report.results[name] = SubscriberResult(error=RlSyncError(
-                    f"{name} runs mode='shared', which maps the publisher's memory through shm, but {where}; "
-                    "use another mode there"),
-                    seconds=time.monotonic() - run.t0, stage="plan")
+            why = _unshareable(self.endpoint, name, layout, run.copier.device) if layout.shared else None
+            if why is not None:
+                report.results[name] = SubscriberResult(error=RlSyncError(why), seconds=time.monotonic() - run.t0,
+                                                        stage="plan")
                 continue
             try:
                 sources = check_sources(tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map,
@@ -477,7 +474,7 @@ class WeightPublisher:
                 group.live = self._live_buffers(layout, sources)
             if layout.shared and group.banks is None:
                 try:
-                    group.banks = self._bank_set(layout)
+                    group.banks = self._bank_set(layout, run.copier.device)
                 except Exception as exc:  # (memory, /dev/shm, the temp dir): the shared subscribers miss this push
                     log.exception("publisher %s: no shared banks for layout %s", self.endpoint.name, layout.digest[:16])
                     report.results[name] = SubscriberResult(error=RlSyncError(
@@ -568,17 +565,22 @@ class WeightPublisher:
             names[e.name] = name
         return names
 
-    def _bank_set(self, layout: _Layout) -> BankSet:
+    def _bank_set(self, layout: _Layout, device: torch.device) -> BankSet:
+        """The layout's shared banks, on ``device`` (where the trainer's weights are packed)."""
         bs = self._bank_sets.get(layout.digest)
+        if bs is not None and bs.device != device:  # the trainer's weights moved: banks where they are now
+            self._bank_sets.pop(layout.digest).close()
+            bs = None
         if bs is None:
             if self._lock_dir is None:
                 self._lock_dir = make_lock_dir(self.endpoint.name)
                 # a publisher dropped without close() (or at exit) still removes its lock folder
                 self._lock_dir_gone = weakref.finalize(self, remove_lock_dir, self._lock_dir)
             bs = self._bank_sets[layout.digest] = BankSet(self.endpoint, self._prefix, layout.digest[:16],
-                                                          layout.manifest.arenas, self.shared_banks, self._lock_dir)
-            log.info("publisher %s: %d shared banks of %.1f MiB for layout %s", self.endpoint.name,
-                     self.shared_banks, sum(layout.manifest.arenas) / 2**20, layout.digest[:16])
+                                                          layout.manifest.arenas, self.shared_banks, self._lock_dir,
+                                                          device)
+            log.info("publisher %s: %d shared banks of %.1f MiB on %s for layout %s", self.endpoint.name,
+                     self.shared_banks, sum(layout.manifest.arenas) / 2**20, device, layout.digest[:16])
         return bs
 
     def _drop_unused_banks(self) -> None:
@@ -964,6 +966,8 @@ class _Run:
             if r.error is None:
                 t.committed = True
                 t.finished_at = now
+                if r.plane:  # (shared: the plane the bank was mapped over)
+                    t.planes[r.plane] = r.route
                 self.emit(t, "committed")
             elif r.error_kind == "timeout":
                 self.fail(t, transport.TransportTimeoutError(f"{t.name}: {r.error}", Phase.COMMIT))
@@ -1096,16 +1100,28 @@ class _Run:
         await asyncio.sleep(0)  # let the Aborts go out before the push returns
 
 
-def _plane_of(ep: transport.Endpoint, name: str) -> str:
+def _unshareable(ep: transport.Endpoint, name: str, layout: _Layout, device: torch.device) -> str | None:
+    """Why subscriber ``name`` (mode='shared') cannot map banks on ``device``, or None."""
     p = ep.peers.get(name)
-    return p.plane if p is not None else "no channel"
+    if not layout.same_host:
+        where = f"it is not on the publisher's host (reached over {p.plane if p is not None else 'no channel'})"
+    elif device.type == "cuda" and not layout.cuda_ipc:
+        where = (f"GPU buffers with it use {p.gpu_plane} ({p.gpu_plane_reason}), not cuda_ipc" if p is not None
+                 else "it has no channel")
+    elif device.type != "cuda" and not (layout.shm or layout.cuda_ipc):
+        where = (f"its channel runs {p.plane if p is not None else 'no plane'}, not shm (planes= must allow shm "
+                 "on both sides)")
+    else:
+        return None
+    over = "a GPU bank through cuda_ipc" if device.type == "cuda" else "a CPU bank through shm"
+    return f"{name} runs mode='shared', which maps the publisher's weights ({over}), but {where}; use another mode there"
 
 
 def _route_of(t: _Target) -> tuple[str, str]:
     """The plane(s) a subscriber's bytes took during the push, and why."""
     if t.shared:
-        return "shared", ("mode='shared': its weights point into the publisher's bank through a read-only shm "
-                          "mapping; no bytes are copied to it")
+        how = "; ".join(f"mapped over {p}: {why}" for p, why in sorted(t.planes.items())) or "mapped"
+        return "shared", f"mode='shared': its weights point into the publisher's bank ({how}); no bytes are copied to it"
     if not t.planes:
         return "", ""
     if len(t.planes) == 1:

@@ -38,7 +38,7 @@ from transport.errors import Phase
 
 from . import messages as m
 from .banks import BankLease
-from .device import Copier, ReaderMarks, one_device
+from .device import Copier, ReaderMarks, normal_device, one_device, wait_events
 from .errors import RlSyncError
 from .plan import (
     MANIFEST_BUFFER,
@@ -172,19 +172,30 @@ class WeightSubscriber:
             cannot afford a second copy and can pause reading for a push.
             ``"shared"``: no copy of the weights of its own: on the
             publisher's host, every shared subscriber's live tensors point
-            into one of the publisher's banks (:mod:`rl_sync.banks`), mapped
-            read-only; a push is packed once into a bank no subscriber uses,
-            and the commit re-points the live tensors into it (as in swap,
-            with the same requirements). N local subscribers cost the
-            trainer one pass over the weights and themselves nothing. The
-            weights are read-only: writing into them kills the process
-            (SIGSEGV) instead of changing the other subscribers' weights.
-            :meth:`close` copies them into private memory (one pass, once
-            no reader is in :meth:`hold`), so the model keeps its last
-            version and becomes writable.
-            Readers fault the pages of each bank in on their first pass
-            over it. A publisher on another host fails this subscriber's
-            entry (it cannot map the banks).
+            into one of the publisher's banks (:mod:`rl_sync.banks`); a
+            push is packed once into a bank no subscriber uses, and the
+            commit re-points the live tensors into it (as in swap, with the
+            same requirements). N local subscribers cost the trainer one
+            pass over the weights and themselves nothing. CPU weights: the
+            banks are in the trainer's shared memory, mapped read-only;
+            writing into the weights kills the process (SIGSEGV) instead of
+            changing the other subscribers' weights. GPU weights: the banks
+            are on the trainer's GPU (which must be the model's), mapped
+            over ``cuda_ipc``; CUDA maps them read-write, so a write into
+            the weights (an in-place op, a fused kernel writing its input)
+            changes the bank, and with it every subscriber reading that
+            bank, until the next push re-points them into a fresh one:
+            keep the weights read-only in your code. A bank is let go only
+            once the GPU work that readers queued inside :meth:`hold` is
+            done. The generators also depend on the trainer process: CUDA
+            leaves the memory of an exporting process that exited
+            undefined, so if the trainer dies, close or restart them.
+            :meth:`close` copies the weights into private memory (one
+            pass, once no reader is in :meth:`hold`), so the model keeps
+            its last version and becomes writable. CPU readers fault the
+            pages of each bank in on their first pass over it. A publisher
+            on another host fails this subscriber's entry (it cannot map
+            the banks).
         arena_bytes: largest arena (a tensor larger than that gets an arena
             of its own).
         commit_timeout: how long a commit waits for readers to leave
@@ -210,10 +221,6 @@ class WeightSubscriber:
         self.device = one_device(self._live)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the model is on {self.device}: rl_sync receives into CPU or CUDA tensors")
-        if mode == "shared" and self.device.type != "cpu":
-            raise ValueError(f"mode='shared' points the weights into the publisher's CPU banks, and this model is on "
-                             f"{self.device}: use mode='staged', 'swap' or 'direct' for GPU weights (banks on the "
-                             "trainer's GPU, shared through CUDA IPC, are not built yet)")
         self._copier = Copier(self.device)  # the staged commit's copies and direct mode's first move (GPU: a stream)
         self._readers = ReaderMarks(self.device)  # GPU: where readers left hold(), waited for before weights change
         self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key(), shared=mode == "shared")
@@ -712,10 +719,16 @@ class WeightSubscriber:
                    "plan")
             return
         try:
+            route = await self.endpoint.map_route(push.publisher, msg.buffers[0]) if msg.buffers else None
             arenas = [await self.endpoint.map(push.publisher, name) for name in msg.buffers]
             short = [i for i, (a, n) in enumerate(zip(arenas, self.manifest.arenas, strict=True)) if a.numel() < n]
             if short:
                 refuse(f"bank arenas {short} are smaller than the layout's", "plan")
+                return
+            away = sorted({str(a.device) for a in arenas if normal_device(a.device) != self.device})
+            if away:  # (a bank on another GPU of this host: the weights would move to that device)
+                refuse(f"the publisher's bank is on {', '.join(away)} as mapped here and the model on {self.device}: "
+                       "mode='shared' needs the trainer's weights on the generator's GPU (use another mode)", "plan")
                 return
             lease: BankLease | None = BankLease(msg.lock, push.version, push.push_id)
         except Exception as exc:  # (transport, stale bank, lock file, a view that does not fit): refused, answered
@@ -735,8 +748,8 @@ class WeightSubscriber:
                     refuse(f"the bank does not fit the layout: {type(exc).__name__}: {exc}", "plan")
                     return
                 old, self._lease, lease = self._lease, lease, None
-                if old is not None:  # the weights left that bank: the publisher may rewrite it
-                    old.release()
+                if old is not None:  # the weights left that bank: the publisher may rewrite it once read
+                    self._let_go_after_reads(old)
                 with self._version_cond:
                     self._version = push.version
                     self._version_cond.notify_all()
@@ -748,7 +761,26 @@ class WeightSubscriber:
             if lease is not None:  # not adopted: let the publisher have that bank back
                 lease.release()
         log.debug("subscriber %s: committed version %d (shared bank %d)", self.endpoint.name, push.version, msg.bank)
-        self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version))
+        self._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, self._version,
+                                            plane=route.plane if route else "", route=route.reason if route else ""))
+
+    def _let_go_after_reads(self, lease: BankLease) -> None:
+        """The weights left ``lease``'s bank: let the publisher have it once the GPU work that
+        readers queued inside :meth:`hold` before now is done (they may still read it); at once on
+        the CPU. Waits on a thread of its own (not cancelled by :meth:`close`): a reader's kernel
+        that never ends keeps that bank, and the publisher writes another."""
+        events = self._readers.pending()
+        if not events:
+            lease.release()
+            return
+
+        def wait() -> None:
+            while wait_events(events, 60.0):
+                log.warning("subscriber %s: GPU reads of an old shared bank still running after 60 s; the bank "
+                            "stays locked until they end", self.endpoint.name)
+            lease.release()
+
+        threading.Thread(target=wait, name="rl_sync-bank-let-go", daemon=True).start()
 
     def _commit_direct(self, push: _Push) -> None:
         if not push.locked or self._push is not push:
@@ -827,13 +859,17 @@ class WeightSubscriber:
         threading.Thread(target=self._leave_locked, name="rl_sync-leave-bank", daemon=True).start()
 
     def _leave_locked(self) -> None:
-        """With the writer lock had: move the weights into private memory, let the bank go, unlock."""
+        """With the writer lock had: move the weights into private memory, let the bank go, unlock.
+        On a GPU the copies run on the copier's stream once the reads queued in :meth:`hold` are
+        done, and the bank goes only after the copies are."""
+        def move() -> None:
+            for t in self._live.values():
+                own = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                own.copy_(t)
+                t.set_(own.untyped_storage(), 0, own.shape, own.stride())
+
         try:
-            with torch.no_grad():
-                for t in self._live.values():
-                    own = torch.empty(t.shape, dtype=t.dtype)
-                    own.copy_(t)
-                    t.set_(own.untyped_storage(), 0, own.shape, own.stride())
+            self._copier.run_blocking(move, self._readers.pending())
             self._live_bank = None
             if self._lease is not None:
                 self._lease.release()

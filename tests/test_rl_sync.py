@@ -17,6 +17,7 @@ from rl_sync.fanout import assign_sources
 from rl_sync.plan import build_manifest, check_sources, make_buckets, plan_hash
 from tests._remote import RemoteEndpoint, backing, same_bytes
 from tests._rl_remote import blocking_generator, seeded, stamped
+from transport.ipc_memfd import MemfdIpcEngine
 
 # the subscriber's layout: several dtypes, a 0-d and an empty tensor, one tensor larger than a bucket
 GEN = {
@@ -33,10 +34,12 @@ BUCKET = 16 << 10  # several buckets per push, and embed.weight (37.5 KiB) is sp
 
 
 @contextlib.contextmanager
-def generators(store_url, uname, n, spec=GEN, *, planes=None, heartbeat_timeout=10.0, **sub_kwargs):
+def generators(store_url, uname, n, spec=GEN, *, planes=None, heartbeat_timeout=10.0, ipc_engine=None, **sub_kwargs):
     kw = {"store": store_url, "timeout": 20, "heartbeat_timeout": heartbeat_timeout}
     if planes:
         kw["planes"] = planes
+    if ipc_engine is not None:
+        kw["ipc_engine"] = ipc_engine
     gens = [RemoteEndpoint(uname(f"gen{i}"), **kw) for i in range(n)]
     try:
         for g in gens:
@@ -612,12 +615,13 @@ def test_blocking_subscriber(store_url, uname):
 
 
 # ---------------------------------------------------------------------------- shared mode
-def _bank_of(backing):
-    """The publisher bank every live tensor of one subscriber lies in (asserting it is one bank, read-only)."""
+def _bank_of(backing, perms="r--s"):
+    """The publisher bank every live tensor of one subscriber lies in (asserting it is one bank,
+    mapped read-only: over shm; cuda_ipc maps it read-write, ``perms="rw-s"``)."""
     files = {f for f, _ in backing.values()}
-    perms = {p for _, p in backing.values()}
+    have = {p for _, p in backing.values()}
     assert len(files) == 1 and "rl_sync/pub/" in next(iter(files)), backing
-    assert perms == {"r--s"}, f"a shared subscriber's weights must be a read-only mapping: {backing}"
+    assert have == {perms}, f"a shared subscriber's weights must be a {perms} mapping of the bank: {backing}"
     return next(iter(files)).split("/bank")[1].split("/")[0]
 
 
@@ -724,6 +728,53 @@ async def test_shared_mode_dead_subscriber_lets_go_of_its_bank(store_url, uname)
                 assert all(reborn.call("sub_check", TRAIN, 5).values())
             finally:
                 reborn.kill()
+
+
+async def test_shared_mode_over_cuda_ipc_maps_the_bank_and_a_stuck_or_dead_subscriber_holds_up_only_itself(
+        store_url, uname, caplog):
+    """Shared mode through the cuda_ipc plane (its CPU stand-in engine on every side: the banks'
+    exports are memfd segments, as a GPU bank's are CUDA IPC handles), the path GPU banks take.
+    Each subscriber maps the bank over cuda_ipc and the report says so; a stuck one keeps its bank
+    (one is added) and catches up later; a killed one pins nothing. CUDA maps peer memory
+    read-write: a write through one subscriber's weights reaches the bank, so every subscriber
+    reading that bank sees it, until the next push re-points them into a freshly written bank."""
+    with generators(store_url, uname, 3, mode="shared", commit_timeout=0.5, ipc_engine=MemfdIpcEngine) as gens:
+        async with trainer(store_url, uname, ipc_engine=MemfdIpcEngine) as ep:
+            pub = cast_pub(ep, gens, connect_timeout=2.0)
+            report = await pub.push(seeded(TRAIN, 1), 1)
+            assert report.ok, report.summary()
+            for g in gens:
+                r = report.results[g.name]
+                assert r.plane == "shared" and "mapped over cuda_ipc" in r.plane_reason, r
+                assert g.call("sub_buffers") == ["rl_sync/manifest"]
+                assert all(g.call("sub_check", TRAIN, 1).values())
+            bank = {_bank_of(g.call("sub_backing"), perms="rw-s") for g in gens}
+            assert len(bank) == 1, bank
+            # the mapping is writable: one subscriber's write shows in the others' weights (same bank)
+            assert gens[2].call("sub_write", "embed.weight") == "written"
+            assert not gens[0].call("sub_check", TRAIN, 1)["embed.weight"], "the write did not reach the bank"
+            stuck, rest = gens[0], gens[1:]
+            stuck_bank = _bank_of(stuck.call("sub_backing"), perms="rw-s")
+            stuck.call("sub_hold", 4.0)
+            held_until = time.monotonic() + 4.0
+            for v in (2, 3, 4):
+                report = await pub.push(seeded(TRAIN, v), v, timeout=3.0)
+                assert all(report.results[g.name].ok for g in rest), report.summary()
+                assert isinstance(report.results[stuck.name].error, transport.TransportTimeoutError)
+                for g in rest:
+                    assert all(g.call("sub_check", TRAIN, v).values()), "the next push heals the written bank"
+                    assert _bank_of(g.call("sub_backing"), perms="rw-s") != stuck_bank
+            assert "bank 2 added" in caplog.text
+            await asyncio.sleep(max(0.0, held_until + 0.3 - time.monotonic()))
+            assert stuck.call("sub_version", timeout=30) == 1, "the stuck subscriber's bank was rewritten"
+            gens[2].kill()
+            for v in (5, 6, 7):
+                report = await pub.push(seeded(TRAIN, v), v, timeout=5)
+                assert all(report.results[g.name].ok for g in gens[:2]), report.summary()
+                assert not report.results[gens[2].name].ok
+                for g in gens[:2]:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+            assert len(pub._bank_sets[next(iter(pub._bank_sets))]) == 2, "the extra bank is dropped once let go"
 
 
 async def test_shared_mode_needs_the_publisher_on_its_host(store_url, uname):

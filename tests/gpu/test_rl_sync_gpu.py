@@ -5,8 +5,8 @@ packs (and casts) into send slots on the GPU, on its own stream, after the work 
 caller's stream at ``push()``; each generator pulls into arenas on the GPU over ``cuda_ipc`` (its
 arenas are allocations of their own, exportable even when its allocator runs expandable segments),
 and commits (staged: a device-to-device copy; swap and direct: re-pointing) only once the GPU work
-its readers queued inside ``hold()`` is done. What is checked: exact bytes in every mode and
-fan-out, the plane the report names (and the generator's flight recorder agrees), a long kernel
+its readers queued inside ``hold()`` is done; in shared mode its weights point into a bank on the
+trainer's GPU, mapped over cuda_ipc. What is checked: exact bytes in every mode and fan-out, the plane the report names (and the generator's flight recorder agrees), a long kernel
 queued inside ``hold()`` on a side stream that reads the weights while the next push commits, and
 a push right behind a long kernel on the trainer's stream. The conftest skips all of it without
 CUDA; every wait is bounded. Runs its own event loops (the GPU machine has no pytest-asyncio).
@@ -180,5 +180,37 @@ def test_a_colocated_push_served_live_copies_once_from_the_trainers_tensors(stor
                 assert report.ok and report.packed_bytes == 0, report.summary()
                 assert ep._registry.snapshot()[0] == epoch, "the live tensors were registered again"
                 assert await _call(gens[0], "sub_check_held", same) == (2, True)
+
+        _run(body)
+
+
+def test_shared_mode_points_generators_into_the_trainers_gpu_bank(store_url):
+    """mode='shared' on a GPU: the publisher packs into banks on the trainer's GPU and each generator's
+    weights point into one of them, mapped over cuda_ipc (no copy to the generators). A generator's
+    kernel queued inside hold() (half a second of sleep, then copies, on a side stream) still reads
+    its old bank while the next two pushes commit: the bank it reads is let go only once that kernel
+    is done, so the second push adds a bank instead of rewriting it, and the copies hold exactly the
+    version that was held."""
+    with _gens(store_url, 2, "shared") as gens:
+        async def body() -> None:
+            async with transport.Endpoint(_name("gpu-trainer"), store=store_url, timeout=60) as ep:
+                pub = rl_sync.WeightPublisher(ep, [g.name for g in gens], dtype="auto", bucket_bytes=BUCKET)
+                report = await pub.push(_train(1), 1, timeout=60)
+                assert report.ok, report.summary()
+                for g in gens:
+                    r = report.results[g.name]
+                    assert r.plane == "shared" and "mapped over cuda_ipc" in r.plane_reason, r
+                    await asyncio.to_thread(_check, g, 1)
+                banks = [b.spec for b in ep._registry.snapshot()[1] if "/bank" in b.spec.name]
+                assert banks and all(sp.device.startswith("cuda") for sp in banks), banks
+                assert report.packed_bytes == report.results[gens[0].name].bytes, "one pack for every generator"
+                assert await _call(gens[0], "sub_gpu_read", SLEEP_CYCLES) == 1
+                for v in (2, 3):
+                    report = await pub.push(_train(v), v, timeout=60)
+                    assert report.ok, report.summary()
+                assert await _call(gens[0], "sub_gpu_read_result", TRAIN) == (1, True)
+                for g in gens:
+                    await asyncio.to_thread(_check, g, 3)
+                print(report.summary())
 
         _run(body)
