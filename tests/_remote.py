@@ -144,6 +144,72 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             outs = {n: poisoned(dt, tuple(sh)).to(*dev or ["cpu"]) for n, (dt, sh, _) in spec.items()}
             await ep.get(peer, outs, timeout=timeout)
             return {n: same_bytes(outs[n].cpu(), make_tensor(dt, tuple(sh), sd)) for n, (dt, sh, sd) in spec.items()}
+        if cmd == "churn":  # take buffer `name` back and register a fresh one, `cycles` times, every `period` s;
+            # returns what each taken-back registration held: its values, by region of `region` elements
+            bname, cycles, period, region = args
+            held = []
+            for _ in range(cycles):
+                await asyncio.sleep(period)
+                t = bufs[bname]
+                ep.unregister(bname)  # (moves the bytes out of the segment into private memory, in place)
+                fresh = torch.zeros_like(t)
+                bufs[bname] = fresh
+                ep.register(bname, fresh)
+                held.append(t)
+            return [torch.stack([t.reshape(-1, region).amin(1), t.reshape(-1, region).amax(1)], 1).tolist()
+                    for t in held]
+        if cmd == "slow_shm_copies":  # every shm copy of this endpoint sleeps `seconds` before it starts
+            from transport.planes.shm import ShmPlane
+
+            seconds = args[0]
+            real_copy = ShmPlane._copy_one
+
+            def slow_copy(self: Any, *a: Any, **k: Any) -> Any:
+                time.sleep(seconds)
+                return real_copy(self, *a, **k)
+
+            ShmPlane._copy_one = slow_copy  # type: ignore[method-assign]
+            return None
+        if cmd == "split_shm_copies":  # every shm copy into a peer writes half, sleeps `seconds`, writes the rest
+            from transport.planes.shm import ShmPlane
+
+            seconds = args[0]
+            real_copy = ShmPlane._copy_one
+
+            def split_copy(self: Any, op: Any, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
+                if not into_peer or t.numel() < 2:
+                    return real_copy(self, op, t, remote, into_peer)
+                half = t.numel() // 2
+                flat, dst = t.reshape(-1), remote.view(t.dtype)
+                dst[:half].copy_(flat[:half])
+                time.sleep(seconds)
+                dst[half:].copy_(flat[half:])
+                return True
+
+            ShmPlane._copy_one = split_copy  # type: ignore[method-assign]
+            return None
+        if cmd == "put_regions":  # puts j = 1..count, each filling region j % regions with the value j
+            peer, bname, region, regions, count, timeout = args
+            ok = typed = 0
+            other: list[str] = []
+            for j in range(1, count + 1):
+                try:
+                    await ep.put(peer, {bname: transport.At(torch.full((region,), float(j)), (j % regions) * region)},
+                                 timeout=timeout)
+                    ok += 1
+                except (transport.StaleBufferError, transport.UnknownBufferError):
+                    typed += 1
+                except transport.TransportError as exc:
+                    other.append(f"{type(exc).__name__}: {exc}")
+            return ok, typed, other
+        if cmd == "put_error":  # a put that is expected to fail: the exception's type and text ("" if it did not)
+            peer, spec, timeout = args
+            data = {n: make_tensor(dt, tuple(sh), sd) for n, (dt, sh, sd) in spec.items()}
+            try:
+                await ep.put(peer, data, timeout=timeout)
+            except transport.TransportError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return ""
         if cmd == "lag":  # make this side's reader of the channel to `peer` sleep before a handler
             peer, method, seconds = args
             await ep.connect(peer)

@@ -65,8 +65,12 @@ async def test_sigstop_times_out_at_the_deadline_and_dumps(store_url, uname, pla
         async with transport.Endpoint(uname("ini"), store=store_url, planes=(plane,), dump_dir=tmp_path) as ep:
             await ep.connect(frozen.name)
             frozen.signal(signal.SIGSTOP)
+            if plane == "shm":  # one-sided: a plain put needs nothing of the frozen peer, and completes
+                await ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 2)}, timeout=2.0)
             t0 = time.monotonic()
-            put = asyncio.ensure_future(ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 3)}, timeout=2.0))
+            # a put with a notification needs the peer (the notification is delivered before it returns)
+            put = asyncio.ensure_future(ep.put(frozen.name, {"w": make_tensor("float32", (1024,), 3)}, timeout=2.0,
+                                               notify=b"n"))
             await asyncio.sleep(0.5)
             # a dump taken on request while the op is stuck shows it in flight, and fr names it
             live = ep.dump_flight_recorder(tmp_path / "live.json")
@@ -106,8 +110,8 @@ async def test_frozen_peer_is_declared_lost_by_heartbeats(store_url, uname):
             await ep.connect(frozen.name)
             frozen.signal(signal.SIGSTOP)
             t0 = time.monotonic()
-            with pytest.raises(transport.PeerLostError, match="heartbeat"):
-                await ep.put(frozen.name, {"w": make_tensor("float32", (16,), 5)}, timeout=60)
+            with pytest.raises(transport.PeerLostError, match="heartbeat"):  # (a notify needs the peer's answer)
+                await ep.put(frozen.name, {"w": make_tensor("float32", (16,), 5)}, timeout=60, notify=b"n")
             assert time.monotonic() - t0 < 5.0
     finally:
         frozen.kill()
@@ -204,7 +208,8 @@ async def test_flight_recorder_dumps_on_signal(store_url, uname, tmp_path):
     try:
         tgt.call("register", "w", "float32", (8,))
         async with transport.Endpoint(uname("ini"), store=store_url) as ep:
-            await ep.put(tgt.name, {"w": make_tensor("float32", (8,), 11)})
+            # (with a notification: a plain shm put is one-sided and leaves no record on the target)
+            await ep.put(tgt.name, {"w": make_tensor("float32", (8,), 11)}, notify=b"n")
             tgt.signal(signal.SIGUSR1)
             deadline = time.monotonic() + 20
             while not list(tmp_path.glob("fr-*.json")):

@@ -996,6 +996,12 @@ class Channel:
         else:
             op.future.set_exception(exc)
 
+    def finish_here(self, op: Op) -> None:
+        """Event loop: ``op`` completed on this side alone (a plane that needs no answer: a
+        one-sided shm put or get): it leaves the table of pending ops and succeeds."""
+        if self._pop(op.op_id) is not None:  # (else the channel was lost meanwhile: lose() failed the op)
+            self._settle(op, None)
+
     def _settle_from_thread(self, op: Op, exc: BaseException | None) -> None:
         try:
             self.loop.call_soon_threadsafe(self._settle, op, exc)

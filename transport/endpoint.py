@@ -44,6 +44,7 @@ from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
 from .planes.shm import Segment, export_buffer, new_segment
+from .planes.shm_slots import SlotTable
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
@@ -199,6 +200,7 @@ class Endpoint:
         self._rdv = Rendezvous(store, host_store=host_store, timeout=timeout)
         self._registry = LocalRegistry()
         self._segments: list[Segment] = []  # shm segments exported by this endpoint
+        self._slots: SlotTable | None = None  # their exports' words (one-sided puts and gets), made at the first
         self.recorder = FlightRecorder(name, self.incarnation, flight_recorder_size)
         self._channels: dict[str, Channel] = {}
         self._all: set[Channel] = set()
@@ -345,6 +347,8 @@ class Endpoint:
         for buf in self._registry.snapshot()[1]:
             self._unexport(buf, closing=True)
         self._close_unexported()  # new_buffer segments never exported (an open that failed before its exports)
+        if self._slots is not None:
+            self._slots.close()
         self._ipc_retention.shutdown(self._newest_export)  # live peers may still write: held until they exit
         self._rdv.close()
 
@@ -553,7 +557,9 @@ class Endpoint:
     # ------------------------------------------------------------------ exports
     def _export(self, buf: LocalBuffer) -> None:
         if "shm" in self.planes and "shm" not in buf.exports and buf.tensor.device.type == "cpu":
-            buf.exports["shm"] = export_buffer(buf, self._segments)
+            if self._slots is None and SlotTable.usable():
+                self._slots = SlotTable()
+            buf.exports["shm"] = export_buffer(buf, self._segments, self._slots)
         self._export_ipc(buf)
         buf.ptr = buf.tensor.data_ptr()
 
@@ -562,7 +568,7 @@ class Endpoint:
         if ipc is not None:  # held until every same-host peer confirmed it unmapped (see transport.retention)
             self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, NEVER if closing else self._registry.epoch)
         exp = buf.exports.pop("shm", None)
-        if exp is not None and exp.close() and detach:
+        if exp is not None and exp.close(wait=not closing) and detach:
             t = buf.tensor
             private = torch.empty_like(t)
             with torch.no_grad():
@@ -900,6 +906,22 @@ class Endpoint:
                     ch.tick(now, self._hb_interval, self._hb_timeout)
                 except PeerLostError:
                     pass
+            if self._slots is not None:
+                self._mark_moved()
+
+    def _mark_moved(self) -> None:
+        """Registered CPU tensors re-pointed at other memory since (``module.to()``, ``t.data =``):
+        peers put into and get from shm segments without a message, so they cannot be told at
+        their op; every heartbeat interval the owner looks, and marks those exports' slots, so
+        peers' later ops fail with :class:`BufferMismatchError` (re-register the tensor)."""
+        for buf in self._registry.snapshot()[1]:
+            exp = buf.exports.get("shm")
+            if exp is None or exp.table is None or exp.moved_marked or buf.moved() is None:
+                continue
+            exp.moved_marked = True
+            exp.table.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
+            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' ops on "
+                        "it fail from now on (re-register it)", self.name, buf.spec.name)
 
     # ------------------------------------------------------------------ operations
     async def connect(self, peer: str, timeout: float | None = None) -> Peer:

@@ -99,7 +99,8 @@ __all__ = [
 
 # 2: cuda_ipc exports in WireBuffer, the Unmapped frame, the nccl plane's frames
 # 3: the handshake starts with Challenge/Proof (the job's secret), the acceptor sends its Hello first
-PROTOCOL_VERSION = 3
+# 4: ShmHandle's slot-table fields (shm puts without a notification, and gets, need no round trip)
+PROTOCOL_VERSION = 4
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
@@ -110,7 +111,9 @@ class ShmHandle(msgspec.Struct, array_like=True, frozen=True):
     """How a same-host peer maps a buffer: segment ``/proc/<pid>/fd/<fd>`` (checked by
     inode, ``size`` bytes long); the buffer starts ``offset`` bytes into it. ``export_id``
     is unique per registration, so a re-registered buffer is told apart even when it
-    lands in the same segment."""
+    lands in the same segment. ``slot`` (0: none) is the export's word in the owner's slot
+    table ``/proc/<pid>/fd/<table_fd>`` (inode ``table_inode``), through which puts and gets
+    complete without a round trip (:mod:`transport.planes.shm_slots`)."""
 
     pid: int
     fd: int
@@ -118,6 +121,9 @@ class ShmHandle(msgspec.Struct, array_like=True, frozen=True):
     size: int
     offset: int
     export_id: int
+    slot: int = 0
+    table_fd: int = -1
+    table_inode: int = 0
 
 
 class IpcHandle(msgspec.Struct, array_like=True, frozen=True):

@@ -49,6 +49,7 @@ from ..registry import LocalBuffer
 from ..staging import stage_out
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
 from .base import DataPlane
+from .shm_slots import SLOTS, SlotTable, TableView
 
 __all__ = ["Segment", "ShmExport", "ShmPlane", "StagedShmPlane", "export_buffer", "new_segment"]
 
@@ -92,14 +93,22 @@ class Segment:
 
 @dataclass
 class ShmExport:
-    """A registered buffer's place in a segment."""
+    """A registered buffer's place in a segment (and its word in the slot table, if any)."""
 
     segment: Segment
     handle: ShmHandle
+    table: SlotTable | None = None
+    name: str = ""
+    moved_marked: bool = False  # its slot says the owner re-pointed the tensor
 
-    def close(self) -> bool:
-        """Stop exporting; the segment's fd closes with its last buffer (then True is returned).
-        Existing mappings stay valid."""
+    def close(self, wait: bool = True) -> bool:
+        """Stop exporting: first revoke the export's slot (waiting, if ``wait``, up to
+        :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
+        no copy of a peer lands after this returns; the segment's fd closes with its last buffer
+        (then True is returned). Existing mappings stay valid."""
+        table, self.table = self.table, None
+        if table is not None and self.handle.slot:
+            table.revoke(self.handle.slot, self.name, wait)
         seg = self.segment
         seg.refs -= 1
         if seg.refs == 0 and seg.fd >= 0:
@@ -108,13 +117,26 @@ class ShmExport:
         return False
 
 
-def export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
+def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | None = None) -> ShmExport | None:
     """Make ``buf`` reachable through shared memory (None for an empty buffer).
 
     Reuses a live segment in ``segments`` whose storage the tensor already views
     (a tied weight, a view of a registered arena); otherwise moves the tensor into
-    a new segment in place and appends it.
+    a new segment in place and appends it. With ``table``, the export gets a slot in it
+    (peers then put and get without a round trip).
     """
+    exp = _export_buffer(buf, segments)
+    if exp is not None and table is not None:
+        export_id = exp.handle.export_id
+        slot = table.alloc(export_id)
+        if slot > 0:
+            h = exp.handle
+            exp.handle = ShmHandle(h.pid, h.fd, h.inode, h.size, h.offset, export_id, slot, table.fd, table.inode)
+            exp.table, exp.name = table, buf.spec.name
+    return exp
+
+
+def _export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
     t = buf.tensor
     nbytes = buf.spec.nbytes
     if nbytes == 0:
@@ -195,6 +217,7 @@ class ShmPlane(DataPlane):
         super().__init__(channel)
         self._maps: dict[int, torch.Tensor] = {}  # segment inode -> its bytes, mapped
         self._ro_maps: dict[int, torch.Tensor] = {}  # the same, mapped read-only (Endpoint.map)
+        self._tables: dict[int, TableView] = {}  # the peer's slot table (by inode): one-sided puts and gets
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -284,8 +307,9 @@ class ShmPlane(DataPlane):
         the op was abandoned meanwhile (the copy stopped)."""
         local, remote = t.reshape(-1), remote.view(t.dtype)
         step = max(1, _CHUNK // t.element_size())
+        channel = self.channel
         for i in range(0, local.numel(), step):
-            if op.abandoned:
+            if op.abandoned or not channel.is_open:  # (a lost channel: the peer's memory is nobody's any more)
                 return False
             if into_peer:
                 remote[i : i + step].copy_(local[i : i + step])
@@ -294,12 +318,84 @@ class ShmPlane(DataPlane):
         return True
 
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
+        if notify is None and self.one_sided and await self._one_sided(op, pairs, True):
+            return
         items = [it for it, _ in pairs]
         await self._copy(op, pairs, True, lambda ids: Put(op.op_id, op.seq, self.name, items, notify, ids))
 
     async def get(self, op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
+        if self.one_sided and await self._one_sided(op, pairs, False):
+            return
         items = [it for it, _ in pairs]
         await self._copy(op, pairs, False, lambda ids: Get(op.op_id, op.seq, items, self.name, ids))
+
+    #: puts without a notification, and gets, into exports that have a slot: no message at all
+    one_sided = True
+
+    async def _one_sided(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> bool:
+        """The op without a round trip (:mod:`transport.planes.shm_slots`): lock each export's
+        slot shared, check it still holds the export, copy, check again, unlock, and finish the op
+        here. False (nothing done) if an export has no slot: the op then takes the header and
+        acknowledgement. Cancellation and timeouts as for :meth:`_copy`: the copy stops at its next
+        chunk and the call raises once it stopped; the slot locks are released either way."""
+        jobs = []
+        for it, t in pairs:
+            if it.count:
+                h = self._handle(it)
+                if not 0 < h.slot < SLOTS:  # (no slot; or a hostile one: the header's path checks it)
+                    return False
+                jobs.append((it, t, h))
+        inodes = {h.table_inode for _, _, h in jobs}
+        if len(inodes) > 1:
+            return False
+        slots = [(h.slot, h.export_id) for _, _, h in jobs]
+        table = self._tables.get(jobs[0][2].table_inode) if jobs else None
+
+        def work() -> bool:
+            view_of = table if table is not None else (self._table(jobs[0][2]) if jobs else None)
+            views = [self._view(item, h, t.element_size()) for item, t, h in jobs]  # maps first
+            with op.lock:  # about to write (the peer's segment, or the caller's tensors): tell _abandon
+                if op.abandoned:
+                    return False
+                op.abandon_bound = self._abandon_bound
+                op.busy = True
+            try:
+                if view_of is None:
+                    return True
+                view_of.enter(slots, [it.name for it, _, _ in jobs])
+                try:
+                    for (_, t, _), remote in zip(jobs, views, strict=True):
+                        if op.abandoned or not self._copy_one(op, t, remote, into_peer):
+                            return False
+                    view_of.check(slots)
+                    if not self.channel.is_open:  # the peer died (or the channel broke) during the copy: its
+                        return False              # bytes went nowhere; lose() failed the op with the reason
+                finally:
+                    view_of.leave([s for s, _ in slots])
+            finally:
+                op.quiet.set()
+            return True
+
+        total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
+        if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES or table is None
+                     or any(h.inode not in self._maps for _, _, h in jobs)):
+            done = await asyncio.get_running_loop().run_in_executor(None, work)
+        else:
+            done = work()
+        if done:
+            self.channel.finish_here(op)
+        return True
+
+    def _table(self, h: ShmHandle) -> TableView:
+        """The peer's slot table, opened once per channel (a worker thread, the first time)."""
+        view = self._tables.get(h.table_inode)
+        if view is None:
+            view = TableView(h.pid, h.table_fd, h.table_inode)
+            have = self._tables.setdefault(h.table_inode, view)
+            if have is not view:
+                view.close()
+                view = have
+        return view
 
     maps_peer_memory = True
 
@@ -336,6 +432,9 @@ class ShmPlane(DataPlane):
     def close(self) -> None:
         self._maps.clear()
         self._ro_maps.clear()
+        tables, self._tables = list(self._tables.values()), {}
+        for view in tables:
+            view.close()
 
 
 class StagedShmPlane(ShmPlane):
@@ -354,6 +453,7 @@ class StagedShmPlane(ShmPlane):
 
     sends_at_once = False
     always_threaded = True
+    one_sided = False  # (its copies wait for the staging engine: kept on the header's path)
 
     def __init__(self, channel, base: ShmPlane) -> None:
         super().__init__(channel)

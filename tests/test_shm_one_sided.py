@@ -1,0 +1,148 @@
+"""``shm`` puts without a notification, and gets, need no round trip (``transport/planes/shm_slots.py``).
+
+The initiator locks the export's word in the target's slot table (shared), checks it still names
+the export, copies, checks again and unlocks; the target revokes an export (unregister,
+re-register, close) under the exclusive lock, bounded. What must hold, tried here with real
+processes: a plain put or get completes with the target frozen (one-sided); a put racing the
+target's take-backs either lands before the buffer is taken back or fails with a typed error,
+never reported done while its bytes are lost, and a large copy is never torn by a take-back; an
+initiator frozen mid-copy holds up a take-back for the bound only, and its put then fails.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, same_bytes
+from transport.planes.shm_slots import REVOKE_WAIT_S
+
+_TYPED = (transport.StaleBufferError, transport.UnknownBufferError)
+
+
+async def test_a_plain_put_and_get_need_nothing_of_a_frozen_target(store_url, uname, tmp_path):
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",), dump_dir=str(tmp_path))
+    try:
+        tgt.call("register", "w", "float32", (4096,))
+        tgt.call("register", "big", "float32", (1 << 20,))  # 4 MiB: copied on a worker thread
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=5) as ep:
+            await ep.connect(tgt.name)
+            tgt.signal(signal.SIGSTOP)
+            try:
+                await ep.put(tgt.name, {"w": make_tensor("float32", (4096,), 1)}, timeout=2)
+                await ep.put(tgt.name, {"big": make_tensor("float32", (1 << 20,), 2)}, timeout=2)
+                out = torch.zeros(4096)
+                await ep.get(tgt.name, {"w": out}, timeout=2)
+                assert same_bytes(out, make_tensor("float32", (4096,), 1))
+                with pytest.raises(transport.TransportTimeoutError):  # a notification needs the target
+                    await ep.put(tgt.name, {"w": make_tensor("float32", (4096,), 3)}, notify=b"x", timeout=0.5)
+            finally:
+                tgt.signal(signal.SIGCONT)
+            assert tgt.call("check", "big", 2)
+            # the initiator's flight recorder has every op; the target's only the one that messaged it
+            recs = [r for r in ep.recorder.snapshot() if r["kind"] in ("put", "get") and r["peer"] == tgt.name]
+            assert [(r["kind"], r["plane"], r["state"]) for r in recs[:3]] == [
+                ("put", "shm", "done"), ("put", "shm", "done"), ("get", "shm", "done")], recs
+            with open(tgt.call("dump", str(tmp_path / "tgt.json"))) as f:  # noqa: ASYNC230 - a small local file
+                dump = json.load(f)
+            assert [r["kind"] for r in dump["records"] if r["role"] == "target"] == ["put"], dump["records"]
+    finally:
+        tgt.kill()
+
+
+async def test_puts_racing_take_backs_land_before_or_fail_typed(store_url, uname):
+    """Small puts (on the event loop), each writing its own index into its own element, while the
+    target unregisters and re-registers the buffer every few milliseconds: every put that returned
+    must be found in the registration it landed in (taken back whole, or the last one), and each
+    failure is a typed one (stale export, or the buffer gone at the retry)."""
+    n = 20000
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",))
+    try:
+        tgt.call("register", "w", "int64", (n,))
+        tgt.call("churn", "w", 1, 0.0, 1)  # (zero-filled, not poisoned)
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=10) as ep:
+            await ep.connect(tgt.name)
+            tgt.start("churn", "w", 60, 0.005, 1)
+            ok, failed = [], 0
+            for i in range(1, n):
+                try:
+                    await ep.put(tgt.name, {"w": transport.At(torch.tensor([i]), i)})
+                    ok.append(i)
+                except _TYPED:
+                    failed += 1
+            held = tgt.result(timeout=60)
+            held += tgt.call("churn", "w", 1, 0.0, 1)  # and the registration that is live now
+        assert len(held) == 61
+        landed = set()
+        for reg in held:
+            for pos, (lo, hi) in enumerate(reg):
+                assert lo == hi and lo in (0, pos), f"element {pos} holds {lo}..{hi}: bytes of no put of it"
+                if lo:
+                    landed.add(pos)
+        lost = [i for i in ok if i not in landed]
+        assert not lost, f"{len(lost)} puts returned but their bytes are in no registration: {lost[:10]}"
+        assert len(ok) > n // 2, (len(ok), failed)
+        print(f"\n  {len(ok)} puts landed, {failed} failed typed, across {len(held)} registrations")
+    finally:
+        tgt.kill()
+
+
+async def test_a_take_back_waits_for_a_copy_in_flight_so_no_region_is_torn(store_url, uname):
+    """Every put of the initiator copies half a region, sleeps 20 ms (its slot locked), then the
+    rest, while the target takes the buffer back every 30 ms: each take-back must wait for the copy
+    in flight (the slot's exclusive lock), so every region of every registration taken back holds
+    one put's bytes whole (or zeros), never half of one and half of another."""
+    region, regions = 1 << 16, 8  # float32 elements: 256 KiB regions of a 2 MiB buffer
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",))
+    ini = RemoteEndpoint(uname("ini"), store=store_url, planes=("shm",), timeout=30)
+    try:
+        tgt.call("register", "w", "float32", (region * regions,))
+        tgt.call("churn", "w", 1, 0.0, region)  # (zero-filled, not poisoned)
+        ini.call("connect", tgt.name)
+        ini.call("split_shm_copies", 0.02)
+        tgt.start("churn", "w", 30, 0.03, region)
+        ini.start("put_regions", tgt.name, "w", region, regions, 150, 30)
+        held = tgt.result(timeout=120)
+        ok, typed, other = ini.result(timeout=120)
+        assert not other, other
+        torn = [(r, k, lo, hi) for r, reg in enumerate(held) for k, (lo, hi) in enumerate(reg) if lo != hi]
+        assert not torn, f"regions torn by a take-back (registration, region, min, max): {torn[:5]}"
+        assert ok > 0 and any(lo for reg in held for lo, _ in reg), (ok, typed)
+        print(f"\n  {ok} split puts landed, {typed} failed typed, {len(held)} take-backs, no region torn")
+    finally:
+        ini.kill()
+        tgt.kill()
+
+
+async def test_an_initiator_frozen_mid_copy_holds_a_take_back_for_the_bound_only(store_url, uname, caplog):
+    """The initiator sleeps inside its copy (the slot locked): the target's unregister waits
+    REVOKE_WAIT_S, takes the buffer back anyway (logged), and the put then fails with a typed
+    error; the bytes it copied late never reach the tensor the target took back."""
+    ini = RemoteEndpoint(uname("ini"), store=store_url, planes=("shm",), timeout=30)
+    try:
+        async with transport.Endpoint(uname("tgt"), store=store_url, planes=("shm",), timeout=30) as tgt:
+            w = tgt.new_buffer("w", (1 << 18,), torch.float32)  # 1 MiB, zeros
+            await asyncio.to_thread(ini.call, "connect", tgt.name)  # (our loop serves the handshake)
+            ini.call("slow_shm_copies", REVOKE_WAIT_S + 1.0)
+            ini.start("put_error", tgt.name, {"w": ("float32", (1 << 18,), 7)}, 30)
+            await asyncio.sleep(0.5)  # its copy sleeps with the slot locked
+            t0 = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="transport.planes.shm_slots"):
+                tgt.unregister("w")
+            took = time.monotonic() - t0
+            assert REVOKE_WAIT_S - 0.1 <= took < REVOKE_WAIT_S + 1.0, took
+            assert "taken back anyway" in caplog.text
+            err = await asyncio.to_thread(ini.result, 30)
+            assert err.startswith(("StaleBufferError", "UnknownBufferError")), err
+            await asyncio.sleep(0.5)
+            assert bool((w == 0).all()), "a late copy reached the tensor the target had taken back"
+    finally:
+        ini.kill()

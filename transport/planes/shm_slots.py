@@ -1,0 +1,250 @@
+"""``shm`` without a round trip: a table of export words in shared memory, guarded by byte-range locks.
+
+Once an shm put's copy into the peer's segment is done the bytes are in the peer's memory, so a
+put without a notification, and a get, need no message at all, provided the initiator can tell,
+by itself, that the buffer it copies into (or out of) is still the one the peer registered, and
+the peer cannot take the buffer back in the middle of the copy. Both come from one small memfd
+per target endpoint, its *slot table*:
+
+- Every shm export of the target gets a slot: an 8-byte word that holds the export's id while
+  the export is live and 0 once it is revoked (export ids are never reused, so a recycled slot
+  never passes for an old export). The table's ``/proc/<pid>/fd`` path, inode and the slot travel
+  in the export's :class:`~transport.wire.ShmHandle`.
+- The initiator takes a shared open-file-description lock (``F_OFD_SETLK``, ``F_RDLCK``) on the
+  slot's 8 bytes, checks that the word is the export id it was told, copies, checks the word
+  again, and unlocks. A lock it cannot get at once means the target is revoking the export right
+  now: the op fails with :class:`~transport.errors.StaleBufferError` (the endpoint refreshes its
+  copy of the peer's registry and retries once, as for a stale header).
+- The target revokes an export (unregister, re-register, close) by taking the exclusive lock on
+  the slot (polled, bounded by :data:`REVOKE_WAIT_S`), zeroing the word and unlocking, before it
+  moves or drops the tensor. A copy that holds the shared lock therefore lands before the target
+  takes the buffer back; one that starts later sees 0 and fails. If the lock cannot be had within
+  the bound (an initiator frozen mid-copy), the word is zeroed anyway (logged): that initiator's
+  second check then fails its op, so it is never reported done while its bytes are lost.
+
+Locks are counted per slot within a process (several ops of one process on one slot share one
+lock of the table's open file description, which the last of them releases). The kernel drops
+the locks of a process that dies. Blocking: the initiator's calls never wait (one syscall each);
+:meth:`SlotTable.revoke` may wait up to :data:`REVOKE_WAIT_S` on the thread that unregisters.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+
+from ..errors import BufferMismatchError, PeerLostError, StaleBufferError
+
+__all__ = ["MOVED", "REVOKE_WAIT_S", "SLOTS", "SlotTable", "TableView", "ofd_locks_work"]
+
+log = logging.getLogger(__name__)
+
+SLOTS = 1 << 16  # words per table (512 KiB of sparse memfd; a page appears when its first slot is used)
+REVOKE_WAIT_S = 2.0  # how long a revoke waits for the copies in flight on its export
+MOVED = 1 << 63  # or-ed into a word: the owner re-pointed the registered tensor (ops fail: re-register it)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_FLOCK = "hhqqi4x"  # struct flock on Linux x86-64 and aarch64: type, whence, start, len, pid (0 for OFD locks)
+
+
+def _lock(fd: int, kind: int, slot: int) -> bool:
+    """Take (or, with ``F_UNLCK``, release) the OFD lock on ``slot``'s word without waiting;
+    False if another open file description holds a conflicting lock."""
+    try:
+        fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, slot * 8, 8, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def ofd_locks_work() -> tuple[bool, str]:
+    """Whether this kernel has open-file-description locks on a memfd (Linux >= 3.15), and why."""
+    if not hasattr(os, "memfd_create"):
+        return False, "no memfd_create"
+    fd = os.memfd_create("transport:ofd-probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 8)
+        other = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if not _lock(other, fcntl.F_RDLCK, 0):
+                return False, "a shared OFD lock on a fresh memfd was refused"
+            if _lock(fd, fcntl.F_WRLCK, 0):
+                return False, "OFD locks of two open file descriptions did not conflict"
+            return True, "OFD byte-range locks on memfd work"
+        finally:
+            os.close(other)
+    except OSError as exc:
+        return False, f"OFD locks unavailable: {exc}"
+    finally:
+        os.close(fd)
+
+
+_PROBE: tuple[bool, str] | None = None
+
+
+def _probe() -> tuple[bool, str]:
+    global _PROBE
+    if _PROBE is None:
+        _PROBE = ofd_locks_work()
+        if not _PROBE[0]:
+            log.info("shm: puts and gets keep their round trip: %s", _PROBE[1])
+    return _PROBE
+
+
+class SlotTable:
+    """Target side: this endpoint's table of export words (made at the first shm export).
+    Methods are called on the endpoint's event loop thread."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("transport:slots", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, SLOTS * 8)
+            self._mm = mmap.mmap(self.fd, SLOTS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+        self.pid = os.getpid()
+        self._free: list[int] = []
+        self._next = 1  # slot 0 is never handed out (a zero slot field reads as "no slot")
+
+    @staticmethod
+    def usable() -> bool:
+        return _probe()[0]
+
+    def alloc(self, export_id: int) -> int:
+        """A slot holding ``export_id`` (live), or -1 when the table is full (the export then keeps
+        the round trip)."""
+        if self._free:
+            slot = self._free.pop()
+        elif self._next < SLOTS:
+            slot = self._next
+            self._next += 1
+        else:
+            return -1
+        struct.pack_into("<Q", self._mm, slot * 8, export_id)
+        return slot
+
+    def mark_moved(self, slot: int, export_id: int, name: str) -> None:
+        """The registered tensor of the export in ``slot`` was re-pointed at other memory: peers'
+        later ops on it fail with :class:`~transport.errors.BufferMismatchError` (the slot stays
+        taken until the export is revoked). Blocking like :meth:`revoke`."""
+        self._write(slot, export_id | MOVED, name, True)
+
+    def revoke(self, slot: int, name: str, wait: bool = True) -> None:
+        """Revoke the export in ``slot``: wait (bounded; not at all without ``wait``) for the copies
+        in flight on it, zero its word, and free the slot. Blocking, up to :data:`REVOKE_WAIT_S`."""
+        self._write(slot, 0, name, wait)
+        self._free.append(slot)
+
+    def _write(self, slot: int, word: int, name: str, wait: bool) -> None:
+        if self.fd < 0:
+            return
+        deadline = time.monotonic() + (REVOKE_WAIT_S if wait else 0.0)
+        delay = 20e-6
+        locked = _lock(self.fd, fcntl.F_WRLCK, slot)
+        while not locked and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+            locked = _lock(self.fd, fcntl.F_WRLCK, slot)
+        struct.pack_into("<Q", self._mm, slot * 8, word)
+        if locked:
+            _lock(self.fd, fcntl.F_UNLCK, slot)
+        elif wait:
+            log.warning("shm: a peer's copy into or out of %r still held it after %.1f s (a frozen peer?); the "
+                        "buffer was taken back anyway, and that peer's op fails", name, REVOKE_WAIT_S)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            for slot in range(1, self._next):  # every word 0: no later op of a peer passes its check
+                struct.pack_into("<Q", self._mm, slot * 8, 0)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class TableView:
+    """Initiator side: a peer's slot table, mapped read-only, with this process's locks on it.
+    Thread-safe."""
+
+    def __init__(self, pid: int, fd: int, inode: int) -> None:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StaleBufferError(f"shm: cannot open the peer's slot table {path}: {exc}") from exc
+        try:
+            st = os.fstat(self.fd)
+            if st.st_ino != inode or st.st_size < SLOTS * 8:  # (a short file would SIGBUS a read past its end)
+                raise StaleBufferError(f"shm: {path} is not the peer's slot table (inode {st.st_ino}, "
+                                       f"{st.st_size} bytes)")
+            self._mm = mmap.mmap(self.fd, SLOTS * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.inode = inode
+        self._held: dict[int, int] = {}  # slot -> ops of this process holding its shared lock
+        self._lock = threading.Lock()
+
+    def word(self, slot: int) -> int:
+        return int.from_bytes(self._mm[slot * 8 : slot * 8 + 8], "little")
+
+    def enter(self, slots: list[tuple[int, int]], names: list[str]) -> None:
+        """Lock every ``(slot, export_id)`` shared and check its word; all or nothing. Raises
+        :class:`StaleBufferError` if one is being revoked or no longer holds that export, and
+        :class:`BufferMismatchError` if its owner re-pointed the tensor (``names``: the buffers')."""
+        taken: list[int] = []
+        try:
+            for (slot, export_id), name in zip(slots, names, strict=True):
+                self._take(slot)
+                taken.append(slot)
+                word = self.word(slot)
+                if word == export_id | MOVED:
+                    raise BufferMismatchError(f"buffer {name!r} was re-pointed at other memory since it was "
+                                              "registered; re-register it")
+                if word != export_id:
+                    raise StaleBufferError(f"shm: export {export_id} was revoked by the peer (unregistered or "
+                                           "re-registered)")
+        except BaseException:
+            self.leave(taken)
+            raise
+
+    def check(self, slots: list[tuple[int, int]]) -> None:
+        """With the locks held, after the copy: every word still holds its export (else the peer
+        took the buffer back without waiting for us: :class:`StaleBufferError`)."""
+        for slot, export_id in slots:
+            if self.word(slot) != export_id:
+                raise StaleBufferError(f"shm: export {export_id} was taken back by the peer while the copy ran "
+                                       "(the peer did not wait for it: frozen or slow here)")
+
+    def _take(self, slot: int) -> None:
+        with self._lock:
+            if self.fd < 0:
+                raise PeerLostError("shm: the channel to the peer is closed")
+            n = self._held.get(slot, 0)
+            if n == 0 and not _lock(self.fd, fcntl.F_RDLCK, slot):
+                raise StaleBufferError("shm: the peer is taking the buffer back (unregister or re-register)")
+            self._held[slot] = n + 1
+
+    def leave(self, slots: list[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                n = self._held.get(slot, 0) - 1
+                if n > 0:
+                    self._held[slot] = n
+                    continue
+                self._held.pop(slot, None)
+                if self.fd >= 0:
+                    _lock(self.fd, fcntl.F_UNLCK, slot)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)  # (drops every lock of this open file description)
+                self.fd = -1
