@@ -69,7 +69,7 @@ timed), so consecutive versions differ in every byte; after the last
 repetition of a case every subscriber/receiver reports a SHA-256 of its
 bfloat16 weights, which must equal the trainer's own bfloat16 cast.
 
-Where the time goes: the trainer wraps ``rl_sync.publisher._pack`` and each
+Where the time goes: the trainer wraps ``rl_sync.push_run._pack`` and each
 subscriber wraps ``WeightSubscriber._pull`` and its commit step to timestamp
 them: ``_apply`` (staged: the copy into the live tensors, in a thread) or
 ``_repoint`` (swap: ``set_`` of every live tensor, on the event loop); a few
@@ -448,7 +448,7 @@ async def _rl_subscriber(name: str, result_q: Any, ctrl_q: Any, store_url: str,
 
 # ---------------------------------------------------------------------------- rl_sync trainer (this process)
 class PackTimer:
-    """Wraps ``rl_sync.publisher._pack`` to timestamp every bucket packed (this process only)."""
+    """Wraps ``rl_sync.push_run._pack`` to timestamp every bucket packed (this process only)."""
 
     _instance: PackTimer | None = None
 
@@ -462,9 +462,9 @@ class PackTimer:
     def __init__(self) -> None:
         self.records: list[tuple[float, float, int]] = []
         self.ok = False
-        from rl_sync import publisher as pub_mod
+        from rl_sync import push_run as run_mod
 
-        orig = getattr(pub_mod, "_pack", None)
+        orig = getattr(run_mod, "_pack", None)
         if not callable(orig):
             return
 
@@ -475,7 +475,7 @@ class PackTimer:
             finally:
                 self.records.append((t0, time.monotonic(), int(getattr(bucket, "nbytes", 0))))
 
-        pub_mod._pack = timed_pack
+        run_mod._pack = timed_pack
         self.ok = True
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rl_sync
+import rl_sync.pub_buffers
 import transport
 from rl_sync.fanout import assign_sources
 from rl_sync.plan import build_manifest, check_sources, make_buckets, plan_hash
@@ -878,7 +879,7 @@ async def test_shared_banks_that_cannot_be_made_fail_only_the_shared_subscribers
         def no_room(owner):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(rl_sync.publisher, "make_lock_dir", no_room)
+        monkeypatch.setattr(rl_sync.pub_buffers, "make_lock_dir", no_room)
         async with trainer(store_url, uname) as ep:
             pub = cast_pub(ep, gens)
             report = await pub.push(seeded(TRAIN, 1), 1)

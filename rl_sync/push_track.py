@@ -1,0 +1,309 @@
+"""One push's state and how it reacts (:class:`PushTracker`, the base of
+:class:`rl_sync.push_run.PushRun`): the replies (Begin, each pull, Commit), the pulls it sends,
+stalls (a slot taken back), relays that fail, stall or go silent (their dependents pull from the
+publisher), commits, failures (with the Abort owed) and the watchdog (lost channels, the deadline).
+Internal to :mod:`rl_sync.publisher` (see its theory of operation)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import transport
+from transport.errors import Phase
+
+from . import messages as m
+from .device import Copier
+from .errors import SubscriberRejectedError
+from .plan import arena_name
+from .push_state import Group, Publisher, Pull, Target, rejection
+from .report import PushEvent
+
+__all__ = ["POLL", "PushTracker"]
+
+log = logging.getLogger("rl_sync.publisher")
+
+_STALL_MIN = 0.25  # seconds: the least a slot's puller is given before the slot is taken back from it
+_STALL_FACTOR = 4.0  # ... and how many times the slowest answered pull of that slot
+POLL = 0.05
+
+
+class PushTracker:
+    """The state of one push (its targets, their progress, its tasks) and its reactions to replies
+    and to time; :class:`rl_sync.push_run.PushRun` drives the push on top of it."""
+
+    def __init__(self, pub: Publisher, push_id: int, version: int, deadline: float, t0: float) -> None:
+        self.pub = pub
+        self.ep = pub.endpoint
+        self.push_id = push_id
+        self.version = version
+        self.deadline = deadline
+        self.t0 = t0
+        self.targets: dict[str, Target] = {}
+        self.changed = asyncio.Event()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.packed_bytes = 0
+        self.bar: Any = None
+        self.groups: list[Group] = []
+        # how long the latest answered pulls took (the relay stall bound's yardstick; the watchdog takes
+        # its median every tick, so only the newest few are kept)
+        self.took: collections.deque[float] = collections.deque(maxlen=256)
+        self.copier: Copier = Copier(torch.device("cpu"))  # where packs run (set by push())
+        self.marks: list[Any] = []  # the caller's GPU work queued when push() was called
+        self._marks_wait: asyncio.Future[Any] | None = None  # live pulls: the host wait for those marks
+
+    # ------------------------------------------------------------------ events
+    def emit(self, t: Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:
+        observer = self.pub.observer
+        if observer is None:
+            return
+        try:
+            observer(PushEvent(self.push_id, self.version, t.name, kind, bucket, source or self.ep.name, len(t.have),
+                               len(t.layout.buckets), time.monotonic() - self.t0, detail))
+        except Exception:
+            log.exception("push %d: the observer raised on %s of %s; ignored", self.push_id, kind, t.name)
+
+    def _stall_bound(self, took: float | None) -> float:
+        """How long a pull may go unanswered while it holds up others: ``4x`` the slowest answered
+        pull it is compared with (at least 0.25 s), or ``stall_timeout`` with nothing to compare."""
+        if took is None:
+            return self.pub.stall_timeout
+        return max(_STALL_MIN, _STALL_FACTOR * took)
+
+    def _pull(self, t: Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None,
+              live: tuple[str, ...] = ()) -> None:
+        t.orphaned.discard(k)
+        p = t.inflight[k] = Pull(next(t.attempts), source, slot, time.monotonic())
+        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt, live))
+        self.emit(t, "pull_sent", k, source)
+
+    def _stall(self, t: Target, why: str) -> None:
+        """Take every slot back from ``t``: its slot pulls are superseded (repaired once it answers)."""
+        if not t.stalled:
+            t.stalled = True
+            t.stalled_at = time.monotonic()
+            log.warning("push %d (version %d): %s stalled: %s; its slots go on without it, its dependents pull from "
+                        "the publisher", self.push_id, self.version, t.name, why)
+            self.emit(t, "stalled", detail=why)
+        g = t.group
+        for k, p in list(t.inflight.items()):
+            if p.slot is not None:
+                if g is not None:
+                    g.slot_users[p.slot].discard(t.name)
+                del t.inflight[k]
+                t.orphaned.add(k)
+        for d in t.dependents:
+            if d.alive and d.source == t.name:
+                self._resource(d, f"its relay {t.name} stalled")
+        self.changed.set()
+
+    def _resource(self, d: Target, why: str) -> None:
+        """``d`` pulls from the publisher from now on: what it misses, relay pulls in flight included
+        (superseded), comes in the repair pass, the rest in the main pass."""
+        d.source = None
+        served = d.group.served if d.group is not None else 0
+        for k, p in list(d.inflight.items()):
+            if p.source is not None:
+                del d.inflight[k]
+        d.orphaned |= {k for k in range(served) if k not in d.have and k not in d.inflight}
+        log.info("push %d: %s pulls from the publisher from now on (%s)", self.push_id, d.name, why)
+        self.emit(d, "resourced", detail=why)
+        self.changed.set()
+
+    def _check_source(self, d: Target) -> None:
+        """Once the main pass runs, a begun subscriber whose relay has not begun (or is stalled, or
+        failed) pulls from the publisher instead: a relay late to begin never holds it up."""
+        src = self.targets.get(d.source) if d.source is not None else None
+        if src is not None and d.alive and d.begun and (not src.begun or src.stalled or src.error is not None):
+            self._resource(d, f"its relay {src.name} has not begun" if not src.begun else f"its relay {src.name} "
+                              f"is {'stalled' if src.stalled else 'failed'}")
+
+    def _feed(self, d: Target) -> None:
+        """Tell ``d`` (begun, relaying from a live source) to pull what its source already holds."""
+        src = self.targets.get(d.source) if d.source is not None else None
+        if src is None or not d.alive or not d.begun or src.error is not None or src.stalled:
+            return
+        for k in sorted(src.have):
+            if k not in d.have and k not in d.inflight:
+                b = d.layout.buckets[k]
+                self._pull(d, k, src.name, arena_name(src.bank, b.arena), b.offset, None)
+
+    def on_reply(self, t: Target, r: m.Reply) -> None:
+        now = time.monotonic()
+        t.heard = now
+        if t.stalled and r.stage == "pull":  # it answers again: its superseded buckets are repaired
+            t.stalled = False
+            log.info("push %d: %s answers again after %.2f s stalled", self.push_id, t.name, now - t.stalled_at)
+        if r.stage == "begin":
+            if t.begun:
+                return
+            if r.error is None:
+                t.begun = True
+                t.bank = r.bank
+                self.emit(t, "begun")
+                g = t.group
+                if g is not None and g.served and not t.shared:  # began after the main pass started
+                    self._check_source(t)
+                    if t.source is None:
+                        t.orphaned |= {k for k in range(g.served) if k not in t.have}
+                    else:
+                        self._feed(t)
+                for d in t.dependents:  # relaying to subscribers that began first
+                    self._feed(d)
+                self._maybe_commit(t)  # a layout with no bytes at all, or a sealed bank
+            else:
+                self.fail(t, rejection(t.name, r))
+        elif r.stage == "pull":
+            p = t.inflight.get(r.bucket)
+            if p is None or p.attempt != r.attempt:
+                self.changed.set()
+                return  # a superseded attempt: its bytes may be torn, a newer pull (or the repair) follows
+            del t.inflight[r.bucket]
+            g = t.group
+            if p.slot is not None and g is not None:
+                g.slot_users[p.slot].discard(t.name)
+                took = now - g.slot_ready[p.slot]
+                g.slot_took[p.slot] = max(took, g.slot_took[p.slot] or 0.0)
+            if r.error is None:
+                self.took.append(now - p.sent)
+                t.have.add(r.bucket)
+                if r.plane:
+                    t.planes[r.plane] = r.route
+                self.emit(t, "pulled", r.bucket, p.source)
+                for d in t.dependents:
+                    if d.source == t.name:
+                        self._feed(d)
+                self._maybe_commit(t)
+            elif p.source is not None:
+                log.info("push %d: %s could not pull bucket %d from relay %s (%s); it will come from the publisher",
+                         self.push_id, t.name, r.bucket, p.source, r.error)
+                t.orphaned.add(r.bucket)
+            else:
+                self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
+        elif r.stage == "commit":
+            if r.error is None:
+                t.committed = True
+                t.finished_at = now
+                if r.plane:  # (shared: the plane the bank was mapped over)
+                    t.planes[r.plane] = r.route
+                self.emit(t, "committed")
+            elif r.error_kind == "timeout":
+                self.fail(t, transport.TransportTimeoutError(f"{t.name}: {r.error}", Phase.COMMIT))
+            else:
+                self.fail(t, SubscriberRejectedError(f"{t.name} refused the commit: {r.error}"))
+        self.changed.set()
+
+    def _maybe_commit(self, t: Target) -> None:
+        if t.alive and t.begun and t.complete and not t.committing:
+            g = t.group
+            if not t.shared:
+                msg: m.Commit | None = m.Commit(self.push_id, self.version)
+            elif g is not None and g.sealed and g.bank is not None and g.banks is not None:
+                msg = m.Commit(self.push_id, self.version, g.bank, tuple(g.banks.names(g.bank)), g.banks.path(g.bank))
+            else:
+                msg = None
+            if msg is not None:
+                t.committing = True
+                t.commit_at = time.monotonic()
+                self._send(t, msg)
+                self.emit(t, "commit_sent")
+
+    def fail(self, t: Target, exc: BaseException) -> None:
+        if t.error is not None or t.committed:
+            return
+        t.error = exc
+        t.finished_at = time.monotonic()
+        log.warning("push %d (version %d): %s failed: %s: %s", self.push_id, self.version, t.name,
+                    type(exc).__name__, exc)
+        self.emit(t, "failed", detail=f"{type(exc).__name__}: {exc}")
+        if t.group is not None:
+            for users in t.group.slot_users:
+                users.discard(t.name)
+        for d in t.dependents:  # they pull what they still miss from the publisher
+            if d.source == t.name and d.alive:
+                self._resource(d, f"its relay {t.name} failed")
+        if t.begun or t.begin_sent:  # a direct-mode Begin may still be waiting for the subscriber's readers
+            self._send(t, m.Abort(self.push_id, f"{type(exc).__name__}: {exc}"), best_effort=True)
+        self.changed.set()
+
+    def _send(self, t: Target, msg: m.Message, best_effort: bool = False) -> None:
+        if best_effort:  # an abort goes only over a channel still open to the same incarnation, never a new dial
+            p = self.ep.peers.get(t.name)
+            if p is None or p.incarnation != t.layout.incarnation:
+                return
+        limit = 2.0 if best_effort else max(0.5, self.deadline - time.monotonic())
+
+        async def send() -> None:
+            try:
+                await self.ep.notify(t.name, m.encode(msg), timeout=limit)
+            except transport.TransportTimeoutError as exc:
+                if not best_effort and t.alive:  # (it ran into the push's deadline)
+                    err = self._overdue(t, time.monotonic())
+                    err.__cause__ = exc
+                    self.fail(t, err)
+            except transport.PeerLostError as exc:
+                if not best_effort and t.alive:
+                    self.fail(t, self._lost_error(t, time.monotonic(), exc))
+            except Exception as exc:
+                if not best_effort:
+                    self.fail(t, exc)
+
+        task = asyncio.ensure_future(send())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _until(self, cond: Callable[[], bool]) -> None:
+        while not cond():
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL):
+                    await self.changed.wait()
+
+    async def _watchdog(self) -> None:
+        """Fails targets whose channel is lost (or answered by another incarnation) or that pass the
+        deadline; moves subscribers whose relay leaves their pulls unanswered past the bound to the
+        publisher."""
+        while True:
+            now = time.monotonic()
+            peers = self.ep.peers
+            relay_bound = self._stall_bound(statistics.median(self.took) if self.took else None)
+            for t in list(self.targets.values()):
+                if not t.alive:
+                    continue
+                p = peers.get(t.name)
+                if p is None or p.incarnation != t.layout.incarnation:
+                    self.fail(t, self._lost_error(t, now))
+                elif now >= self.deadline:
+                    self.fail(t, self._overdue(t, now))
+                elif t.stalled or not t.begun:
+                    continue
+                elif (now - max(t.heard, t.begin_at) >= relay_bound and any(now - q.sent >= relay_bound
+                                                                            for q in t.inflight.values())
+                      and any(d.alive and d.source == t.name for d in t.dependents)):
+                    # a relay that went silent with pulls outstanding: its dependents must not wait for it
+                    self._stall(t, f"silent for {now - max(t.heard, t.begin_at):.2f} s with pulls outstanding, "
+                                   f"while subscribers relay from it")
+                elif t.source is not None:
+                    late = [k for k, q in t.inflight.items() if q.source is not None and now - q.sent >= relay_bound]
+                    if late:
+                        self._resource(t, f"its relay {t.source} left its pulls of buckets {late} unanswered for "
+                                          f"{relay_bound:.2f} s")
+            await asyncio.sleep(POLL)
+
+    def _overdue(self, t: Target, now: float) -> transport.TransportTimeoutError:
+        phase = Phase.COMMIT if t.committing else Phase.TRANSFER
+        return transport.TransportTimeoutError(
+            f"subscriber {t.name!r} did not finish version {self.version} before the deadline ({t.doing(now)})", phase)
+
+    def _lost_error(self, t: Target, now: float, cause: BaseException | None = None) -> transport.PeerLostError:
+        err = transport.PeerLostError(f"subscriber {t.name!r} was lost during the push ({t.doing(now)})")
+        err.__cause__ = cause
+        return err
