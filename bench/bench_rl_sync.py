@@ -360,7 +360,9 @@ def _setup_child(threads: int, debug: bool) -> None:
 def _instrument_subscriber(rec: dict[str, list[tuple[float, float]]]) -> list[str]:
     """Timestamp every bucket pull and every commit step: ``_apply`` (staged: the copy from staging
     into the live tensors) and ``_repoint`` (swap: ``set_`` of the live tensors, sync, on the loop).
-    Wraps private methods; returns the names wrapped (those that moved are left alone)."""
+    Wraps private methods (of the subscriber and of its commit modes, rl_sync.modes); returns the names
+    wrapped (those that moved are left alone)."""
+    from rl_sync import modes as modes_mod
     from rl_sync import subscriber as sub_mod
 
     cls = sub_mod.WeightSubscriber
@@ -377,8 +379,8 @@ def _instrument_subscriber(rec: dict[str, list[tuple[float, float]]]) -> list[st
         cls._pull = timed_pull  # type: ignore[method-assign]
         done.append("_pull")
 
-    def wrap_commit(attr: str) -> None:
-        fn = getattr(cls, attr, None)
+    def wrap_commit(attr: str, owner: Any = cls) -> None:
+        fn = getattr(owner, attr, None)
         if not callable(fn) or inspect.iscoroutinefunction(fn):
             return
 
@@ -389,12 +391,12 @@ def _instrument_subscriber(rec: dict[str, list[tuple[float, float]]]) -> list[st
             finally:
                 rec["commits"].append((t0, time.monotonic()))
 
-        setattr(cls, attr, timed)
+        setattr(owner, attr, timed)
         done.append(attr)
 
-    wrap_commit("_apply")
+    wrap_commit("_apply", getattr(modes_mod, "StagedMode", None))
     wrap_commit("_repoint")
-    wrap_commit("_commit_direct")
+    wrap_commit("_commit_direct", getattr(modes_mod, "DirectMode", None))
     return done
 
 

@@ -66,4 +66,4 @@ class BlockingWeightSubscriber:
             self._bep.call_in_loop(self._sub.close)
         else:  # (the rest of close() needs the endpoint's loop): no commit applies from here on
             self._sub._closed = True
-            self._sub._leave_bank()
+            self._sub._strategy.close()  # (shared: the weights leave the publisher's bank)

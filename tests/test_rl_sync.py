@@ -427,13 +427,13 @@ async def test_direct_mode_abort_or_close_while_begin_waits_never_keeps_the_lock
         async with sub.hold(timeout=1.0) as v:  # the aborted Begin let go of the lock at once
             assert v == 0 and sub._push is None
 
-        real_adopt = sub._adopt_arena
+        real_adopt = sub._strategy._adopt_arena  # (rl_sync.modes.direct.DirectMode)
 
         def slow_adopt(*args) -> None:  # the first push's one-time move of the weights (a copy batch), made slow
             time.sleep(0.5)
             real_adopt(*args)
 
-        sub._adopt_arena = slow_adopt
+        sub._strategy._adopt_arena = slow_adopt
         await ep.notify(gep.name, msgs.encode(msgs.Begin(2, 1, digest, 1 << 20)))
         deadline = time.monotonic() + 5
         while not sub._lock._writer:  # the lock is taken: the weights are moving

@@ -1,0 +1,78 @@
+"""``mode="staged"``: pulls land in staging arenas; the commit copies them into the live weights."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .. import messages as m
+from ..plan import dtype_from_name
+from ..weights import uncancellable
+from .base import CommitMode, Push, readers_late
+
+__all__ = ["StagedMode"]
+
+log = logging.getLogger("rl_sync.subscriber")
+
+
+class StagedMode(CommitMode):
+    """One bank of staging arenas; the commit, holding the writer lock, copies it into the live
+    tensors (on the :class:`~rl_sync.device.Copier`). :class:`~rl_sync.modes.swap.SwapMode`
+    commits the same way but re-points instead of copying."""
+
+    name = "staged"
+
+    async def commit(self, push: Push, msg: m.Commit) -> None:
+        sub = self.sub
+        if not await sub._lock.acquire_write_async(sub.commit_timeout):
+            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1,
+                                               f"readers held the weights for more than {sub.commit_timeout} s",
+                                               "timeout", sub._version))
+            return
+        if sub._push is not push:  # aborted (or superseded) while waiting for the readers: apply nothing
+            sub._lock.release_write()
+            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
+                                               sub._version))
+            return
+        if not await self._readers_left():
+            sub._lock.release_write()  # (GPU reads queued in hold() may still read the live weights)
+            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, readers_late(sub.commit_timeout), "timeout",
+                                               sub._version))
+            return
+        await sub._applying.acquire()
+        try:
+            await self._change(push)
+            with sub._version_cond:
+                sub._version = push.version
+                sub._version_cond.notify_all()
+        except Exception as exc:
+            log.exception("subscriber %s: commit of version %d failed", sub.endpoint.name, push.version)
+            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, f"{type(exc).__name__}: {exc}", "other",
+                                               sub._version))
+            return
+        finally:
+            sub._lock.release_write()
+            sub._applying.release()
+            if sub._push is push:
+                sub._push = None
+        log.debug("subscriber %s: committed version %d", sub.endpoint.name, push.version)
+        sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, sub._version))
+
+    async def _readers_left(self) -> bool:
+        """With the writer lock had: False if GPU work readers queued in hold() is still not done."""
+        return await self.sub._readers.wait(self.sub.commit_timeout)
+
+    async def _change(self, push: Push) -> None:
+        """Holding the writer lock and ``_applying``: make the live weights those of ``push``."""
+        await uncancellable(self.sub._copier.run(functools.partial(self._apply, push.bank)))
+
+    def _apply(self, bank: int) -> None:
+        # views are taken here, not at construction: registering (at open) moves an arena into shared memory
+        sub = self.sub
+        arenas = sub._banks[bank]
+        with torch.no_grad():
+            for e in sub.manifest.entries:
+                view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
+                sub._live[e.name].copy_(view.view(e.shape))

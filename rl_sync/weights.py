@@ -1,0 +1,78 @@
+"""The live weights a subscriber receives into: which tensors they are, and re-pointing them.
+
+Shared by :mod:`rl_sync.subscriber` and the commit modes (:mod:`rl_sync.modes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .plan import dtype_from_name
+
+__all__ = ["contiguous_strides", "live_tensors", "repoint", "uncancellable"]
+
+
+def live_tensors(model_or_state_dict: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors a push writes: an ``nn.Module``'s state dict, or a mapping of name -> tensor.
+
+    ``keep_vars=True`` returns the module's own parameter and buffer objects (not detached
+    aliases), so that they can be re-pointed in place.
+    """
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        state = model_or_state_dict.state_dict(keep_vars=keep_vars)
+    elif isinstance(model_or_state_dict, Mapping):
+        state = dict(model_or_state_dict)
+    else:
+        raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, got {type(model_or_state_dict).__name__}")
+    for name, t in state.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(f"state entries are str -> tensor, got {name!r} -> {type(t).__name__}")
+    return state if keep_vars else {name: t.detach() for name, t in state.items()}
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
+            arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> None:
+    """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``."""
+    moves = []  # every place is checked before any tensor moves: a bad layout leaves them all as they were
+    for e in entries:
+        arena = arenas[e.arena]
+        size = dtype_from_name(e.dtype).itemsize
+        start = arena.storage_offset() + e.offset
+        if start % size or e.offset + e.nbytes > arena.numel():
+            raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}, or the entry "
+                               f"overruns its arena of {arena.numel()} bytes")
+        moves.append((live[e.name], arena.untyped_storage(), start // size, e.shape))
+    with torch.no_grad():
+        for t, storage, offset, shape in moves:
+            t.set_(storage, offset, shape, contiguous_strides(shape))
+
+
+async def uncancellable(coro: Any) -> Any:
+    """Await ``coro`` to its end even if the caller is cancelled meanwhile (then re-raise the
+    cancellation): copies into the live weights must be over before the lock that guards them is
+    let go."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
