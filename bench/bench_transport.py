@@ -3,10 +3,13 @@
 
 Usage::
 
-    python bench/bench_transport.py [--quick] [--max-mib N] [--threads N] [--rounds N] [--only PHASES] [--json PATH]
+    python bench/bench_transport.py [--quick] [--max-mib N] [--threads N] [--rounds N] [--only PHASES]
+                                    [--nixl-python PATH] [--json PATH]
 
 ``--only raw,tcp`` runs just those phases (copy, raw, gloo, shm, tcp), e.g. to repeat the
 ``tcp`` against raw-socket comparison many times; ratios whose reference did not run are left out.
+``--nixl-python PATH`` adds the NIXL phase (below) whatever ``--only`` says: PATH is the python of
+another virtual environment with torch >= 2.15 and ``nixl`` (bench/README.md has the recipe).
 
 This is a benchmark, not a test: it never asserts on a number. It prints a
 table and a "targets" section (PASS/MISS) and writes everything as JSON
@@ -60,8 +63,22 @@ drift of a shared machine spreads over every case instead of biasing one):
   with the put's extra CPU time against the raw socket: an upper bound on
   the part of the ``tcp`` gap that overlap with the copies has to hide (the
   wall column shows how much did not).
-* ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15): only
-  reported as unavailable, with the ImportError, when it cannot be imported.
+* ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15), with
+  ``--nixl-python PATH``: ``PATH bench/_nixl_peer.py`` runs as a subprocess
+  (under the phase deadline; it imports nothing of this repository) with the
+  sizes, repetitions, warm-ups and 4 KiB iterations of the ``shm`` phase. It
+  starts a target process that registers a pre-touched buffer per size and
+  sends its serialized ``RemoteBuffer`` over a pipe, after both exchanged
+  ``bind()`` bytes and connected; the initiator times ``write`` (put) and
+  ``read`` (get) of the whole buffer from and into registered tensors of its
+  own, alternating their order, each op polled with ``Work.is_completed()``
+  until done, then 4 KiB writes and reads; one more write and read per size
+  are checked byte for byte. The report prints the rows "NIXL write"/"NIXL
+  read" and a table "ours / NIXL": shm put's GB/s over NIXL write's, shm
+  get's over NIXL read's per size, and the 4 KiB p50s (ours / NIXL, lower is
+  better). Both run on the same CPUs, in separate phases seconds apart.
+  Without the flag, only whether this process's torch can import
+  ``torch.distributed._transport`` and ``nixl`` is reported.
 
 Throughput is bytes / seconds in GB/s (1e9 bytes/s); the reported figure is
 the median of the timed repetitions after warm-up (the best one is in the
@@ -78,14 +95,17 @@ import argparse
 import asyncio
 import functools
 import importlib
+import json
 import math
 import multiprocessing as mp
 import os
 import queue
 import resource
+import signal
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import time
 import traceback
@@ -767,8 +787,52 @@ def probe_torch_transport() -> dict[str, Any]:
         except ImportError as exc:
             info.update(available=False, reason=f"import {module}: {type(exc).__name__}: {exc}")
             return info
-    info.update(available=True, reason="importable, but this script has no driver for its API yet: not measured")
+    info.update(available=True, reason="importable here; run with --nixl-python PATH (this or another "
+                                       "venv's python) to measure it")
     return info
+
+
+NIXL_PEER = ROOT / "bench" / "_nixl_peer.py"
+
+
+def run_nixl_phase(python: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``python bench/_nixl_peer.py`` with the ``shm`` phase's sizes and counts, in its own process
+    group, killed whole at the phase deadline; its one json line of results, or a PhaseError."""
+    timeout = cfg["phase_timeout_s"]
+    sizes = cfg["sizes"]
+    lat = cfg["latency"]
+    cmd = [python, str(NIXL_PEER),
+           "--sizes", ",".join(str(s) for s in sizes),
+           "--reps", ",".join(str(_reps(cfg, s)[1]) for s in sizes),
+           "--warmup", ",".join(str(_reps(cfg, s)[0]) for s in sizes),
+           "--lat-iters", str(lat["iters"]), "--lat-warmup", str(lat["warmup"]),
+           "--threads", str(cfg["threads"]), "--timeout", str(min(CMD_TIMEOUT, timeout))]
+    # the peer's venv has its own torch: keep this checkout's paths out of its sys.path
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    except OSError as exc:
+        raise PhaseError(f"--nixl-python {python}: {exc}") from None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the peer and its target process
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        STRAGGLERS.append(f"{NIXL_PEER.name} (pid {proc.pid}, process group)")
+        raise PhaseError(f"phase 'nixl' timed out after {timeout:.0f} s") from None
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    try:
+        doc = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = "\n".join(stderr.strip().splitlines()[-20:])
+        raise PhaseError(f"{NIXL_PEER.name} exited with code {proc.returncode} without a json line:\n{tail}") from None
+    if not doc.get("ok"):
+        raise PhaseError(f"{NIXL_PEER.name}: {doc.get('traceback', '')}{doc.get('error')}")
+    return doc
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -793,6 +857,9 @@ def _size_label(n: int) -> str:
     return f"{n // 1024} KiB"
 
 
+NIXL_OP = {"put": "write", "get": "read"}  # our op -> the torch.distributed._transport op it is compared with
+
+
 def _tput_row(case: str, group: str, nbytes: int, times: list[float], **extra: Any) -> dict[str, Any]:
     return {
         "case": case,
@@ -814,6 +881,7 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
     copy_ = res.get("copy")
     raw = res.get("raw")
     gloo = res.get("gloo")
+    nixl = res.get("nixl")
 
     def ref(peer: dict[str, Any] | None, size: int) -> float | None:
         if peer is None or str(size) not in peer["sizes"]:
@@ -848,6 +916,17 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
                 g = ref(gloo, size)
                 if g:
                     row["ratio_vs_gloo"] = row["gbps"] / g
+                if plane == "shm" and nixl and k in nixl["sizes"]:
+                    # ours / NIXL: shm put against NIXL write, shm get against NIXL read
+                    row["ratio_vs_nixl"] = row["gbps"] / _gbps(size, _med(nixl["sizes"][k][NIXL_OP[op]]))
+                rows.append(row)
+        if nixl and k in nixl["sizes"]:
+            entry = nixl["sizes"][k]
+            for op in ("write", "read"):
+                row = _tput_row(f"NIXL {op}", "nixl", size, entry[op], verified=entry["verified"])
+                r = ref(copy_, size)
+                if r:
+                    row.update(ratio=row["gbps"] / r, ratio_vs="copy_ (separate phase)")
                 rows.append(row)
 
     # state dict
@@ -884,6 +963,14 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
         for op in ("put", "get"):
             row = _lat_row(f"4 KiB transport {plane} {op}", "transport", tr["latency"][op],
                            verified=tr["latency"]["verified"])
+            if raw_p50:
+                row.update(ratio=row["p50_us"] / (raw_p50 * 1e6), ratio_vs="raw socket p50 (lower is better)")
+            if plane == "shm" and nixl:
+                row["p50_vs_nixl"] = row["p50_us"] / (_pct(nixl["latency"][NIXL_OP[op]], 0.5) * 1e6)
+            rows.append(row)
+    if nixl:
+        for op in ("write", "read"):
+            row = _lat_row(f"4 KiB NIXL {op}", "nixl", nixl["latency"][op], verified=nixl["latency"]["verified"])
             if raw_p50:
                 row.update(ratio=row["p50_us"] / (raw_p50 * 1e6), ratio_vs="raw socket p50 (lower is better)")
             rows.append(row)
@@ -934,6 +1021,76 @@ def _lat_row(case: str, group: str, times: list[float], **extra: Any) -> dict[st
     }
 
 
+def nixl_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ours / NIXL per size (shm put / NIXL write, shm get / NIXL read, GB/s of the medians: > 1 means
+    ours is faster) and at 4 KiB (p50 / p50: < 1 means ours is faster)."""
+    by = {(r["case"], r["size_bytes"]): r for r in rows if not r.get("cpu")}
+    out: list[dict[str, Any]] = []
+    sizes = sorted({s for c, s in by if c == "NIXL write"})
+    for size in sizes:
+        for op, nop in NIXL_OP.items():
+            ours, theirs = by.get((f"transport shm {op}", size)), by.get((f"NIXL {nop}", size))
+            if ours and theirs:
+                out.append({"size_bytes": size, "ours": ours["case"], "nixl": theirs["case"], "ours_gbps": ours["gbps"],
+                            "nixl_gbps": theirs["gbps"], "ratio": ours["gbps"] / theirs["gbps"],
+                            "verified": ours.get("verified", True) and theirs.get("verified", True)})
+    for op, nop in NIXL_OP.items():
+        ours, theirs = by.get((f"4 KiB transport shm {op}", LAT_BYTES)), by.get((f"4 KiB NIXL {nop}", LAT_BYTES))
+        if ours and theirs:
+            out.append({"size_bytes": LAT_BYTES, "latency": True, "ours": ours["case"], "nixl": theirs["case"],
+                        "ours_p50_us": ours["p50_us"], "nixl_p50_us": theirs["p50_us"],
+                        "ratio": ours["p50_us"] / theirs["p50_us"],
+                        "verified": ours.get("verified", True) and theirs.get("verified", True)})
+    return out
+
+
+def nixl_section(python: str, peer: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results' "nixl" section: which python ran the peer, its versions and settings, and the ratios."""
+    out: dict[str, Any] = {"python": python, "ran": peer is not None}
+    if peer:
+        for k in ("torch", "python", "nixl", "nixl-cu12", "nixl-cu13", "plugin", "completion", "torch_threads",
+                  "ucx_env", "setup_s"):
+            if k in peer:
+                out["peer_python" if k == "python" else k] = peer[k]
+    out["ours_vs_nixl"] = nixl_ratios(rows)
+    return out
+
+
+def _format_nixl(sec: dict[str, Any]) -> list[str]:
+    if not sec["ran"]:
+        return [f"{'torch.distributed._transport (NIXL)':<48} {'-':>9} {'n/a':>8}  the nixl phase failed "
+                "(see ERRORS)"]
+    lines = [f"ours / NIXL: transport shm against torch.distributed._transport (torch {sec.get('torch')}, "
+             f"nixl {sec.get('nixl')}, {sec.get('plugin')}; completion: {sec.get('completion')} Work), "
+             "same sizes and repetitions, separate phases:"]
+    h = (f"{'size':>9}  {'shm put':>8} {'NIXL write':>10} {'ours/NIXL':>9}   {'shm get':>8} {'NIXL read':>9} "
+         f"{'ours/NIXL':>9}")
+    lines.append(h)
+    by = {(e["size_bytes"], e.get("latency", False), e["ours"].split()[-1]): e for e in sec["ours_vs_nixl"]}
+    for size in sorted({e["size_bytes"] for e in sec["ours_vs_nixl"] if not e.get("latency")}):
+        cells = []
+        for op in ("put", "get"):
+            e = by.get((size, False, op))
+            bad = "!" if e and not e["verified"] else " "
+            cells.append(f"{e['ours_gbps']:8.2f} {e['nixl_gbps']:{10 if op == 'put' else 9}.2f} "
+                         f"{e['ratio']:8.2f}x{bad}" if e else f"{'-':>8} {'-':>10} {'-':>9} ")
+        lines.append(f"{_size_label(size):>9}  {cells[0]}  {cells[1]}")
+    lat = [by.get((LAT_BYTES, True, op)) for op in ("put", "get")]
+    if any(lat):
+        cells = []
+        for op, e in zip(("put", "get"), lat, strict=True):
+            bad = "!" if e and not e["verified"] else " "
+            cells.append(f"{e['ours_p50_us']:5.0f} us {e['nixl_p50_us']:{7 if op == 'put' else 6}.0f} us "
+                         f"{e['ratio']:8.2f}x{bad}" if e else f"{'-':>8} {'-':>10} {'-':>9} ")
+        lines.append(f"{'4 KiB p50':>9}  {cells[0]}  {cells[1]}")
+    if not sec["ours_vs_nixl"]:
+        lines.append("  (no shm phase ran: nothing to compare; the NIXL rows are in the table above)")
+        return lines
+    lines.append("GB/s rows: ours/NIXL > 1 means ours is faster; 4 KiB p50 row (us per op): ours/NIXL < 1 means "
+                 "ours is faster; '!' = a data mismatch")
+    return lines
+
+
 def evaluate_targets(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {(r["case"], r["size_bytes"]): r for r in rows}
     out: list[dict[str, Any]] = []
@@ -972,7 +1129,10 @@ def evaluate_targets(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[di
 
 
 def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str, Any]],
-                  targets: list[dict[str, Any]], errors: list[dict[str, Any]], nixl: dict[str, Any]) -> str:
+                  targets: list[dict[str, Any]], errors: list[dict[str, Any]], nixl: dict[str, Any],
+                  nixl_run: dict[str, Any] | None = None) -> str:
+    """``nixl``: the import probe of this process; ``nixl_run``: the "nixl" section of the results
+    (see :func:`nixl_section`) when ``--nixl-python`` was given."""
     lines = []
     sd = cfg["statedict"]
     lines.append(f"transport benchmark ({cfg['mode']}), torch {env['torch']}, python {env['python']}, "
@@ -1014,6 +1174,8 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
                 notes.append(f"{r['ratio_vs_phase']:.2f}x separate phase")
             if "ratio_vs_gloo" in r:
                 notes.append(f"{r['ratio_vs_gloo']:.2f}x gloo")
+            if "ratio_vs_nixl" in r:
+                notes.append(f"{r['ratio_vs_nixl']:.2f}x NIXL")
             extra = f" ({', '.join(notes)})" if notes else ""
             if "ratio_vs_copy_loop" in r:
                 extra = f" ({r['ratio_vs_copy_loop']:.2f}x copy_ loop)"
@@ -1034,7 +1196,9 @@ def format_report(cfg: dict[str, Any], env: dict[str, Any], rows: list[dict[str,
                          f"{r['cores_busy']:6.2f}  {extra}")
     lines.append("")
     tt = "torch.distributed._transport (NIXL)"
-    if nixl["available"]:
+    if nixl_run is not None:
+        lines += _format_nixl(nixl_run)
+    elif nixl["available"]:
         lines.append(f"{tt:<48} {'-':>9} {'n/a':>8}  {nixl['reason']}")
     else:
         lines.append(f"{tt:<48} {'-':>9} {'n/a':>8}  not available: {nixl['reason']}")
@@ -1109,6 +1273,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None,
                     help="comma-separated phases to run (copy, raw, gloo, shm, tcp; default: all); "
                          "a ratio whose reference phase did not run is left out")
+    ap.add_argument("--nixl-python", default=None, metavar="PATH",
+                    help="python of a venv with torch >= 2.15 and nixl: adds a phase that runs "
+                         "torch.distributed._transport's NIXL backend (bench/_nixl_peer.py) with the shm "
+                         "phase's sizes and repetitions, whatever --only says, and ours / NIXL ratios")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "transport.json",
                     help="where to write the results (default: bench/results/transport.json)")
     args = ap.parse_args(argv)
@@ -1150,6 +1318,8 @@ def main(argv: list[str] | None = None) -> int:
                                               ("initiator", "transport_initiator", (plane, cfg))], 2, "initiator"))
     if keep is not None:
         phases = [ph for ph in phases if ph[0].removeprefix("transport_") in keep]
+    if args.nixl_python:
+        phases.append(("nixl", [], 0, "nixl"))  # not a spawn phase: a subprocess of another venv (run_nixl_phase)
     try:
         for rnd in range(cfg["rounds"]):
             k = rnd % len(phases)
@@ -1158,8 +1328,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  [{time.monotonic() - t_start:6.1f} s] round {rnd + 1}/{cfg['rounds']}: {name} ...",
                       flush=True)
                 try:
-                    out = run_phase(name, roles, cfg, queues=nq)
-                    res[name] = _merge(res.get(name), out[main_role])
+                    if name == "nixl":
+                        res[name] = _merge(res.get(name), run_nixl_phase(args.nixl_python, cfg))
+                    else:
+                        out = run_phase(name, roles, cfg, queues=nq)
+                        res[name] = _merge(res.get(name), out[main_role])
                 except PhaseError as exc:
                     errors.append({"phase": name, "round": rnd + 1, "error": str(exc)})
                     print(f"  !! {name} failed: {str(exc).strip().splitlines()[-1]}", flush=True)
@@ -1174,7 +1347,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(cfg, res)
     targets = evaluate_targets(cfg, rows)
     total = time.monotonic() - t_start
-    report = format_report(cfg, env, rows, targets, errors, nixl)
+    nixl_run = nixl_section(args.nixl_python, res.get("nixl"), rows) if args.nixl_python else None
+    report = format_report(cfg, env, rows, targets, errors, nixl, nixl_run)
     print()
     print(report)
     print("\nphase durations: " + ", ".join(f"{k} {v:.1f} s" for k, v in durations.items())
@@ -1189,6 +1363,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
         "torch_distributed_transport": nixl,
+        "nixl": nixl_run,
         "transport_planes": {p: {"plane": res[f"transport_{p}"].get("plane"),
                                  "reason": res[f"transport_{p}"].get("plane_reason")}
                              for p in ("shm", "tcp") if f"transport_{p}" in res},

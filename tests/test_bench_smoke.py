@@ -73,3 +73,60 @@ def test_bench_only_rejects_an_unknown_phase(tmp_path):
                         "--json", str(tmp_path / "b.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown phase" in r.stderr and "nixl" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "b.json").exists()
+
+
+FAKE_NIXL_PEER = r'''
+import argparse, json
+ap = argparse.ArgumentParser()
+for a in ("--sizes", "--reps", "--warmup", "--lat-iters", "--lat-warmup", "--threads", "--timeout"):
+    ap.add_argument(a)
+a = ap.parse_args()
+sizes, reps = [int(s) for s in a.sizes.split(",")], [int(r) for r in a.reps.split(",")]
+print("NIXL INFO a log line on stdout, before the json")
+print(json.dumps({"ok": True, "torch": "2.15.0", "nixl": "1.5.1", "plugin": "UCX", "completion": "poll",
+                  "torch_threads": int(a.threads), "setup_s": 0.1,
+                  "sizes": {str(s): {"write": [s / 2e9] * r, "read": [s / 1e9] * r, "verified": True}
+                            for s, r in zip(sizes, reps)},
+                  "latency": {"write": [20e-6] * int(a.lat_iters), "read": [40e-6] * int(a.lat_iters),
+                              "verified": True}}))
+'''
+
+
+def test_bench_nixl_phase_with_a_stand_in_peer(tmp_path):
+    """--nixl-python: the peer's json becomes NIXL rows and ours / NIXL ratios (a stand-in peer:
+    the real one needs torch 2.15 and nixl in another venv, see bench/README.md)."""
+    fake = tmp_path / "fake_peer.py"
+    fake.write_text(FAKE_NIXL_PEER)
+    py = tmp_path / "python"  # an "interpreter" that runs the stand-in instead of bench/_nixl_peer.py
+    py.write_text(f'#!/bin/sh\nshift\nexec "{sys.executable}" "{fake}" "$@"\n')
+    py.chmod(0o755)
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--max-mib", "1", "--only", "shm",
+                        "--nixl-python", str(py), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    rows = {row["case"]: row for row in doc["rows"]}
+    assert rows["NIXL write"]["gbps"] == pytest.approx(2.0) and rows["NIXL read"]["gbps"] == pytest.approx(1.0)
+    assert rows["NIXL write"]["reps"] == rows["transport shm put"]["reps"]
+    assert rows["transport shm put"]["ratio_vs_nixl"] == pytest.approx(rows["transport shm put"]["gbps"] / 2.0)
+    assert rows["transport shm get"]["ratio_vs_nixl"] == pytest.approx(rows["transport shm get"]["gbps"] / 1.0)
+    assert rows["4 KiB NIXL write"]["p50_us"] == pytest.approx(20.0)
+    sec = doc["nixl"]
+    assert sec["ran"] and sec["torch"] == "2.15.0" and sec["python"] == str(py)
+    lat = [e for e in sec["ours_vs_nixl"] if e.get("latency")]
+    assert {e["nixl"] for e in lat} == {"4 KiB NIXL write", "4 KiB NIXL read"}
+    put = next(e for e in lat if e["nixl"] == "4 KiB NIXL write")
+    assert put["ratio"] == pytest.approx(rows["4 KiB transport shm put"]["p50_us"] / 20.0)
+    assert "ours / NIXL" in r.stdout and "not available" not in r.stdout
+
+
+def test_bench_nixl_phase_failure_is_an_error_row(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--max-mib", "1", "--only", "shm",
+                        "--nixl-python", str(tmp_path / "no-such-python"), "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [e["phase"] for e in doc["errors"]] == ["nixl"] and doc["nixl"]["ran"] is False
+    assert "transport shm put" in {row["case"] for row in doc["rows"]}
