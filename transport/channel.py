@@ -604,7 +604,8 @@ class Channel:
             for _, t in pairs:
                 if self.staging.stages(t.device):  # through our pinned bounce buffers, into the segments
                     if self._staged_shm is None:
-                        from .planes.shm import ShmPlane, StagedShmPlane
+                        from .planes.shm import ShmPlane
+                        from .planes.shm_staged import StagedShmPlane
 
                         assert isinstance(self.plane, ShmPlane)
                         self._staged_shm = StagedShmPlane(self, self.plane)
