@@ -157,6 +157,42 @@ class Notification:
     op_id: int = 0
 
 
+class _Quiet:
+    """A ``threading.Event`` for "the op writes no more", made cheap for the common case where
+    nobody waits: the real event is created only by a waiter (``set`` and ``wait`` from any
+    thread). A waiter re-reads the flag after creating the event, so a ``set`` that ran between
+    its first look and the creation is never missed."""
+
+    __slots__ = ("_event", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: threading.Event | None = None
+
+    def set(self) -> None:
+        self._set = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        with _QUIET_LOCK:
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if self._set:
+            return True
+        return event.wait(timeout)
+
+
+_QUIET_LOCK = threading.Lock()
+
+
 class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
@@ -185,7 +221,7 @@ class Op:
         # will write no more.
         self.lock = threading.Lock()
         self.busy = False
-        self.quiet = threading.Event()
+        self.quiet = _Quiet()
         self.stuck = False  # a staged copy into the caller's tensor outlived its bound (may still write)
         self.p2p = False  # its bytes move over the channel's NCCL link (cannot be cancelled: abort on timeout)
         # the op's own posted work (an nccl op's send/recv): the op ends only once it completed too

@@ -52,8 +52,9 @@ from .shm_slots import SLOTS, SlotTable, TableView
 
 __all__ = ["Segment", "ShmExport", "ShmPlane", "export_buffer", "new_segment"]
 
-# Copies of at least this many bytes per op run on a worker thread so the event loop stays free.
-THREAD_COPY_BYTES = 1 << 20
+# Copies of at least this many bytes per op run on a worker thread so the event loop stays free; smaller
+# ones run on the loop (under 1 ms at memcpy speed: a thread hand-off costs more than a 1 MiB copy here).
+THREAD_COPY_BYTES = 8 << 20
 _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
 # What a cancelled or timed-out op waits, at most, for its copy to reach that boundary (a chunk
 # copies in tens of milliseconds; the bound is for a machine that is badly overloaded).
@@ -306,6 +307,14 @@ class ShmPlane(DataPlane):
         the op was abandoned meanwhile (the copy stopped)."""
         local, remote = t.reshape(-1), remote.view(t.dtype)
         step = max(1, _CHUNK // t.element_size())
+        if local.numel() <= step:  # one chunk (small ops: no slicing)
+            if op.abandoned:
+                return False
+            if into_peer:
+                remote.copy_(local)
+            else:
+                local.copy_(remote)
+            return True
         channel = self.channel
         for i in range(0, local.numel(), step):
             if op.abandoned or not channel.is_open:  # (a lost channel: the peer's memory is nobody's any more)
