@@ -1033,6 +1033,20 @@ class Channel:
         else:
             op.future.set_exception(exc)
 
+    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str) -> Record:
+        """Event loop: the flight recorder's record of an op a plane does right here, with no op
+        object (:meth:`~transport.planes.base.DataPlane.run_here`); the plane settles it."""
+        return self.recorder.record(
+            op_id=next(Channel._op_ids), channel=self.id, seq=next(self._seq), role="initiator",
+            initiator=self.core.name, peer=self.peer_name, kind=kind, names=names, nbytes=nbytes, plane=plane,
+            state=OpState.POSTED)
+
+    def in_order_now(self) -> bool:
+        """Whether an op started now goes out at once (no earlier op of the channel is still held
+        back, waiting before it is handed over: see :meth:`run`)."""
+        prev = self._order_tail
+        return prev is None or prev.done()
+
     def finish_here(self, op: Op) -> None:
         """Event loop: ``op`` completed on this side alone (a plane that needs no answer: a
         one-sided shm put or get): it leaves the table of pending ops and succeeds."""

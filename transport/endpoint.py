@@ -976,7 +976,8 @@ class Endpoint:
         if notify is not None:
             _check_payload(notify)
         ch = await self._channel(peer, deadline)
-        await self._transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify))
+        await self._transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify),
+                             here=notify is None)
 
     async def get(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> None:
         """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
@@ -995,7 +996,8 @@ class Endpoint:
         """
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
-        await self._transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs))
+        await self._transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs),
+                             here=True)
 
     async def route(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> Route:
         """Which plane a put or get of ``tensors`` with ``peer`` takes now, and why; no byte moves.
@@ -1080,13 +1082,24 @@ class Endpoint:
         return Route(plane.name, why)
 
     async def _transfer(self, ch: Channel, kind: OpKind, tensors: _Tensors, deadline: float,
-                        start: Callable[[Any, Any, list[Any]], Awaitable[None]]) -> None:
+                        start: Callable[[Any, Any, list[Any]], Awaitable[None]], here: bool = False) -> None:
         """Plan, pick the plane and run one put or get (``start(plane, op, pairs)`` sends it).
-        Retried once: after a registry sync if the peer re-registered a buffer, and staged if a
-        ``cuda_ipc`` mapping could not be opened here (logged)."""
+        ``here``: the op may be done synchronously by its plane (:meth:`DataPlane.run_here`: a put
+        without a notification, or a get). Retried once: after a registry sync if the peer
+        re-registered a buffer, and staged if a ``cuda_ipc`` mapping could not be opened here
+        (logged)."""
         for retry in (False, True):
             pairs = await self._plan(ch, tensors, deadline)
             plane = await self._plane(ch, pairs, deadline)
+            if here and ch.in_order_now():
+                try:
+                    if plane.run_here(kind, pairs):
+                        return
+                except StaleBufferError:
+                    if retry:
+                        raise
+                    await ch.sync_registry(deadline)
+                    continue
             op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
             try:
                 await ch.run(op, lambda: start(plane, op, pairs), deadline)  # noqa: B023

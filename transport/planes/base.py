@@ -66,6 +66,7 @@ from ..wire import HostInfo, Item
 
 if TYPE_CHECKING:
     from ..channel import Channel, Op
+    from ..flight_recorder import OpKind
 
 __all__ = ["DataPlane"]
 
@@ -99,6 +100,15 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         """Start reading the peer's buffers into the tensors of ``pairs``."""
+
+    def run_here(self, kind: OpKind, pairs: list[tuple[Item, torch.Tensor]]) -> bool:
+        """Do a whole put (without a notification) or get right here, synchronously on the event
+        loop, if this plane can (a one-sided op whose copy is short); False (nothing done, nothing
+        recorded) otherwise, and the op takes :meth:`put`/:meth:`get`. It records the op in the
+        flight recorder itself and raises what the op would
+        (:class:`~transport.errors.StaleBufferError` for a buffer the peer replaced: the
+        endpoint refreshes its registry and retries once)."""
+        return False
 
     #: True for a plane that can alias a peer's buffer in this process (:meth:`map`)
     maps_peer_memory: ClassVar[bool] = False

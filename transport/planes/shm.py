@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PlaneUnavailableError, StaleBufferError
+from ..flight_recorder import OpKind, OpState
 from ..hostinfo import same_host
 from ..registry import LocalBuffer
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
@@ -392,6 +393,57 @@ class ShmPlane(DataPlane):
             done = work()
         if done:
             self.channel.finish_here(op)
+        return True
+
+    def run_here(self, kind, pairs: list[tuple[Item, torch.Tensor]]) -> bool:
+        """A one-sided put or get done synchronously on the loop (see :meth:`DataPlane.run_here`):
+        when every export has a slot, the slot table and every segment are mapped already and the
+        copy is under :data:`THREAD_COPY_BYTES`. No op object, no future, no timeout scope: the
+        copy cannot wait, so nothing can cancel it halfway; the flight recorder still gets the op."""
+        if not self.one_sided or not self.channel.is_open:
+            return False
+        table = None
+        total = 0
+        jobs = []
+        for it, t in pairs:
+            if not it.count:
+                continue
+            wb = self.channel.remote_wire.get(it.name)
+            h = wb.shm if wb is not None else None
+            if h is None or not 0 < h.slot < SLOTS or h.inode not in self._maps:
+                return False
+            view = self._tables.get(h.table_inode)
+            if view is None or (table is not None and view is not table):
+                return False
+            table = view
+            total += it.count * t.element_size()
+            jobs.append((it, t, h))
+        if total >= THREAD_COPY_BYTES:
+            return False
+        ch = self.channel
+        rec = ch.record_here(kind, [it.name for it, _ in pairs], total, self.name)
+        try:
+            if table is not None:
+                slots = [(h.slot, h.export_id) for _, _, h in jobs]
+                table.enter(slots, [it.name for it, _, _ in jobs])
+                try:
+                    into_peer = kind is OpKind.PUT
+                    for it, t, h in jobs:
+                        seg = self._maps[h.inode]
+                        size = t.element_size()
+                        start = h.offset + it.offset * size
+                        remote = seg[start : start + it.count * size].view(t.dtype)
+                        if into_peer:
+                            remote.copy_(t.reshape(-1))
+                        else:
+                            t.reshape(-1).copy_(remote)
+                    table.check(slots)
+                finally:
+                    table.leave([s for s, _ in slots])
+        except BaseException as exc:
+            ch.recorder.update(rec, OpState.FAILED, exc)
+            raise
+        ch.recorder.update(rec, OpState.DONE)
         return True
 
     def _table(self, h: ShmHandle) -> TableView:
