@@ -585,7 +585,7 @@ class Channel:
         can map (else the reason is logged once and the op is staged), otherwise the staged
         path, except that a GPU tensor of ours meeting the peer's CPU buffers over ``shm`` goes
         through our bounce buffers straight into (or out of) the peer's mapped segments
-        (:class:`~transport.planes.shm.StagedShmPlane`). A peer's GPU buffer is never in shared
+        (:class:`~transport.planes.shm_staged.StagedShmPlane`). A peer's GPU buffer is never in shared
         memory, so staged ops on one travel inline on this channel's socket."""
         self.last_refusal = ""
         specs = self.peer_specs  # replaced whole by the reader on a registry update
@@ -640,12 +640,10 @@ class Channel:
             for _, t in pairs:
                 if self.staging.stages(t.device):  # through our pinned bounce buffers, into the segments
                     if self._staged_shm is None:
-                        from .planes.shm import ShmPlane
-                        from .planes.shm_staged import StagedShmPlane
-
-                        assert isinstance(self.plane, ShmPlane)
-                        self._staged_shm = StagedShmPlane(self, self.plane)
-                    return self._staged_shm
+                        self._staged_shm = self.plane.staged_twin()
+                    if self._staged_shm is not None:
+                        return self._staged_shm
+                    break
             return self.plane
         if self._staged is None:
             from .planes.staged import StagedPlane

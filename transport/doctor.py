@@ -121,14 +121,11 @@ def collect() -> dict[str, Any]:
     if planes["shm"]["available"]:
         ok, reason = _cross_process_shm()
         planes["shm"] = {"available": ok, "reason": reason}
-        if ok:
-            from transport.planes.shm_slots import ofd_locks_work
-
-            one_sided, why = ofd_locks_work()
-            planes["shm"]["one_sided"] = one_sided
-            planes["shm"]["one_sided_reason"] = (
-                f"puts without a notification, and gets, need no round trip ({why})" if one_sided else
-                f"every put and get keeps its round trip: {why}")
+    for plane in CPU_PLANES:
+        if planes[plane.name]["available"]:
+            for feature, (have, why) in plane.features().items():
+                planes[plane.name][feature] = have
+                planes[plane.name][f"{feature}_reason"] = why
     cuda: dict[str, Any] = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
     cuda["device_count"] = torch.cuda.device_count() if cuda["available"] else 0
     cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(cuda["device_count"])]
@@ -205,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     print("planes:")
     for name, p in report["planes"].items():
         print(f"  {name:<5} {'yes' if p['available'] else 'NO ':<4} {p['reason']}")
-        if "one_sided" in p:
-            print(f"        one-sided: {'yes' if p['one_sided'] else 'no'}: {p['one_sided_reason']}")
+        for key in [k for k in p if k.endswith("_reason") and k[: -len("_reason")] in p]:
+            feature = key[: -len("_reason")]
+            print(f"        {feature.replace('_', '-')}: {'yes' if p[feature] else 'no'}: {p[key]}")
     c = report["cuda"]
     if c["available"]:
         print(f"cuda: available, {c['device_count']} device(s): {', '.join(c['devices'])} (torch CUDA {c['torch_cuda']})")

@@ -43,8 +43,7 @@ from .hostinfo import local_host, same_host
 from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
 from .planes import choose_cpu_plane, validate_planes
-from .planes.shm import Segment, export_buffer, new_segment
-from .planes.shm_slots import SlotTable
+from .planes.shm_export import Segment, SlotTable, export_buffer, new_segment, new_slot_table
 from .ranges import At, plan_items
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .rendezvous import EndpointRecord, Rendezvous
@@ -557,8 +556,8 @@ class Endpoint:
     # ------------------------------------------------------------------ exports
     def _export(self, buf: LocalBuffer) -> None:
         if "shm" in self.planes and "shm" not in buf.exports and buf.tensor.device.type == "cpu":
-            if self._slots is None and SlotTable.usable():
-                self._slots = SlotTable()
+            if self._slots is None:
+                self._slots = new_slot_table()
             buf.exports["shm"] = export_buffer(buf, self._segments, self._slots)
         self._export_ipc(buf)
         buf.ptr = buf.tensor.data_ptr()

@@ -99,16 +99,16 @@ class MemfdIpcEngine:
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
-        from .planes.shm import ShmPlane
+        from .planes.shm_export import memfd_probe
 
-        ok, why = ShmPlane.probe()
+        ok, why = memfd_probe()
         return ok, f"memfd test engine: {why}"
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu"
 
     def export(self, tensor: torch.Tensor, segments: list[Any]) -> tuple[str, bytes, int, int, Any]:
-        from .planes.shm import export_buffer
+        from .planes.shm_export import export_buffer
         from .registry import BufferSpec, LocalBuffer
 
         exp = export_buffer(LocalBuffer(BufferSpec.of("ipc", tensor), tensor), segments)
@@ -125,10 +125,10 @@ class MemfdIpcEngine:
         return None if handle.engine == self.name else f"exported by engine {handle.engine!r}, this side runs memfd"
 
     def open(self, handle: IpcHandle) -> IpcMapping:
-        from .planes.shm import _map
+        from .planes.shm_export import map_segment
 
         h = msgspec.msgpack.decode(handle.handle, type=ShmHandle)
-        return _MemfdMapping(_map(h))
+        return _MemfdMapping(map_segment(h))
 
     def mark(self, tensors: Sequence[torch.Tensor]) -> Any:
         return None

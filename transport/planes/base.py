@@ -110,6 +110,18 @@ class DataPlane(abc.ABC):
         endpoint refreshes its registry and retries once)."""
         return False
 
+    def staged_twin(self) -> DataPlane | None:
+        """For a plane whose peer buffers lie in memory this process maps (shm): a plane of the
+        same channel that moves a GPU tensor of ours into or out of them through the staging
+        bounce buffers (made once per channel by the channel); None when there is none."""
+        return None
+
+    @classmethod
+    def features(cls) -> dict[str, tuple[bool, str]]:
+        """Optional capabilities of the plane on this machine, each ``(available, why)``, for
+        ``python -m transport doctor`` (cheap, no peers)."""
+        return {}
+
     #: True for a plane that can alias a peer's buffer in this process (:meth:`map`)
     maps_peer_memory: ClassVar[bool] = False
 

@@ -1,0 +1,200 @@
+"""``shm``'s target side: the memfd segments that registered CPU tensors live in, their exports,
+the slot table that makes peers' puts and gets one-sided, and mapping a peer's segment.
+
+The plane itself (:class:`~transport.planes.shm.ShmPlane`, the initiator side) is in
+:mod:`transport.planes.shm`; see its docstring for the protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PlaneUnavailableError, StaleBufferError
+from ..registry import LocalBuffer
+from ..wire import ShmHandle
+from .shm_slots import SlotTable
+
+__all__ = ["Segment", "ShmExport", "SlotTable", "export_buffer", "map_segment", "memfd_probe", "new_segment",
+           "new_slot_table"]
+
+
+def memfd_probe() -> tuple[bool, str]:
+    """Whether memfd segments can be made and reopened through ``/proc`` here, and why."""
+    if not hasattr(os, "memfd_create"):
+        return False, "os.memfd_create is missing (not Linux?)"
+    try:
+        fd = os.memfd_create("transport-probe", os.MFD_CLOEXEC)
+    except OSError as exc:
+        return False, f"memfd_create failed: {exc}"
+    try:
+        os.ftruncate(fd, 4096)
+        fd2 = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR)
+        os.close(fd2)
+    except OSError as exc:
+        return False, f"cannot reopen a memfd through /proc: {exc}"
+    finally:
+        os.close(fd)
+    return True, "memfd segments can be shared through /proc/<pid>/fd"
+
+
+_export_ids = itertools.count(1)
+
+
+@dataclass
+class Segment:
+    """One memfd segment of the target endpoint, shared by the buffers inside it.
+
+    It holds its storage while any buffer exports it, so its addresses can never
+    be reused by another allocation that a later registration might mistake for it.
+    """
+
+    fd: int
+    inode: int
+    size: int
+    storage: torch.UntypedStorage | None
+    refs: int = 1
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
+
+    def close(self, *, drop_storage: bool = True) -> None:
+        """Close the fd (idempotent); existing mappings stay valid. ``drop_storage``: also let go
+        of the storage (a failed registration keeps it: the caller's tensor still lies in it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if drop_storage:
+            self.storage = None
+
+
+@dataclass
+class ShmExport:
+    """A registered buffer's place in a segment (and its word in the slot table, if any)."""
+
+    segment: Segment
+    handle: ShmHandle
+    table: SlotTable | None = None
+    name: str = ""
+    moved_marked: bool = False  # its slot says the owner re-pointed the tensor
+
+    def close(self, wait: bool = True) -> bool:
+        """Stop exporting: first revoke the export's slot (waiting, if ``wait``, up to
+        :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
+        no copy of a peer lands after this returns; the segment's fd closes with its last buffer
+        (then True is returned). Existing mappings stay valid."""
+        table, self.table = self.table, None
+        if table is not None and self.handle.slot:
+            table.revoke(self.handle.slot, self.name, wait)
+        seg = self.segment
+        seg.refs -= 1
+        if seg.refs == 0 and seg.fd >= 0:
+            seg.close()
+            return True
+        return False
+
+
+def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | None = None) -> ShmExport | None:
+    """Make ``buf`` reachable through shared memory (None for an empty buffer).
+
+    Reuses a live segment in ``segments`` whose storage the tensor already views
+    (a tied weight, a view of a registered arena); otherwise moves the tensor into
+    a new segment in place and appends it. With ``table``, the export gets a slot in it
+    (peers then put and get without a round trip).
+    """
+    exp = _export_buffer(buf, segments)
+    if exp is not None and table is not None:
+        export_id = exp.handle.export_id
+        slot = table.alloc(export_id)
+        if slot > 0:
+            h = exp.handle
+            exp.handle = ShmHandle(h.pid, h.fd, h.inode, h.size, h.offset, export_id, slot, table.fd, table.inode)
+            exp.table, exp.name = table, buf.spec.name
+    return exp
+
+
+def new_slot_table() -> SlotTable | None:
+    """The slot table for an endpoint's exports (one-sided puts and gets), or None where this
+    kernel cannot lock byte ranges of a memfd per open file description (logged once: every op
+    then keeps its round trip)."""
+    return SlotTable() if SlotTable.usable() else None
+
+
+def _export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
+    t = buf.tensor
+    nbytes = buf.spec.nbytes
+    if nbytes == 0:
+        return None
+    for seg in segments:
+        if seg.fd >= 0 and seg.holds(t):
+            seg.refs += 1
+            offset = t.data_ptr() - seg.storage.data_ptr()  # type: ignore[union-attr]
+            return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
+    fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        shared = torch.frombuffer(mm, dtype=torch.uint8).view(t.dtype).view(t.shape)
+        with torch.no_grad():
+            shared.copy_(t)
+            t.set_(shared.untyped_storage(), 0, t.shape, t.stride())
+        seg = Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage())
+    except BaseException:
+        os.close(fd)
+        raise
+    segments[:] = [s for s in segments if s.fd >= 0]
+    segments.append(seg)
+    return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
+
+
+def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Segment, torch.Tensor]:
+    """A zero-filled tensor that lives in a new memfd segment from the start (no copy: the kernel
+    provides zero pages on first touch). The segment has no buffer yet (``refs == 0``): a
+    registration of the tensor shares it (:func:`export_buffer`)."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    fd = os.memfd_create(f"transport:{name}"[:200], os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        t = torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
+        return Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage(), refs=0), t
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_segment(handle: ShmHandle, writable: bool = True) -> torch.Tensor:
+    """Map the peer's segment: its bytes as a uint8 tensor (``writable=False``: a read-only
+    mapping; a write through it is a SIGSEGV, so no reader can corrupt what others read)."""
+    path = f"/proc/{handle.pid}/fd/{handle.fd}"
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise StaleBufferError(f"shm: the peer closed its segment {path} (it unregistered the buffer)") from exc
+    except OSError as exc:
+        raise PlaneUnavailableError(f"shm: cannot open the peer's segment {path}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != handle.inode or st.st_size < handle.size:
+            raise StaleBufferError(
+                f"shm: {path} is no longer the peer's segment (inode {st.st_ino} != {handle.inode}"
+                f" or size {st.st_size} < {handle.size}); the peer re-registered or closed it"
+            )
+        # no MAP_POPULATE: CPython holds the GIL through mmap(); pages fault in during the
+        # first copy instead, which runs on a worker thread without the GIL
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+        mm = mmap.mmap(fd, handle.size, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
+    if writable:
+        return torch.frombuffer(mm, dtype=torch.uint8)
+    with warnings.catch_warnings():  # torch warns that it cannot make the tensor read-only: the mapping is
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
