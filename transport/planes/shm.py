@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import PlaneUnavailableError, StaleBufferError
+from ..errors import PeerLostError, PlaneUnavailableError, StaleBufferError
 from ..flight_recorder import OpKind, OpState
 from ..hostinfo import same_host
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
@@ -66,6 +66,7 @@ class ShmPlane(DataPlane):
         self._maps: dict[int, torch.Tensor] = {}  # segment inode -> its bytes, mapped
         self._ro_maps: dict[int, torch.Tensor] = {}  # the same, mapped read-only (Endpoint.map)
         self._tables: dict[int, TableView] = {}  # the peer's slot table (by inode): one-sided puts and gets
+        self._closed = False  # the channel is gone: no table may be opened (and kept) any more
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -299,6 +300,10 @@ class ShmPlane(DataPlane):
             if have is not view:
                 view.close()
                 view = have
+            if self._closed:  # the channel closed while this was being opened: nothing may keep it
+                self._tables.pop(h.table_inode, None)
+                view.close()
+                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
         return view
 
     maps_peer_memory = True
@@ -334,6 +339,7 @@ class ShmPlane(DataPlane):
                 maps.pop(inode, None)
 
     def close(self) -> None:
+        self._closed = True
         self._maps.clear()
         self._ro_maps.clear()
         tables, self._tables = list(self._tables.values()), {}

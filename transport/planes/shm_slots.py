@@ -248,3 +248,11 @@ class TableView:
             if self.fd >= 0:
                 os.close(self.fd)  # (drops every lock of this open file description)
                 self.fd = -1
+
+    def __del__(self) -> None:  # (a view dropped without close(): its descriptor goes with it)
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
