@@ -35,9 +35,7 @@ import enum
 import itertools
 import logging
 import re
-import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +66,7 @@ from .flight_recorder import OpKind, OpState, Record
 from .hostinfo import local_host, same_host
 from .planes import PLANES, choose_gpu_plane
 from .ranges import resolve_item
+from .receiver import RX_POLL_S, Receiver
 from .registry import BufferSpec, dtype_from_name
 from .sender import Sender
 from .staging import Staging
@@ -115,21 +114,9 @@ __all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "Route", "ha
 
 log = logging.getLogger(__name__)
 
-_SCRATCH = 1 << 20
 _P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to complete before the link is aborted,
 _P2P_ABANDON_RATE = 1e9  # ... plus its bytes at this rate (bytes/s): a healthy slow link is not cut off
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
-# Receiving a payload of _LOWAT_FROM bytes or more, the reader raises SO_RCVLOWAT so that the
-# kernel wakes it once a chunk of a quarter of the payload (at most _LOWAT_MAX) has arrived, instead
-# of for every few segments: on loopback each wake-up of the reader costs the sending side an
-# inter-processor wake-up, and those made a 64 MiB put 20-30% slower than a plain socket. The first
-# chunk is copied while the rest still arrives; SO_RCVLOWAT never exceeds what is still to come of
-# the payload (so the wait always ends), nor a quarter of the socket's receive buffer (above that
-# the kernel clamps the receive window to it, and the bytes waited for might never be let in).
-_LOWAT_FROM = 512 << 10
-_LOWAT_MAX = 2 << 20
-_LOWAT_MIN = 64 << 10  # smaller chunks are not worth a setsockopt
-_RX_POLL_S = 1.0  # the reader's longest wait in one call: it rechecks the channel and a payload's progress
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
 _INT64_MAX = (1 << 63) - 1
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")  # devices a peer's buffer may be on
@@ -276,14 +263,15 @@ def _chain(head: bytes, payload: Iterator[memoryview],
         yield from payload
 
 
+def _expire(fut: asyncio.Future[None]) -> None:
+    """An op's deadline passed (event loop): its wait ends with ``TimeoutError``."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 def _byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
     """Bytes ``[off, off + n)`` of a contiguous tensor, as a ``uint8`` view on its device."""
     return t.detach().reshape(-1).view(torch.uint8)[off : off + n]
-
-
-def _timeval(seconds: float) -> bytes:
-    """A ``struct timeval`` for SO_RCVTIMEO."""
-    return struct.pack("@ll", int(seconds), int((seconds % 1) * 1_000_000))
 
 
 def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
@@ -532,13 +520,9 @@ class Channel:
         self._order_tail: asyncio.Future[None] | None = None
         self._lock = threading.Lock()
         self._tx = Sender(sock, self.peer_name, self._send_failed)
-        self.last_rx = time.monotonic()
         self._serving: Record | None = None  # target record the reader is working on
         self._replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
-        self._lowat = 1  # the socket's SO_RCVLOWAT (reader thread only)
-        self._rx_cap = 0  # the largest SO_RCVLOWAT for the payload being received (reader thread only)
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
+        self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._reader = threading.Thread(target=self._read_loop, name=f"transport-rx-{self.peer_name}", daemon=True)
         self.peer = Peer(self)
 
@@ -834,6 +818,15 @@ class Channel:
     def last_tx(self) -> float:
         return self._tx.last_tx
 
+    @property
+    def last_rx(self) -> float:
+        """The last time the peer's bytes arrived (or the reader was held up by this side)."""
+        return self._rx.last_rx
+
+    @last_rx.setter
+    def last_rx(self, when: float) -> None:  # (reader thread)
+        self._rx.last_rx = when
+
     async def run(self, op: Op, start: Callable[[], Any], deadline: float) -> None:
         """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``.
 
@@ -843,13 +836,20 @@ class Channel:
         writer or to a copy thread still go out, and the channel stays usable.
         """
         try:
-            async with asyncio.timeout_at(deadline):
-                prev = self._order_tail
-                if not op.gated and (prev is None or prev.done()):
-                    await start()  # the common case: the op is handed to the sender at once, in call order
-                else:
+            prev = self._order_tail
+            if not op.gated and (prev is None or prev.done()):
+                # the common case: the op is handed to the sender at once, in call order, and only its
+                # future is awaited: a timer fails it at the deadline (cheaper than a timeout scope)
+                timer = self.loop.call_at(deadline, _expire, op.future)
+                try:
+                    await start()
+                    await op.future
+                finally:
+                    timer.cancel()
+            else:
+                async with asyncio.timeout_at(deadline):
                     await self._in_order(prev, start)
-                await op.future
+                    await op.future
         except TimeoutError:
             was = op.record.state
             if op.p2p:  # its NCCL operations cannot be called back: abort the link (and the channel)
@@ -967,7 +967,7 @@ class Channel:
             return 20.0  # (ncclCommAbort is bounded: NCCL's abort flag ends its waits; then the completions are reported)
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.staging.config
-            return cfg.stall_timeout + 0.1 * cfg.buffers + _RX_POLL_S + 1.0
+            return cfg.stall_timeout + 0.1 * cfg.buffers + RX_POLL_S + 1.0
         return op.abandon_bound  # a local copy stops at its next chunk; the reader at its next poll
 
     def _forget(self, op: Op) -> None:
@@ -1137,85 +1137,12 @@ class Channel:
             pass
 
     # ---------------------------------------------------------------- reader thread
-    def _set_lowat(self, lowat: int) -> None:
-        if lowat != self._lowat:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-            self._lowat = lowat
-
-    def _recv_into(self, view: memoryview, more: int = 0, total: int = 0) -> None:
-        """Fill ``view`` from the socket. ``view`` is part of a payload of ``total`` bytes, of
-        which ``more`` follow it (they will arrive: SO_RCVLOWAT never asks for more than that).
-
-        With SO_RCVLOWAT at 1, a blocking ``recv_into`` (GIL released). Raised, a ``poll``
-        for it, then a non-blocking ``recv_into`` of whatever is queued: a blocking ``recv``
-        that already took some bytes would sleep until SO_RCVLOWAT *more* arrived, which the
-        tail of a payload never provides. Every wait ends within ``_RX_POLL_S`` (the socket's
-        receive timeout, or the poll's), so a slow payload still counts as traffic and the
-        wait ends once the channel is no longer open.
-        """
-        got, n = 0, len(view)
-        sock = self._sock
-        cap = 0
-        if total >= _LOWAT_FROM:
-            if n + more == total:  # the payload's first part: size its chunks once
-                self._rx_cap = min(_LOWAT_MAX, total // 4, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
-            cap = self._rx_cap
-        while got < n:
-            want = n - got
-            left = want + more
-            lowat = min(cap, left) if cap >= _LOWAT_MIN and left >= _LOWAT_MIN else 1
-            self._set_lowat(lowat)
-            try:
-                if lowat == 1:
-                    k = sock.recv_into(view[got:], want)
-                else:
-                    self._poll.poll(_RX_POLL_S * 1000)
-                    k = sock.recv_into(view[got:], want, socket.MSG_DONTWAIT)
-            except BlockingIOError:  # nothing arrived within _RX_POLL_S
-                if not self.is_open:
-                    raise EOFError("channel closed") from None
-                continue
-            if k == 0:
-                raise EOFError("connection closed by peer")
-            got += k
-            self.last_rx = time.monotonic()
-
-    def _drain(self, n: int, more: int = 0, total: int = 0) -> None:
-        scratch = memoryview(bytearray(min(max(n, 1), _SCRATCH)))
-        total = total or n
-        while n > 0:
-            k = min(n, len(scratch))
-            n -= k
-            self._recv_into(scratch[:k], n + more, total)
-
-    def _wait_frame(self) -> None:
-        """Wait until the next frame starts arriving.
-
-        ``poll`` rather than a blocking ``recv``: a thread blocked in ``recv`` is woken, to no
-        purpose, every time the kernel frees send space on the same socket, i.e. all the way
-        through our own writer's large ``sendall``; ``poll`` is woken for incoming bytes only.
-        """
-        self._set_lowat(1)  # a payload may have left it raised
-        while not self._poll.poll(_RX_POLL_S * 1000):
-            if not self.is_open:
-                raise EOFError("channel closed")
-
-    def _read_frame(self) -> Message:
-        self._wait_frame()
-        head = bytearray(4)
-        self._recv_into(memoryview(head))
-        n = frame_length(bytes(head))
-        body = bytearray(n)
-        self._recv_into(memoryview(body))
-        return decode(bytes(body))
-
     def _read_loop(self) -> None:
         try:
-            # bounds every blocking recv (see _recv_into); the writer's sends are not affected
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_RX_POLL_S))
+            rx = self._rx
+            rx.start()
             while self.state is ChannelState.OPEN:
-                msg = self._read_frame()
-                self._dispatch(msg)
+                self._dispatch(decode(rx.read_frame()))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
             self._fail_serving(exc)
             if self.is_open:
@@ -1375,7 +1302,7 @@ class Channel:
             error = exc
         if inline:
             if error is not None:
-                self._drain(sum(self._item_bytes(it) for it in msg.items))
+                self._rx.drain(sum(self._item_bytes(it) for it in msg.items))
             else:
                 dests = [self._dest(buf, off, n) for buf, off, n in ranges]
                 if any(not isinstance(d, memoryview) for d in dests):
@@ -1519,7 +1446,7 @@ class Channel:
                 for v in views:
                     left -= len(v)
                     if len(v):
-                        self._recv_into(v, left, total)
+                        self._rx.recv_into(v, left, total)
                 return None
         sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
         total = left = sum(sizes)
@@ -1544,7 +1471,7 @@ class Channel:
                 if not n:
                     continue
                 if not writing:
-                    self._drain(n, left, total)
+                    self._rx.drain(n, left, total)
                 elif isinstance(dest, memoryview):
                     got = 0
                     while got < n:
@@ -1553,13 +1480,13 @@ class Channel:
                         k = n - got if op is None else min(n - got, _RX_CHUNK)
                         more = left + n - got - k
                         if writing:
-                            self._recv_into(dest[got : got + k], more, total)
+                            self._rx.recv_into(dest[got : got + k], more, total)
                         else:
-                            self._drain(k, more, total)
+                            self._rx.drain(k, more, total)
                         got += k
                 else:
                     def fill(view: memoryview, more: int, rest: int = left) -> None:
-                        self._recv_into(view, more + rest, total)
+                        self._rx.recv_into(view, more + rest, total)
 
                     def stuck() -> None:  # (before quiet is set)
                         if op is not None:

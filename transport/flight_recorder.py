@@ -120,14 +120,14 @@ class FlightRecorder:
                 role=role,
                 initiator=initiator,
                 peer=peer,
-                kind=kind.value,
+                kind=kind._value_,  # (_value_: the enum's .value property costs more than the record)
                 names=names,
                 nbytes=nbytes,
                 plane=plane,
-                state=state.value,
+                state=state._value_,
                 t_posted=now,
                 t_updated=now,
-                history=[(state.value, now)],
+                history=[(state._value_, now)],
             )
             self._ring.append(rec)
         return rec
@@ -136,12 +136,12 @@ class FlightRecorder:
         now = time.time()
         with self._lock:
             if rec.state in _STICKY:  # final for the caller; a late event is kept in the history
-                if state.value != rec.state:
-                    rec.history.append((f"late:{state.value}", now))
+                if state._value_ != rec.state:
+                    rec.history.append((f"late:{state._value_}", now))
                 return
-            rec.state = state.value
+            rec.state = state._value_
             rec.t_updated = now
-            rec.history.append((state.value, now))
+            rec.history.append((state._value_, now))
             if error is not None:
                 rec.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 

@@ -330,7 +330,7 @@ def frame_length(prefix: bytes) -> int:
     return n
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
+def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes | memoryview) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.DecodeError:
@@ -341,7 +341,7 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
         raise msgspec.DecodeError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
 
 
-def decode(body: bytes) -> Message:
+def decode(body: bytes | memoryview) -> Message:
     """Decode one frame body; every failure raises ``msgspec.DecodeError`` (or its subclass
     ``ValidationError``), whatever went wrong inside the decoder."""
     return _decode(_decoder, body)  # type: ignore[no-any-return]
