@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import auth
+from .address import AddressBook, encode_address
 from .channel import Channel, Notification, Peer, Route, handshake, hang_up
 from .errors import (
     AuthenticationError,
@@ -197,6 +198,7 @@ class Endpoint:
         self._dump_dir = Path(dump_dir) if dump_dir is not None else None
         self._dump_signal = dump_signal
         self._rdv = Rendezvous(store, host_store=host_store, timeout=timeout)
+        self._book = AddressBook()  # peers added from their address records (add_peer)
         self._registry = LocalRegistry()
         self._segments: list[Segment] = []  # shm segments exported by this endpoint
         self._slots: SlotTable | None = None  # their exports' words (one-sided puts and gets), made at the first
@@ -762,7 +764,9 @@ class Endpoint:
     async def _dial(self, peer: str, deadline: float) -> Channel:
         skip: set[int] = set()
         while True:
-            rec = await self._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
+            rec = self._book.lookup(peer, skip)  # a peer added from its record is not looked for in the store
+            if rec is None:
+                rec = await self._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
             channel_id = f"{self.name}#{self.incarnation:x}->{peer}#{rec.incarnation:x}/{secrets.token_hex(3)}"
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
@@ -803,8 +807,8 @@ class Endpoint:
             self._ipc_retention.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             assert self._secret is not None
-            remote = await handshake(sock, hello, deadline, dialer=True, secret=self._secret,
-                                     address=(rec.host, rec.port))
+            remote = await handshake(sock, hello, deadline, dialer=True,
+                                     secret=self._book.secret_for(peer) or self._secret, address=(rec.host, rec.port))
             sock.setblocking(True)
         except TimeoutError:
             sock.close()
@@ -923,6 +927,26 @@ class Endpoint:
                         "it fail from now on (re-register it)", self.name, buf.spec.name)
 
     # ------------------------------------------------------------------ operations
+    def address_record(self) -> bytes:
+        """This open endpoint as opaque bytes a peer passes to :meth:`add_peer`. Non-blocking.
+
+        They carry the address it accepts channels on, its incarnation, its host identity and
+        its secret: a credential (see :mod:`transport.address`). Raises
+        :class:`EndpointClosedError` unless the endpoint is open."""
+        self._check_open()
+        assert self._record is not None and self._secret is not None
+        return encode_address(self._record, self._secret)
+
+    def add_peer(self, record: bytes) -> str:
+        """Make the endpoint that ``record`` (its :meth:`address_record`) describes reachable by
+        the name returned, with no store in common. Non-blocking; nothing is dialled yet.
+
+        Dialling it then uses the record, not the store, and proves the record's secret. Adding
+        a record of a name again replaces the earlier one (a channel already open stays).
+        ``ValueError`` for bytes that are not such a record (:func:`transport.address.decode_address`)."""
+        self._check_open()
+        return self._book.add(record, own_name=self.name)
+
     async def connect(self, peer: str, timeout: float | None = None) -> Peer:
         """Open (or reuse) the channel to ``peer``; return its :class:`Peer`.
 
