@@ -1,0 +1,85 @@
+"""The ``torch.distributed.Work`` of one transfer that runs on the backend's event loop."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import Work
+from torch.distributed._transport._work import _validate_timeout
+
+__all__ = ["TransportRLWork"]
+
+
+class TransportRLWork(Work):
+    """One read or write: completed (successfully or not) once the endpoint's put or get ended.
+
+    ``wait(timeout)`` blocks at most ``timeout`` (``timedelta(0)``: the timeout the transfer was
+    submitted with) and raises ``TimeoutError`` when it passes; the transfer goes on, and this
+    Work keeps its buffers until it ends. A failed transfer's error is raised by ``wait`` and
+    set on the future. ``get_future()`` resolves to ``[]`` on success; its callbacks run on the
+    backend's loop thread. Thread-safe.
+    """
+
+    def __init__(self, buffers: tuple[Any, ...], timeout: float, on_done: Callable[[TransportRLWork], None]) -> None:
+        super().__init__()
+        _validate_timeout(timeout)
+        self._timeout = timeout
+        self._buffers: tuple[Any, ...] | None = buffers  # retained until the transfer ended
+        self._on_done = on_done
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+
+    def _attach(self, fut: concurrent.futures.Future[Any]) -> None:
+        fut.add_done_callback(self._settle)
+
+    def _settle(self, fut: concurrent.futures.Future[Any] | None) -> None:
+        if fut is not None:
+            if fut.cancelled():
+                self._error = RuntimeError("the transfer was cancelled: its event loop stopped")
+            else:
+                self._error = fut.exception()
+        self._on_done(self)
+        self._done.set()
+        error = self._error
+        if error is None:
+            self._future.set_result([])
+        else:
+            failure = error if isinstance(error, Exception) else RuntimeError(str(error))
+            self._future.set_exception(failure)  # type: ignore[arg-type]  # (torch stubs type it as the result)
+
+    def _wait(self, seconds: float) -> None:
+        if not self._done.wait(seconds):
+            raise TimeoutError("transport wait timed out; operation remains pending")
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds()
+        _validate_timeout(seconds)
+        self._wait(seconds or self._timeout)
+        return True
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return []
+
+    def synchronize(self) -> None:
+        self.wait()
