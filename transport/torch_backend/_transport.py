@@ -66,6 +66,11 @@ class TransportRL(Transport):
     ``connect()`` passes the peer's to :meth:`transport.Endpoint.add_peer` and dials it). Those
     bytes are a credential: they carry the secret a peer proves when it dials this endpoint.
 
+    Transfers run one at a time, in the order they were submitted (from any thread): a read
+    submitted after a write sees the written bytes. torch's contract does not promise that
+    (independent transfers may overlap there), so code meant for other backends must still
+    wait before submitting a dependent transfer.
+
     Timeouts bound the caller's wait, never the transfer: a write or read whose wait times
     out goes on (its Work keeps its buffers) until it ends or ``transfer_timeout`` passes.
     Blocking calls (``bind``, ``connect``, ``register_memory``, ``unregister_memory``, the
@@ -109,6 +114,7 @@ class TransportRL(Transport):
         self._closing = False
         self._closed = False
         self._ep_close: concurrent.futures.Future[None] | None = None
+        self._in_order = asyncio.Lock()  # transfers run one at a time, in submission order (on the loop)
         self._ep = Endpoint(name or f"torch-{os.getpid()}-{secrets.token_hex(6)}", store=HashStore(),
                             planes=(plane,), timeout=self._transfer_timeout, listen_host=listen_host, secret=secret)
         self._loop = asyncio.new_event_loop()
@@ -306,14 +312,21 @@ class TransportRL(Transport):
                 ops = {desc.buffer: At(view._bytes(), offset=0)}
                 bound = max(t, self._transfer_timeout)
                 peer = desc.endpoint
-                coro = (self._ep.put(peer, ops, timeout=bound) if write else self._ep.get(peer, ops, timeout=bound))
                 with self._pending_lock:
                     self._pending[id(work)] = work
-                work._attach(self._submit(coro))
+                work._attach(self._submit(self._transfer(write, peer, ops, bound)))
         if async_op:
             return work
         work._wait(max(0.0, deadline - time.monotonic()))
         return 0
+
+    async def _transfer(self, write: bool, peer: str, ops: dict[str, At], bound: float) -> None:
+        # asyncio.Lock is FIFO and these coroutines start in submission order (run_coroutine_threadsafe)
+        async with self._in_order:
+            if write:
+                await self._ep.put(peer, ops, timeout=bound)
+            else:
+                await self._ep.get(peer, ops, timeout=bound)
 
     def write(self, local_buffer: MemoryView, remote_buffer: RemoteBuffer, *, async_op: bool = False,
               timeout: float | None = None) -> int | Work:
