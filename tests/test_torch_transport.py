@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -527,14 +528,18 @@ def test_descriptor_is_torchs_json_v1_envelope():
 
 
 def test_entry_point_loads_the_backend(tmp_path):
-    """torch discovers the backend through the entry point pyproject.toml declares (installed as a
-    distribution's metadata on sys.path, in a fresh interpreter)."""
+    """torch discovers the backend through the entry point pyproject.toml declares, in a fresh
+    interpreter (the installed project's, or the same entry point as metadata on sys.path)."""
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     target = declared["torch.distributed.transports"][BACKEND]
-    dist = tmp_path / "transport_rl_probe-0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: transport-rl-probe\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[torch.distributed.transports]\n{BACKEND} = {target}\n")
+    installed = [e for e in entry_points(group="torch.distributed.transports") if e.name == BACKEND]
+    if installed:  # the project is installed (pip install -e .): its metadata must say the same
+        assert [e.value for e in installed] == [target]
+    else:  # from a checkout: the same entry point, as a distribution's metadata on sys.path
+        dist = tmp_path / "transport_rl_probe-0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: transport-rl-probe\nVersion: 0\n")
+        (dist / "entry_points.txt").write_text(f"[torch.distributed.transports]\n{BACKEND} = {target}\n")
     code = (
         "import sys, torch\n"
         "from torch.distributed._transport import available_transports, new_transport\n"

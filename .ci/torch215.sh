@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# CI for the torch.distributed._transport backend ("transport_rl"): from a fresh clone, make a venv
+# with torch 2.15 (the first torch that ships torch.distributed._transport), install this project
+# into it (so that the torch.distributed.transports entry point is installed) and run
+# tests/test_torch_transport.py there. Fails loudly if the module skips (a torch without
+# _transport, or a missing entry point), so a green run means the tests ran.
+#   bash .ci/torch215.sh            (venv: .venv-torch215; VENV=... picks another, PYTHON=... the interpreter)
+# Not part of .ci/run (the main suite runs on the default venv's torch, which has no _transport).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-torch215}
+PYTHON=${PYTHON:-python3}
+echo "torch215: $(date -u +%FT%TZ) on $(nproc) cores, venv $VENV"
+"$PYTHON" --version
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# PIP_CONFIG_FILE=/dev/null: the public index as pip resolves it (a CPU or CUDA wheel, either is fine)
+PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install torch==2.15.0 msgspec numpy tqdm pytest pytest-asyncio pytest-timeout \
+  hypothesis
+# the project itself, for its entry point; its other dependencies (cuda-python, NCCL) are not needed here
+PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install --no-deps -e .
+"$VENV/bin/python" - <<'EOF'
+import torch
+import torch.distributed._transport as tdt  # ImportError here: this torch has no _transport
+assert torch.__version__.startswith("2.15"), torch.__version__
+assert "transport_rl" in tdt.available_transports(), f"entry point missing: {tdt.available_transports()}"
+print("torch215: torch", torch.__version__, "transports", tdt.available_transports())
+EOF
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+"$VENV/bin/python" -m pytest tests/test_torch_transport.py -q -rs -p no:cacheprovider 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" -ne 0 ]; then
+  echo "torch215: FAILED (pytest exit $rc)" >&2
+  exit "$rc"
+fi
+if grep -qE '[0-9]+ skipped' "$log"; then
+  echo "torch215: FAILED: tests were skipped (see the SKIPPED lines above); they must run under torch 2.15" >&2
+  exit 1
+fi
+echo "torch215: ok"
