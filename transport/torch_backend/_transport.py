@@ -76,7 +76,7 @@ class TransportRL(Transport):
     Blocking calls (``bind``, ``connect``, ``register_memory``, ``unregister_memory``, the
     synchronous ``write``/``read``, ``close``) wait at most ``timeout`` (``None``: the
     transport's) for the transport's lock and then for the loop, plus 2 s for the loop to
-    answer; ``timeout=0`` succeeds only where nothing has to wait. A ``register_memory``
+    answer (``timeout=0``: the lock must be free; a transfer must already be done). A ``register_memory``
     whose wait timed out may still complete; close releases it. ``close``/``close_async``
     first reject new operations, then wait for pending transfers: on timeout or cancellation
     they raise and keep every resource, and a later close finishes the job.
