@@ -33,8 +33,9 @@ from hypothesis import strategies as st
 import transport
 from tests import _wire_peer as peer
 from transport import auth, wire
-from transport.channel import Channel, check_hello, specs_from_wire
+from transport.channel import Channel
 from transport.errors import ProtocolError
+from transport.handshake import check_hello, specs_from_wire
 from transport.hostinfo import local_host
 
 _HOST = local_host()

@@ -197,7 +197,7 @@ _HUGE = [2**62, 2**62]  # 2**124 elements: torch.Size.numel() wraps to 0
 def test_a_shape_of_many_huge_dimensions_is_refused_at_once():
     """The element count stops growing once it passes int64: the product of 200k dimensions of 2**62
     (what a 16 MiB frame can carry, and more) takes quadratic time in Python ints, minutes here."""
-    from transport.channel import specs_from_wire
+    from transport.handshake import specs_from_wire
 
     bufs = [wire.WireBuffer("w", "float32", [2**62] * 200_000, "cpu", 0)]
     with pytest.raises(transport.ProtocolError, match="overflows int64"):
@@ -335,7 +335,7 @@ def test_decoder_rejects_garbage_with_msgspec_errors():
 
 
 def test_specs_from_wire_refuses_overflowing_shapes():
-    from transport.channel import specs_from_wire
+    from transport.handshake import specs_from_wire
 
     for shape, nbytes in ((_HUGE, 0), ([2**63], 0), ([2**32, 2**31], 2**63), ([3], 13)):
         with pytest.raises(transport.ProtocolError):

@@ -384,7 +384,7 @@ def test_gpu_plane_choice_and_reasons():
 
 
 def test_a_peer_buffer_on_an_unknown_device_is_a_protocol_error():
-    from transport.channel import specs_from_wire
+    from transport.handshake import specs_from_wire
     from transport.wire import WireBuffer
 
     assert specs_from_wire([WireBuffer("g", "float32", [2], "cuda:3", 8)])["g"].device == "cuda:3"

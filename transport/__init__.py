@@ -7,7 +7,7 @@
 """
 
 from .blocking import BlockingEndpoint
-from .channel import Notification, Peer, Route
+from .channel import Notification
 from .endpoint import Endpoint
 from .errors import (
     AuthenticationError,
@@ -25,6 +25,7 @@ from .errors import (
     TransportTimeoutError,
     UnknownBufferError,
 )
+from .peer import Peer, Route
 from .ranges import At
 from .registry import BufferSpec
 from .staging import StagingConfig

@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .channel import Notification, Peer, Route
+from .channel import Notification
 from .endpoint import Endpoint
 from .errors import EndpointClosedError, Phase, TransportError, TransportTimeoutError
+from .peer import Peer, Route
 from .ranges import At
 from .registry import BufferSpec
 

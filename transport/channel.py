@@ -34,21 +34,18 @@ import asyncio
 import enum
 import itertools
 import logging
-import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
 
-from . import auth
 from .errors import (
     ERROR_KINDS,
-    AuthenticationError,
     BufferMismatchError,
     EndpointClosedError,
     PeerLostError,
@@ -63,7 +60,9 @@ from .errors import (
     error_kind,
 )
 from .flight_recorder import OpKind, OpState, Record
+from .handshake import specs_from_wire
 from .hostinfo import local_host, same_host
+from .peer import Peer
 from .planes import PLANES, choose_gpu_plane
 from .ranges import resolve_item
 from .receiver import RX_POLL_S, Receiver
@@ -71,13 +70,9 @@ from .registry import BufferSpec, dtype_from_name
 from .sender import Sender
 from .staging import Staging
 from .wire import (
-    MAX_FRAME,
     MAX_NOTIFY,
-    MAX_PREAUTH_FRAME,
-    PROTOCOL_VERSION,
     Ack,
     Bye,
-    Challenge,
     Data,
     Fail,
     Get,
@@ -90,16 +85,13 @@ from .wire import (
     NcclSetup,
     Notify,
     Ping,
-    Proof,
     Put,
     Registry,
     Sync,
     Unmapped,
     WireBuffer,
     decode,
-    decode_preauth,
     encode_frame,
-    frame_length,
 )
 
 if TYPE_CHECKING:
@@ -110,7 +102,7 @@ if TYPE_CHECKING:
     from .planes.nccl import NcclPlane
     from .planes.staged import StagedPlane
 
-__all__ = ["Channel", "ChannelState", "Notification", "Op", "Peer", "Route", "handshake", "specs_from_wire"]
+__all__ = ["Channel", "ChannelState", "Notification", "Op"]
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +110,6 @@ _P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to comple
 _P2P_ABANDON_RATE = 1e9  # ... plus its bytes at this rate (bytes/s): a healthy slow link is not cut off
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
-_INT64_MAX = (1 << 63) - 1
-_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")  # devices a peer's buffer may be on
 
 
 _STATE_HINT = {
@@ -272,190 +262,6 @@ def _expire(fut: asyncio.Future[None]) -> None:
 def _byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
     """Bytes ``[off, off + n)`` of a contiguous tensor, as a ``uint8`` view on its device."""
     return t.detach().reshape(-1).view(torch.uint8)[off : off + n]
-
-
-def specs_from_wire(buffers: Sequence[WireBuffer]) -> dict[str, BufferSpec]:
-    """Check a peer's registry and turn it into specs; :class:`ProtocolError` if malformed.
-
-    Element counts and sizes are computed with Python ints (no wrap-around): a shape whose
-    element count, or byte size, does not fit in int64 is refused, as is one whose byte size
-    differs from ``nbytes``. Whatever else goes wrong on the peer's values is a
-    :class:`ProtocolError` too."""
-    out: dict[str, BufferSpec] = {}
-    for b in buffers:
-        try:
-            out[b.name] = _spec_from_wire(b)
-        except ProtocolError:
-            raise
-        except Exception as exc:  # anything the peer's values make go wrong is the peer's error
-            raise ProtocolError(f"peer registry: buffer {b.name[:80]!r} is malformed: {type(exc).__name__}: "
-                                f"{str(exc)[:200]}") from None
-    return out
-
-
-def _spec_from_wire(b: WireBuffer) -> BufferSpec:
-    try:
-        dtype = dtype_from_name(b.dtype)
-    except KeyError:
-        raise ProtocolError(f"peer registry: buffer {b.name!r} has unknown dtype {b.dtype!r}") from None
-    if any(d < 0 for d in b.shape):
-        raise ProtocolError(f"peer registry: buffer {b.name!r} has a negative dimension {b.shape[:8]}")
-    if not _DEVICE.fullmatch(b.device):
-        raise ProtocolError(f"peer registry: buffer {b.name!r} is on an unknown device {b.device[:40]!r}")
-    # Python ints (torch.Size.numel() would wrap around), stopped as soon as the count passes int64:
-    # a product of a hostile frame's huge dimensions would take quadratic time
-    overflow = any(d > _INT64_MAX for d in b.shape)
-    numel = 0 if 0 in b.shape else 1
-    if numel and not overflow:
-        for d in b.shape:
-            numel *= d
-            if numel * dtype.itemsize > _INT64_MAX:
-                overflow = True
-                break
-    if overflow:
-        raise ProtocolError(f"peer registry: buffer {b.name!r} has shape {b.shape[:8]}: its element count "
-                            "overflows int64")
-    if numel * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
-        raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}"
-                            f"{b.shape[:8]}")
-    return BufferSpec(b.name, dtype, torch.Size(b.shape), b.device, b.nbytes)
-
-
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise EOFError("connection closed during the handshake")
-        got += k
-    return bytes(buf)
-
-
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
-    """One frame's body; :class:`ProtocolError` if its length exceeds ``limit``."""
-    try:
-        n = frame_length(await _recv_exact(loop, sock, 4))
-    except ValueError as exc:
-        raise ProtocolError(f"malformed handshake frame: {exc}") from None
-    if n > limit:
-        raise ProtocolError(f"handshake frame of {n} bytes where at most {limit} were expected (a peer of another "
-                            "protocol version, or not one of ours)")
-    return await _recv_exact(loop, sock, n)
-
-
-async def _recv_preauth(loop: asyncio.AbstractEventLoop, sock: socket.socket, want: str) -> Challenge | Proof | Bye:
-    """A frame of a peer that has not proved itself yet: small, and only a few types decoded."""
-    body = await _recv_frame(loop, sock, MAX_PREAUTH_FRAME)
-    try:
-        msg = decode_preauth(body)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed handshake frame (expected {want}): {exc}") from None
-    if isinstance(msg, int):
-        if msg != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks protocol {msg}, this endpoint speaks {PROTOCOL_VERSION}")
-        raise AuthenticationError(f"peer sent its hello without proving that it belongs to the job (expected {want})")
-    return msg
-
-
-def check_hello(msg: Message) -> Hello:
-    """A peer's first frame, checked; :class:`ProtocolError` if it is not a usable ``Hello``."""
-    if not isinstance(msg, Hello):
-        raise ProtocolError(f"expected a hello frame, got {type(msg).__name__}")
-    if msg.protocol != PROTOCOL_VERSION:
-        raise ProtocolError(f"peer speaks protocol {msg.protocol}, this endpoint speaks {PROTOCOL_VERSION}")
-    if not msg.name:
-        raise ProtocolError("peer sent an empty endpoint name")
-    specs_from_wire(msg.buffers)
-    return msg
-
-
-def _decode_hello(body: bytes) -> Hello:
-    try:  # (decode turns every failure into a DecodeError; check_hello raises ProtocolError only)
-        return check_hello(decode(body))
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed hello: {exc}") from None
-
-
-async def _refuse(loop: asyncio.AbstractEventLoop, sock: socket.socket, reason: str) -> None:
-    """Tell a dialer why it is refused (bounded); the caller then hangs up with :func:`hang_up`."""
-    try:
-        async with asyncio.timeout(1.0):
-            await loop.sock_sendall(sock, encode_frame(Bye(reason)))
-    except (OSError, TimeoutError):
-        pass
-
-
-async def hang_up(sock: socket.socket, bound: float = 1.0) -> None:
-    """Close a refused connection without a reset: send FIN, then read and drop what the peer
-    still sends (at most ``bound`` s, 4 MiB), so that a Bye already sent reaches it first."""
-    loop = asyncio.get_running_loop()
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        async with asyncio.timeout(bound):
-            scratch = bytearray(65536)
-            for _ in range(64):
-                if await loop.sock_recv_into(sock, scratch) == 0:
-                    break
-    except (OSError, TimeoutError):
-        pass
-    sock.close()
-
-
-async def handshake(sock: socket.socket, hello: Hello, deadline: float, *, dialer: bool, secret: bytes,
-                    address: tuple[str, int]) -> Hello:
-    """Prove membership of the job both ways, then exchange ``Hello`` frames (see
-    :mod:`transport.wire` and :mod:`transport.auth`); on the event loop, bounded by ``deadline``.
-
-    ``address`` is the acceptor's published ``(host, port)`` (the dialer's: from the store
-    record). The acceptor reads nothing of the dialer but its ``Proof`` until that checked;
-    the dialer sends its ``Hello`` only once the acceptor's proof checked.
-
-    ``sock`` must be non-blocking. Raises :class:`AuthenticationError` for a proof that does not
-    check (either side) or a refusal, :class:`ProtocolError` for a wrong version or anything
-    malformed (whatever the decoder raised), ``TimeoutError`` at the deadline,
-    ``OSError``/``EOFError`` for I/O trouble.
-    """
-    loop = asyncio.get_running_loop()
-    host, port = address
-    async with asyncio.timeout_at(deadline):
-        if dialer:
-            msg = await _recv_preauth(loop, sock, "a challenge")
-            if not isinstance(msg, Challenge):
-                raise ProtocolError(f"expected a challenge, got {type(msg).__name__}")
-            if msg.protocol != PROTOCOL_VERSION:
-                raise ProtocolError(f"peer speaks protocol {msg.protocol}, this endpoint speaks {PROTOCOL_VERSION}")
-            if len(msg.nonce) != auth.NONCE_BYTES:
-                raise ProtocolError(f"challenge with a nonce of {len(msg.nonce)} bytes")
-            nonce_a, nonce_d = msg.nonce, auth.new_nonce()
-            mac = auth.prove(secret, "dialer", nonce_a, nonce_d, host, port)
-            await loop.sock_sendall(sock, encode_frame(Proof(mac, nonce_d)))
-            msg = await _recv_preauth(loop, sock, "the acceptor's proof")
-            if isinstance(msg, Bye):
-                raise AuthenticationError(f"the peer refused us: {msg.reason[:300]}")
-            if not isinstance(msg, Proof):
-                raise ProtocolError(f"expected a proof, got {type(msg).__name__}")
-            if not auth.verify(secret, msg.mac, "acceptor", nonce_a, nonce_d, host, port):
-                raise AuthenticationError(f"the peer at {host}:{port} did not prove that it belongs to the job (it "
-                                          "holds another secret, or none)")
-            remote = _decode_hello(await _recv_frame(loop, sock))
-            await loop.sock_sendall(sock, encode_frame(hello))
-            return remote
-        nonce_a = auth.new_nonce()
-        await loop.sock_sendall(sock, encode_frame(Challenge(PROTOCOL_VERSION, nonce_a)))
-        msg = await _recv_preauth(loop, sock, "a proof")
-        if not isinstance(msg, Proof):
-            raise ProtocolError(f"expected a proof, got {type(msg).__name__}")
-        if len(msg.nonce) != auth.NONCE_BYTES or not auth.verify(secret, msg.mac, "dialer", nonce_a, msg.nonce,
-                                                                 host, port):
-            await _refuse(loop, sock, "not authenticated: your proof does not match this endpoint's secret (every "
-                                      "endpoint of a job needs the same secret: the same secret= or "
-                                      f"${auth.SECRET_ENV}, or none, to use the store's)")
-            raise AuthenticationError("the peer did not prove that it belongs to the job (wrong or missing secret)")
-        mac = auth.prove(secret, "acceptor", nonce_a, msg.nonce, host, port)
-        await loop.sock_sendall(sock, encode_frame(Proof(mac)) + encode_frame(hello))
-        return _decode_hello(await _recv_frame(loop, sock))
 
 
 class Channel:
@@ -1538,77 +1344,3 @@ class Channel:
                 self._ipc.retire(gone, msg.epoch)
             else:  # nothing of ours ever mapped them
                 self.send(Unmapped(msg.epoch))
-
-
-class Route(NamedTuple):
-    """The plane an op takes and why, as :meth:`transport.Endpoint.route` says."""
-
-    plane: str
-    reason: str
-
-
-class Peer:
-    """A connected peer, as ``await ep.connect(name)`` returns it.
-
-    ``buffers`` is the peer's registry as last announced (name ->
-    :class:`BufferSpec`); it follows the peer's ``register``/``unregister``.
-    """
-
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-
-    @property
-    def name(self) -> str:
-        return self._channel.peer_name
-
-    @property
-    def incarnation(self) -> int:
-        return self._channel.incarnation
-
-    @property
-    def buffers(self) -> dict[str, BufferSpec]:
-        return dict(self._channel.peer_specs)
-
-    @property
-    def plane(self) -> str:
-        """The data plane used for this peer's CPU buffers."""
-        return self._channel.plane.name
-
-    @property
-    def plane_reason(self) -> str:
-        return self._channel.plane_reason
-
-    @property
-    def same_host(self) -> bool:
-        """Whether the peer runs on this host (same kernel boot and pid namespace, from the host identity its
-        ``Hello`` carried: :func:`transport.hostinfo.same_host`), whatever plane its channel runs."""
-        return same_host(local_host(), self._channel.host)[0]
-
-    @property
-    def gpu_plane(self) -> str:
-        """The data plane for ops touching GPU memory with this peer: ``cuda_ipc``, ``nccl`` or ``staged``."""
-        return self.gpu_plane_choice[0]
-
-    @property
-    def gpu_plane_reason(self) -> str:
-        return self.gpu_plane_choice[1]
-
-    @property
-    def gpu_plane_choice(self) -> tuple[str, str]:
-        ch = self._channel
-        if ch.gpu_plane is not None and ch.gpu_plane_reason is not None:
-            return ch.gpu_plane, ch.gpu_plane_reason
-        return ch.gpu_plane_choice()
-
-    @property
-    def channel_id(self) -> str:
-        """The channel's id, as the flight recorder and ``python -m transport fr`` name it."""
-        return self._channel.id
-
-    @property
-    def connected(self) -> bool:
-        return self._channel.is_open
-
-    def __repr__(self) -> str:
-        state = "open" if self.connected else self._channel.state.value
-        return f"<Peer {self.name!r} incarnation={self.incarnation:#x} plane={self.plane} {state} buffers={len(self._channel.peer_specs)}>"

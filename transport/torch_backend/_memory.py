@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 from torch.distributed._transport._serialization import _WireDescriptor
 from torch.distributed._transport._work import _validate_timeout
-
-if TYPE_CHECKING:
-    from ._transport import TransportRL
 
 __all__ = ["TransportRLMemory", "TransportRLMemoryView", "TransportRLMutableMemoryView", "TransportRLRemoteBuffer"]
 
@@ -84,10 +81,16 @@ class TransportRLMutableMemoryView(TransportRLMemoryView):
     writable: Literal[True] = True
 
 
+class _Describes(Protocol):
+    """What a memory handle needs of its transport (:class:`~transport.torch_backend.TransportRL`)."""
+
+    def _descriptor(self, registration: Registration) -> TransportRLRemoteBuffer: ...
+
+
 class TransportRLMemory:
     """A handle of a registration made by :meth:`TransportRL.register_memory`."""
 
-    def __init__(self, transport: TransportRL, registration: Registration, reused: bool) -> None:
+    def __init__(self, transport: _Describes, registration: Registration, reused: bool) -> None:
         self._transport = transport
         self._registration = registration
         self._reused = reused

@@ -1,0 +1,105 @@
+"""What a user sees of a connected peer: :class:`Peer` (``await ep.connect(name)``) and :class:`Route`."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from .hostinfo import local_host, same_host
+from .registry import BufferSpec
+from .wire import HostInfo
+
+__all__ = ["Peer", "Route"]
+
+
+class Route(NamedTuple):
+    """The plane an op takes and why, as :meth:`transport.Endpoint.route` says."""
+
+    plane: str
+    reason: str
+
+
+class _Channel(Protocol):
+    """What a :class:`Peer` reads of its channel (:class:`transport.channel.Channel`)."""
+
+    peer_name: str
+    incarnation: int
+    peer_specs: dict[str, BufferSpec]
+    plane: Any  # its DataPlane (.name)
+    plane_reason: str
+    host: HostInfo
+    gpu_plane: str | None
+    gpu_plane_reason: str | None
+    id: str
+    state: Any  # its ChannelState (.value)
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def gpu_plane_choice(self) -> tuple[str, str]: ...
+
+
+class Peer:
+    """A connected peer, as ``await ep.connect(name)`` returns it.
+
+    ``buffers`` is the peer's registry as last announced (name ->
+    :class:`BufferSpec`); it follows the peer's ``register``/``unregister``.
+    """
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+
+    @property
+    def name(self) -> str:
+        return self._channel.peer_name
+
+    @property
+    def incarnation(self) -> int:
+        return self._channel.incarnation
+
+    @property
+    def buffers(self) -> dict[str, BufferSpec]:
+        return dict(self._channel.peer_specs)
+
+    @property
+    def plane(self) -> str:
+        """The data plane used for this peer's CPU buffers."""
+        return self._channel.plane.name
+
+    @property
+    def plane_reason(self) -> str:
+        return self._channel.plane_reason
+
+    @property
+    def same_host(self) -> bool:
+        """Whether the peer runs on this host (same kernel boot and pid namespace, from the host identity its
+        ``Hello`` carried: :func:`transport.hostinfo.same_host`), whatever plane its channel runs."""
+        return same_host(local_host(), self._channel.host)[0]
+
+    @property
+    def gpu_plane(self) -> str:
+        """The data plane for ops touching GPU memory with this peer: ``cuda_ipc``, ``nccl`` or ``staged``."""
+        return self.gpu_plane_choice[0]
+
+    @property
+    def gpu_plane_reason(self) -> str:
+        return self.gpu_plane_choice[1]
+
+    @property
+    def gpu_plane_choice(self) -> tuple[str, str]:
+        ch = self._channel
+        if ch.gpu_plane is not None and ch.gpu_plane_reason is not None:
+            return ch.gpu_plane, ch.gpu_plane_reason
+        return ch.gpu_plane_choice()
+
+    @property
+    def channel_id(self) -> str:
+        """The channel's id, as the flight recorder and ``python -m transport fr`` name it."""
+        return self._channel.id
+
+    @property
+    def connected(self) -> bool:
+        return self._channel.is_open
+
+    def __repr__(self) -> str:
+        state = "open" if self.connected else self._channel.state.value
+        return f"<Peer {self.name!r} incarnation={self.incarnation:#x} plane={self.plane} {state} buffers={len(self._channel.peer_specs)}>"
