@@ -33,10 +33,10 @@ from hypothesis import strategies as st
 import transport
 from tests import _wire_peer as peer
 from transport import auth, wire
-from transport.channel import Channel
 from transport.errors import ProtocolError
 from transport.handshake import check_hello, specs_from_wire
 from transport.hostinfo import local_host
+from transport.serving import item_bytes
 
 _HOST = local_host()
 _SHM = wire.ShmHandle(1234, 7, 99, 4096, 0, 5)
@@ -164,7 +164,7 @@ def _judge(body: bytes) -> str:
             specs_from_wire(msg.buffers)
         elif isinstance(msg, (wire.Put, wire.Get)):
             for it in msg.items:
-                Channel._item_bytes(it)
+                item_bytes(it)
     except ProtocolError:
         return "refused"
     return "accepted"

@@ -38,7 +38,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -46,7 +45,6 @@ import torch
 
 from .errors import (
     ERROR_KINDS,
-    BufferMismatchError,
     EndpointClosedError,
     PeerLostError,
     Phase,
@@ -55,22 +53,19 @@ from .errors import (
     RemoteError,
     StagingError,
     StaleBufferError,
-    TransportError,
     TransportTimeoutError,
-    error_kind,
 )
 from .flight_recorder import OpKind, OpState, Record
 from .handshake import specs_from_wire
 from .hostinfo import local_host, same_host
-from .peer import Peer
-from .planes import PLANES, choose_gpu_plane
-from .ranges import resolve_item
+from .peer import Notification, Peer
+from .planes import choose_gpu_plane
 from .receiver import RX_POLL_S, Receiver
-from .registry import BufferSpec, dtype_from_name
+from .registry import BufferSpec
 from .sender import Sender
+from .serving import Serving
 from .staging import Staging
 from .wire import (
-    MAX_NOTIFY,
     Ack,
     Bye,
     Data,
@@ -122,16 +117,6 @@ class ChannelState(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
     BROKEN = "broken"
-
-
-@dataclass(frozen=True)
-class Notification:
-    """A message from a peer: sent alone (``ep.notify``) or carried by a put,
-    in which case it is delivered only after the put's bytes have landed."""
-
-    peer: str
-    payload: bytes
-    op_id: int = 0
 
 
 class _Quiet:
@@ -259,11 +244,6 @@ def _expire(fut: asyncio.Future[None]) -> None:
         fut.set_exception(TimeoutError())
 
 
-def _byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
-    """Bytes ``[off, off + n)`` of a contiguous tensor, as a ``uint8`` view on its device."""
-    return t.detach().reshape(-1).view(torch.uint8)[off : off + n]
-
-
 class Channel:
     """A connection to one incarnation of one peer. Created by the endpoint."""
 
@@ -326,8 +306,7 @@ class Channel:
         self._order_tail: asyncio.Future[None] | None = None
         self._lock = threading.Lock()
         self._tx = Sender(sock, self.peer_name, self._send_failed)
-        self._serving: Record | None = None  # target record the reader is working on
-        self._replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
+        self._target = Serving(self)  # the target's half: the peer's ops served by the reader thread
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._reader = threading.Thread(target=self._read_loop, name=f"transport-rx-{self.peer_name}", daemon=True)
         self.peer = Peer(self)
@@ -884,8 +863,8 @@ class Channel:
             self.error = exc
             pending = list(self._pending.values())
             self._pending.clear()
-            replies = list(self._replies.values())
-            self._replies.clear()
+            replies = list(self._target.replies.values())
+            self._target.replies.clear()
         if self.link is not None:  # NCCL ops cannot be cancelled: abort the communicator (a worker thread)
             self.link.abort(exc)
         for rec in replies:  # staged get replies the writer will not finish (one it is sending fails anyway)
@@ -966,15 +945,15 @@ class Channel:
             self.lose(PeerLostError(f"channel reader crashed: {exc!r}"))
 
     def _fail_serving(self, exc: BaseException) -> None:
-        rec, self._serving = self._serving, None
+        rec, self._target.current = self._target.current, None
         if rec is not None:
             self.recorder.update(rec, OpState.FAILED, exc)
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Put):
-            self._serve_put(msg)
+            self._target.serve_put(msg)
         elif isinstance(msg, Get):
-            self._serve_get(msg)
+            self._target.serve_get(msg)
         elif isinstance(msg, Ack):
             op = self._pop(msg.op_id)
             if op is not None:
@@ -989,7 +968,7 @@ class Channel:
         elif isinstance(msg, Data):
             self._take_data(msg)
         elif isinstance(msg, Notify):
-            self._serve_notify(msg)
+            self._target.serve_notify(msg)
         elif isinstance(msg, Registry):
             self._take_registry(msg)
         elif isinstance(msg, Sync):
@@ -999,7 +978,7 @@ class Channel:
         elif isinstance(msg, Unmapped):
             self.core.ipc_unmapped(self, msg.epoch)
         elif isinstance(msg, Go):
-            self._take_go(msg)
+            self._target.take_go(msg)
         elif isinstance(msg, NcclSetup):
             if self.link is None:
                 self.send(NcclReady(False, "", "this endpoint does not offer the nccl plane to this peer"))
@@ -1016,318 +995,14 @@ class Channel:
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} frame after the handshake")
 
-    def _target_record(self, msg: Put | Get | Notify, kind: OpKind, items: list[Item], plane: str) -> Record:
-        nbytes = 0
-        for it in items:
-            nbytes += self._item_bytes(it)
-        self._serving = self.recorder.record(
-            op_id=msg.op_id,
-            channel=self.id,
-            seq=msg.seq,
-            role="target",
-            initiator=self.peer_name,
-            peer=self.peer_name,
-            kind=kind,
-            names=[it.name for it in items],
-            nbytes=nbytes,
-            plane=plane,
-            state=OpState.RECEIVED,
-        )
-        return self._serving
-
-    @staticmethod
-    def _item_bytes(it: Item) -> int:
-        try:
-            size = dtype_from_name(it.dtype).itemsize
-        except KeyError:
-            raise ProtocolError(f"op names unknown dtype {it.dtype!r}") from None
-        if it.offset < 0 or it.count < 0 or it.count * size > _MAX_ITEM_BYTES:
-            raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
-        return it.count * size
-
-    def _resolve(self, items: list[Item], segments: list[int] | None = None,
-                 plane: str = "shm") -> list[tuple[Any, int, int]]:
-        """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise.
-
-        ``segments`` (ops of a plane that copies directly: ``shm``, ``cuda_ipc``) are the export
-        ids of ``plane`` the initiator copied into or out of; a buffer that is no longer that
-        export raises :class:`StaleBufferError`.
-        """
-        if segments is not None and len(segments) != len(items):
-            raise ProtocolError(f"op names {len(items)} items but {len(segments)} segments")
-        out = []
-        for i, it in enumerate(items):
-            buf = self.registry.get(it.name)
-            if buf is not None and it.offset + it.count > buf.spec.numel:
-                raise ProtocolError(
-                    f"op addresses elements [{it.offset}, {it.offset + it.count}) of {it.name!r}, "
-                    f"which holds {buf.spec.numel}"
-                )
-            off, n = resolve_item(buf, it)
-            why = buf.moved()
-            if why is not None:
-                raise BufferMismatchError(why)
-            if segments is not None and n:
-                exp = buf.exports.get(plane)
-                if exp is None or exp.handle.export_id != segments[i]:
-                    raise StaleBufferError(
-                        f"buffer {it.name!r} was re-registered: the op used export {segments[i]}, the buffer is now "
-                        f"{'export ' + str(exp.handle.export_id) if exp is not None else 'not exported'}"
-                    )
-            out.append((buf, off, n))
-        return out
-
-    def _check_plane(self, plane: str) -> bool:
-        """An op's plane must be this channel's, one whose bytes travel in the stream (any
-        channel can carry those), or ``cuda_ipc`` (checked per buffer against its export).
-        Returns whether the payload follows the header."""
-        if plane in ("cuda_ipc", "nccl"):
-            return False
-        cls = PLANES.get(plane)
-        if cls is None or (not cls.inline_payload and plane != self.plane.name):
-            raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
-        return cls.inline_payload
-
-    def _serve_put(self, msg: Put) -> None:
-        rec = self._target_record(msg, OpKind.PUT, msg.items, msg.plane)
-        if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
-            raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
-        inline = self._check_plane(msg.plane)
-        if msg.plane == "nccl":
-            self._serve_p2p(msg, rec)
-            return
-        shm = not inline
-        error: TransportError | None = None
-        if shm and msg.segments is None:
-            raise ProtocolError(f"{msg.plane} put without segments")
-        try:
-            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
-        except ProtocolError:
-            raise
-        except TransportError as exc:
-            error = exc
-        if inline:
-            if error is not None:
-                self._rx.drain(sum(self._item_bytes(it) for it in msg.items))
-            else:
-                dests = [self._dest(buf, off, n) for buf, off, n in ranges]
-                if any(not isinstance(d, memoryview) for d in dests):
-                    rec.plane = "staged"
-                error = self._receive(dests, None)
-        if error is not None:
-            self._reject(rec, msg.op_id, error)
-            return
-        if msg.notify is not None and not self.core.deliver(Notification(self.peer_name, msg.notify, msg.op_id), self):
-            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered"))
-            return
-        self._done(rec)
-        self.send(Ack(msg.op_id))
-
-    def _serve_p2p(self, msg: Put | Get, rec: Record) -> None:
-        """Reader thread: the peer's op over the NCCL link; the link posts our half and answers
-        from its completion (see :meth:`transport.link.Link.serve`)."""
-        link = self.link
-        if link is not None and link.state == "pending":
-            link.settle_for_peer_op()
-        if link is None or link.state != "ready":
-            raise ProtocolError(f"nccl op #{msg.op_id} on a channel whose NCCL link is "
-                                f"{link.state if link is not None else 'absent'}")
-        error: TransportError | None = None
-        ranges = None
-        try:
-            ranges = self._resolve(msg.items)
-        except ProtocolError:
-            raise
-        except TransportError as exc:
-            error = exc
-        deliver = None
-        note = msg.notify if isinstance(msg, Put) else None
-        if note is not None:
-            if len(note) > MAX_NOTIFY:
-                raise ProtocolError(f"notification of {len(note)} bytes exceeds {MAX_NOTIFY}")
-
-            def deliver() -> TransportError | None:
-                if self.core.deliver(Notification(self.peer_name, note, msg.op_id), self):
-                    return None
-                return EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered")
-
-        self._serving = None  # the link's completion settles the record
-        link.serve(msg, ranges, error, rec, deliver)
-
-    def _take_go(self, msg: Go) -> None:
-        link = self.link
-        if link is None:
-            raise ProtocolError("Go on a channel without an NCCL link")
-        with link.lock:
-            entry = link.awaiting_go.pop(msg.op_id, None)
-            if entry is not None:
-                entry[0]()
-
-    def _done(self, rec: Record) -> None:
-        self.recorder.update(rec, OpState.DONE)
-        self._serving = None
-
-    def _reject(self, rec: Record, op_id: int, error: TransportError) -> None:
-        self.recorder.update(rec, OpState.REJECTED, error)
-        self._serving = None
-        self.send(Fail(op_id, error_kind(error), str(error)))
-
-    def _serve_get(self, msg: Get) -> None:
-        rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
-        shm = not self._check_plane(msg.plane)
-        if msg.plane == "nccl":
-            self._serve_p2p(msg, rec)
-            return
-        if shm and msg.segments is None:
-            raise ProtocolError(f"{msg.plane} get without segments")
-        try:
-            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
-        except ProtocolError:
-            raise
-        except TransportError as exc:
-            self._reject(rec, msg.op_id, exc)
-            return
-        if shm:  # the initiator already copied; the segments were still the buffers'
-            self._done(rec)
-            self.send(Ack(msg.op_id))
-            return
-        if any(self.staging.stages(buf.spec.device) for buf, _, n in ranges if n):
-            rec.plane = "staged"
-            parts = [_byte_slice(buf.tensor, off, n) for buf, off, n in ranges if n]
-            op_id = msg.op_id
-
-            def early(exc: StagingError) -> None:  # nothing was sent: answer with the error instead
-                if self.is_open:
-                    self.send(Fail(op_id, error_kind(exc), str(exc)))
-
-            # the writer copies each staged part out chunk by chunk (a later failure breaks the
-            # channel) and settles the record: the reader is long gone by then
-            with self._lock:
-                if self.state is ChannelState.OPEN:  # (else lose() has run: the send below raises)
-                    self._replies[id(rec)] = rec
-            self.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
-            self._serving = None  # only now: until here a failure settles the record through _fail_serving
-            return
-        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
-        self.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
-        self._done(rec)  # queued for the writer; the initiator's record says when it arrived
-
-    def _staged_reply(self, rec: Record, parts: list[torch.Tensor]) -> Iterator[memoryview]:
-        """Writer thread: a staged get reply's payload. Its record says DONE once the last byte
-        was sent, FAILED if staging failed (before or after the header went out) or the channel
-        closed before the payload was out."""
-        ok = False
-        try:
-            yield from self.staging.payload(parts)
-            ok = True  # asked for more after the last chunk: that one was sent
-        except Exception as exc:
-            self.recorder.update(rec, OpState.FAILED, exc)
-            raise
-        finally:
-            with self._lock:
-                self._replies.pop(id(rec), None)
-            if ok:
-                self.recorder.update(rec, OpState.DONE)
-            else:  # closed early (a no-op if it failed above)
-                self.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {self.error}")
-
-    def _dest(self, buf: Any, off: int, n: int) -> memoryview | torch.Tensor:
-        """Target side: where bytes ``[off, off + n)`` of a registered buffer are written: a
-        memoryview of CPU memory, or a byte view of the tensor when its device is staged."""
-        if self.staging.stages(buf.spec.device):  # (the spec's string: cheaper than tensor.device)
-            return _byte_slice(buf.tensor, off, n)
-        return buf.byte_view()[off : off + n]
-
-    def _receive(self, dests: Sequence[memoryview | torch.Tensor], op: Op | None) -> StagingError | None:
-        """Reader thread: receive a payload into ``dests`` in order (memoryviews straight, tensors
-        through the staged path). Every byte is consumed whatever happens, so the stream stays in
-        sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
-        drained (``op.quiet`` is set once nothing more will be written, except by a staged copy
-        that outlived its bound: then ``op.stuck`` is set first, and the tensor is held until the
-        copy ends). After a staging error the rest is drained too; the error is returned."""
-        if op is None:  # a put into CPU memory (the common case): straight into the registered tensors
-            views = [d for d in dests if type(d) is memoryview]
-            if len(views) == len(dests):
-                total = left = sum(len(v) for v in views)
-                for v in views:
-                    left -= len(v)
-                    if len(v):
-                        self._rx.recv_into(v, left, total)
-                return None
-        sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
-        total = left = sum(sizes)
-        error: StagingError | None = None
-        writing = True
-        if op is not None:
-            with op.lock:
-                writing = op.busy = not op.abandoned
-
-        def stopped() -> bool:
-            return op is not None and op.abandoned
-
-        def stop_writing() -> None:
-            nonlocal writing
-            writing = False
-            if op is not None:
-                op.quiet.set()
-
-        try:
-            for dest, n in zip(dests, sizes, strict=True):
-                left -= n
-                if not n:
-                    continue
-                if not writing:
-                    self._rx.drain(n, left, total)
-                elif isinstance(dest, memoryview):
-                    got = 0
-                    while got < n:
-                        if writing and stopped():  # the caller gave up: drain the rest
-                            stop_writing()
-                        k = n - got if op is None else min(n - got, _RX_CHUNK)
-                        more = left + n - got - k
-                        if writing:
-                            self._rx.recv_into(dest[got : got + k], more, total)
-                        else:
-                            self._rx.drain(k, more, total)
-                        got += k
-                else:
-                    def fill(view: memoryview, more: int, rest: int = left) -> None:
-                        self._rx.recv_into(view, more + rest, total)
-
-                    def stuck() -> None:  # (before quiet is set)
-                        if op is not None:
-                            op.stuck = True
-
-                    try:
-                        if not self.staging.receive(dest, fill, stop=stopped, on_stop=stop_writing,
-                                                    on_stuck=stuck):
-                            stop_writing()
-                    except StagingError as exc:
-                        error = exc
-                        stop_writing()
-        finally:
-            if op is not None:
-                op.quiet.set()
-        return error
-
     def _take_data(self, msg: Data) -> None:
         with self._lock:
             op = self._pending.get(msg.op_id)
         if op is None or op.dests is None:
             raise ProtocolError(f"data for unknown get #{msg.op_id}")
-        error = self._receive(op.dests, op)
+        error = self._target.receive(op.dests, op)
         self._pop(msg.op_id)
         self._settle_from_thread(op, error)
-
-    def _serve_notify(self, msg: Notify) -> None:
-        rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
-        if len(msg.payload) > MAX_NOTIFY:
-            raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
-        if not self.core.deliver(Notification(self.peer_name, msg.payload, msg.op_id), self):
-            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.core.name!r} is closing; notification not delivered"))
-            return
-        self._done(rec)
-        self.send(Ack(msg.op_id))
 
     def _take_registry(self, msg: Registry) -> None:
         specs = specs_from_wire(msg.buffers)

@@ -23,7 +23,7 @@ import torch
 
 from . import auth
 from .address import AddressBook, encode_address
-from .channel import Channel, Notification
+from .channel import Channel
 from .errors import (
     AuthenticationError,
     BufferMismatchError,
@@ -44,7 +44,7 @@ from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
 from .ipc import IpcEngine, IpcExport, export_ids
 from .p2p import LinkEngine, link_engine_probe
-from .peer import Peer, Route
+from .peer import Notification, Peer, Route
 from .planes import choose_cpu_plane, validate_planes
 from .planes.shm_export import Segment, SlotTable, export_buffer, new_segment, new_slot_table
 from .ranges import At, plan_items

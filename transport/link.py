@@ -29,6 +29,7 @@ from .errors import (
 )
 from .flight_recorder import OpState
 from .p2p import LinkConn, LinkEngine
+from .serving import item_bytes
 from .wire import Ack, Fail, Get, Go, Item, NcclReady, NcclSetup, Put
 
 if TYPE_CHECKING:
@@ -370,7 +371,7 @@ class Link:
 
     def _scratch(self, items: list[Item]) -> list[torch.Tensor]:
         """One view per non-empty item (the peer posts one operation per item, of its size)."""
-        sizes = [n for n in (self.channel._item_bytes(it) for it in items) if n]
+        sizes = [n for n in (item_bytes(it) for it in items) if n]
         if not sizes:
             return []
         try:

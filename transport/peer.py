@@ -1,14 +1,26 @@
-"""What a user sees of a connected peer: :class:`Peer` (``await ep.connect(name)``) and :class:`Route`."""
+"""What a user sees of a connected peer: :class:`Peer` (``await ep.connect(name)``), :class:`Route`, and
+the :class:`Notification` objects its notifications arrive as."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from .hostinfo import local_host, same_host
 from .registry import BufferSpec
 from .wire import HostInfo
 
-__all__ = ["Peer", "Route"]
+__all__ = ["Notification", "Peer", "Route"]
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A message from a peer: sent alone (``ep.notify``) or carried by a put,
+    in which case it is delivered only after the put's bytes have landed."""
+
+    peer: str
+    payload: bytes
+    op_id: int = 0
 
 
 class Route(NamedTuple):

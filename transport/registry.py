@@ -21,7 +21,7 @@ import torch
 
 from .errors import BufferMismatchError, InvalidTensorError, UnknownBufferError
 
-__all__ = ["BufferSpec", "LocalBuffer", "LocalRegistry", "dtype_from_name", "dtype_name"]
+__all__ = ["BufferSpec", "LocalBuffer", "LocalRegistry", "byte_slice", "dtype_from_name", "dtype_name"]
 
 # Dtypes that may travel, by their wire name. Complex and quantized types are
 # left out on purpose: nothing in this field moves them.
@@ -119,6 +119,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     flat = tensor.detach().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
+    """Bytes ``[off, off + n)`` of a contiguous tensor, as a ``uint8`` view on its device."""
+    return t.detach().reshape(-1).view(torch.uint8)[off : off + n]
 
 
 def check_tensor(name: str, tensor: object) -> torch.Tensor:

@@ -1,0 +1,359 @@
+"""The target's half of a channel: the peer's ops, served by the channel's reader thread.
+
+Each incoming ``Put``, ``Get`` and ``Notify`` header is checked against the local registry
+(:func:`transport.ranges.resolve_item`), recorded in the flight recorder as the op's target record,
+and served: a ``tcp`` or staged put's payload is received straight into the registered tensor (or
+drained into scratch if the header was rejected, so the stream never desynchronises), an ``shm``
+put or get was done by the initiator already and is only confirmed, a get's bytes are sent back
+(staged ones through the pinned bounce buffers, by the writer thread), an ``nccl`` op is posted on
+the channel's link. Every op is answered with ``Ack``, ``Fail`` or ``Data``, in stream order. The
+application's code takes no part in any of it.
+
+:meth:`Serving.receive` also receives a get reply's payload on the initiator's side (it stops
+writing into the caller's tensors once the caller abandoned the op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import (
+    BufferMismatchError,
+    EndpointClosedError,
+    ProtocolError,
+    StagingError,
+    StaleBufferError,
+    TransportError,
+    error_kind,
+)
+from .flight_recorder import OpKind, OpState, Record
+from .peer import Notification
+from .planes import PLANES
+from .ranges import resolve_item
+from .registry import byte_slice, dtype_from_name
+from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Notify, Put
+
+if TYPE_CHECKING:
+    from .channel import Channel, Op
+
+__all__ = ["Serving", "item_bytes"]
+
+_MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
+_RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
+
+
+def item_bytes(it: Item) -> int:
+    """The bytes an item of a peer's op covers; :class:`ProtocolError` for an unknown dtype or a nonsensical range."""
+    try:
+        size = dtype_from_name(it.dtype).itemsize
+    except KeyError:
+        raise ProtocolError(f"op names unknown dtype {it.dtype!r}") from None
+    if it.offset < 0 or it.count < 0 or it.count * size > _MAX_ITEM_BYTES:
+        raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
+    return it.count * size
+
+
+class Serving:
+    """The target's half of one channel (reader thread, except where a method says otherwise)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.ch = channel
+        self.current: Record | None = None  # the target record the reader is working on
+        self.replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
+
+    def _target_record(self, msg: Put | Get | Notify, kind: OpKind, items: list[Item], plane: str) -> Record:
+        nbytes = 0
+        for it in items:
+            nbytes += item_bytes(it)
+        self.current = self.ch.recorder.record(
+            op_id=msg.op_id,
+            channel=self.ch.id,
+            seq=msg.seq,
+            role="target",
+            initiator=self.ch.peer_name,
+            peer=self.ch.peer_name,
+            kind=kind,
+            names=[it.name for it in items],
+            nbytes=nbytes,
+            plane=plane,
+            state=OpState.RECEIVED,
+        )
+        return self.current
+
+    def _resolve(self, items: list[Item], segments: list[int] | None = None,
+                 plane: str = "shm") -> list[tuple[Any, int, int]]:
+        """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise.
+
+        ``segments`` (ops of a plane that copies directly: ``shm``, ``cuda_ipc``) are the export
+        ids of ``plane`` the initiator copied into or out of; a buffer that is no longer that
+        export raises :class:`StaleBufferError`.
+        """
+        if segments is not None and len(segments) != len(items):
+            raise ProtocolError(f"op names {len(items)} items but {len(segments)} segments")
+        out = []
+        for i, it in enumerate(items):
+            buf = self.ch.registry.get(it.name)
+            if buf is not None and it.offset + it.count > buf.spec.numel:
+                raise ProtocolError(
+                    f"op addresses elements [{it.offset}, {it.offset + it.count}) of {it.name!r}, "
+                    f"which holds {buf.spec.numel}"
+                )
+            off, n = resolve_item(buf, it)
+            why = buf.moved()
+            if why is not None:
+                raise BufferMismatchError(why)
+            if segments is not None and n:
+                exp = buf.exports.get(plane)
+                if exp is None or exp.handle.export_id != segments[i]:
+                    raise StaleBufferError(
+                        f"buffer {it.name!r} was re-registered: the op used export {segments[i]}, the buffer is now "
+                        f"{'export ' + str(exp.handle.export_id) if exp is not None else 'not exported'}"
+                    )
+            out.append((buf, off, n))
+        return out
+
+    def _check_plane(self, plane: str) -> bool:
+        """An op's plane must be this channel's, one whose bytes travel in the stream (any
+        channel can carry those), or ``cuda_ipc`` (checked per buffer against its export).
+        Returns whether the payload follows the header."""
+        if plane in ("cuda_ipc", "nccl"):
+            return False
+        cls = PLANES.get(plane)
+        if cls is None or (not cls.inline_payload and plane != self.ch.plane.name):
+            raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
+        return cls.inline_payload
+
+    def serve_put(self, msg: Put) -> None:
+        rec = self._target_record(msg, OpKind.PUT, msg.items, msg.plane)
+        if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
+            raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
+        inline = self._check_plane(msg.plane)
+        if msg.plane == "nccl":
+            self._serve_p2p(msg, rec)
+            return
+        shm = not inline
+        error: TransportError | None = None
+        if shm and msg.segments is None:
+            raise ProtocolError(f"{msg.plane} put without segments")
+        try:
+            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            error = exc
+        if inline:
+            if error is not None:
+                self.ch._rx.drain(sum(item_bytes(it) for it in msg.items))
+            else:
+                dests = [self._dest(buf, off, n) for buf, off, n in ranges]
+                if any(not isinstance(d, memoryview) for d in dests):
+                    rec.plane = "staged"
+                error = self.receive(dests, None)
+        if error is not None:
+            self._reject(rec, msg.op_id, error)
+            return
+        if msg.notify is not None and not self.ch.core.deliver(Notification(self.ch.peer_name, msg.notify, msg.op_id), self.ch):
+            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered"))
+            return
+        self._done(rec)
+        self.ch.send(Ack(msg.op_id))
+
+    def _serve_p2p(self, msg: Put | Get, rec: Record) -> None:
+        """Reader thread: the peer's op over the NCCL link; the link posts our half and answers
+        from its completion (see :meth:`transport.link.Link.serve`)."""
+        link = self.ch.link
+        if link is not None and link.state == "pending":
+            link.settle_for_peer_op()
+        if link is None or link.state != "ready":
+            raise ProtocolError(f"nccl op #{msg.op_id} on a channel whose NCCL link is "
+                                f"{link.state if link is not None else 'absent'}")
+        error: TransportError | None = None
+        ranges = None
+        try:
+            ranges = self._resolve(msg.items)
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            error = exc
+        deliver = None
+        note = msg.notify if isinstance(msg, Put) else None
+        if note is not None:
+            if len(note) > MAX_NOTIFY:
+                raise ProtocolError(f"notification of {len(note)} bytes exceeds {MAX_NOTIFY}")
+
+            def deliver() -> TransportError | None:
+                if self.ch.core.deliver(Notification(self.ch.peer_name, note, msg.op_id), self.ch):
+                    return None
+                return EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered")
+
+        self.current = None  # the link's completion settles the record
+        link.serve(msg, ranges, error, rec, deliver)
+
+    def take_go(self, msg: Go) -> None:
+        link = self.ch.link
+        if link is None:
+            raise ProtocolError("Go on a channel without an NCCL link")
+        with link.lock:
+            entry = link.awaiting_go.pop(msg.op_id, None)
+            if entry is not None:
+                entry[0]()
+
+    def _done(self, rec: Record) -> None:
+        self.ch.recorder.update(rec, OpState.DONE)
+        self.current = None
+
+    def _reject(self, rec: Record, op_id: int, error: TransportError) -> None:
+        self.ch.recorder.update(rec, OpState.REJECTED, error)
+        self.current = None
+        self.ch.send(Fail(op_id, error_kind(error), str(error)))
+
+    def serve_get(self, msg: Get) -> None:
+        rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
+        shm = not self._check_plane(msg.plane)
+        if msg.plane == "nccl":
+            self._serve_p2p(msg, rec)
+            return
+        if shm and msg.segments is None:
+            raise ProtocolError(f"{msg.plane} get without segments")
+        try:
+            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            self._reject(rec, msg.op_id, exc)
+            return
+        if shm:  # the initiator already copied; the segments were still the buffers'
+            self._done(rec)
+            self.ch.send(Ack(msg.op_id))
+            return
+        if any(self.ch.staging.stages(buf.spec.device) for buf, _, n in ranges if n):
+            rec.plane = "staged"
+            parts = [byte_slice(buf.tensor, off, n) for buf, off, n in ranges if n]
+            op_id = msg.op_id
+
+            def early(exc: StagingError) -> None:  # nothing was sent: answer with the error instead
+                if self.ch.is_open:
+                    self.ch.send(Fail(op_id, error_kind(exc), str(exc)))
+
+            # the writer copies each staged part out chunk by chunk (a later failure breaks the
+            # channel) and settles the record: the reader is long gone by then
+            with self.ch._lock:
+                if self.ch.is_open:  # (else lose() has run: the send below raises)
+                    self.replies[id(rec)] = rec
+            self.ch.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
+            self.current = None  # only now: until here a failure settles the record through _fail_serving
+            return
+        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
+        self.ch.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
+        self._done(rec)  # queued for the writer; the initiator's record says when it arrived
+
+    def _staged_reply(self, rec: Record, parts: list[torch.Tensor]) -> Iterator[memoryview]:
+        """Writer thread: a staged get reply's payload. Its record says DONE once the last byte
+        was sent, FAILED if staging failed (before or after the header went out) or the channel
+        closed before the payload was out."""
+        ok = False
+        try:
+            yield from self.ch.staging.payload(parts)
+            ok = True  # asked for more after the last chunk: that one was sent
+        except Exception as exc:
+            self.ch.recorder.update(rec, OpState.FAILED, exc)
+            raise
+        finally:
+            with self.ch._lock:
+                self.replies.pop(id(rec), None)
+            if ok:
+                self.ch.recorder.update(rec, OpState.DONE)
+            else:  # closed early (a no-op if it failed above)
+                self.ch.recorder.update(rec, OpState.FAILED, f"the channel closed before the reply was sent: {self.ch.error}")
+
+    def _dest(self, buf: Any, off: int, n: int) -> memoryview | torch.Tensor:
+        """Target side: where bytes ``[off, off + n)`` of a registered buffer are written: a
+        memoryview of CPU memory, or a byte view of the tensor when its device is staged."""
+        if self.ch.staging.stages(buf.spec.device):  # (the spec's string: cheaper than tensor.device)
+            return byte_slice(buf.tensor, off, n)
+        return buf.byte_view()[off : off + n]
+
+    def receive(self, dests: Sequence[memoryview | torch.Tensor], op: Op | None) -> StagingError | None:
+        """Reader thread: receive a payload into ``dests`` in order (memoryviews straight, tensors
+        through the staged path). Every byte is consumed whatever happens, so the stream stays in
+        sync. For a get reply (``op``), writing stops once the caller abandoned the op: the rest is
+        drained (``op.quiet`` is set once nothing more will be written, except by a staged copy
+        that outlived its bound: then ``op.stuck`` is set first, and the tensor is held until the
+        copy ends). After a staging error the rest is drained too; the error is returned."""
+        if op is None:  # a put into CPU memory (the common case): straight into the registered tensors
+            views = [d for d in dests if type(d) is memoryview]
+            if len(views) == len(dests):
+                total = left = sum(len(v) for v in views)
+                for v in views:
+                    left -= len(v)
+                    if len(v):
+                        self.ch._rx.recv_into(v, left, total)
+                return None
+        sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
+        total = left = sum(sizes)
+        error: StagingError | None = None
+        writing = True
+        if op is not None:
+            with op.lock:
+                writing = op.busy = not op.abandoned
+
+        def stopped() -> bool:
+            return op is not None and op.abandoned
+
+        def stop_writing() -> None:
+            nonlocal writing
+            writing = False
+            if op is not None:
+                op.quiet.set()
+
+        try:
+            for dest, n in zip(dests, sizes, strict=True):
+                left -= n
+                if not n:
+                    continue
+                if not writing:
+                    self.ch._rx.drain(n, left, total)
+                elif isinstance(dest, memoryview):
+                    got = 0
+                    while got < n:
+                        if writing and stopped():  # the caller gave up: drain the rest
+                            stop_writing()
+                        k = n - got if op is None else min(n - got, _RX_CHUNK)
+                        more = left + n - got - k
+                        if writing:
+                            self.ch._rx.recv_into(dest[got : got + k], more, total)
+                        else:
+                            self.ch._rx.drain(k, more, total)
+                        got += k
+                else:
+                    def fill(view: memoryview, more: int, rest: int = left) -> None:
+                        self.ch._rx.recv_into(view, more + rest, total)
+
+                    def stuck() -> None:  # (before quiet is set)
+                        if op is not None:
+                            op.stuck = True
+
+                    try:
+                        if not self.ch.staging.receive(dest, fill, stop=stopped, on_stop=stop_writing,
+                                                    on_stuck=stuck):
+                            stop_writing()
+                    except StagingError as exc:
+                        error = exc
+                        stop_writing()
+        finally:
+            if op is not None:
+                op.quiet.set()
+        return error
+
+    def serve_notify(self, msg: Notify) -> None:
+        rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
+        if len(msg.payload) > MAX_NOTIFY:
+            raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
+        if not self.ch.core.deliver(Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch):
+            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered"))
+            return
+        self._done(rec)
+        self.ch.send(Ack(msg.op_id))
