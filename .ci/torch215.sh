@@ -5,7 +5,7 @@
 # tests/test_torch_transport.py there. Fails loudly if the module skips (a torch without
 # _transport, or a missing entry point), so a green run means the tests ran.
 #   bash .ci/torch215.sh            (venv: .venv-torch215; VENV=... picks another, PYTHON=... the interpreter)
-# Not part of .ci/run (the main suite runs on the default venv's torch, which has no _transport).
+# .ci/run calls it after the main suite (which runs on the default venv's torch, without _transport).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-torch215}
