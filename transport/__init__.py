@@ -7,7 +7,6 @@
 """
 
 from .blocking import BlockingEndpoint
-from .channel import Notification
 from .endpoint import Endpoint
 from .errors import (
     AuthenticationError,
@@ -25,7 +24,7 @@ from .errors import (
     TransportTimeoutError,
     UnknownBufferError,
 )
-from .peer import Peer, Route
+from .peer import Notification, Peer, Route
 from .ranges import At
 from .registry import BufferSpec
 from .staging import StagingConfig

@@ -19,10 +19,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .channel import Notification
 from .endpoint import Endpoint
 from .errors import EndpointClosedError, Phase, TransportError, TransportTimeoutError
-from .peer import Peer, Route
+from .peer import Notification, Peer, Route
 from .ranges import At
 from .registry import BufferSpec
 

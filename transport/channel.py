@@ -58,6 +58,7 @@ from .errors import (
 from .flight_recorder import OpKind, OpState, Record
 from .handshake import specs_from_wire
 from .hostinfo import local_host, same_host
+from .op import Op
 from .peer import Notification, Peer
 from .planes import choose_gpu_plane
 from .receiver import RX_POLL_S, Receiver
@@ -117,78 +118,6 @@ class ChannelState(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
     BROKEN = "broken"
-
-
-class _Quiet:
-    """A ``threading.Event`` for "the op writes no more", made cheap for the common case where
-    nobody waits: the real event is created only by a waiter (``set`` and ``wait`` from any
-    thread). A waiter re-reads the flag after creating the event, so a ``set`` that ran between
-    its first look and the creation is never missed."""
-
-    __slots__ = ("_event", "_set")
-
-    def __init__(self) -> None:
-        self._set = False
-        self._event: threading.Event | None = None
-
-    def set(self) -> None:
-        self._set = True
-        event = self._event
-        if event is not None:
-            event.set()
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._set:
-            return True
-        with _QUIET_LOCK:
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        if self._set:
-            return True
-        return event.wait(timeout)
-
-
-_QUIET_LOCK = threading.Lock()
-
-
-class Op:
-    """One in-flight op of this side: its future, sequence number and record."""
-
-    __slots__ = ("abandon_bound", "abandoned", "after", "busy", "channel", "dests", "future", "gated", "inline", "keep", "kind", "lock",
-                 "on_wire", "op_id", "p2p", "quiet", "record", "seq", "staged", "stuck")
-
-    def __init__(self, channel: Channel, op_id: int, seq: int, kind: OpKind, record: Record,
-                 inline: bool = True) -> None:
-        self.channel = channel
-        self.op_id = op_id
-        self.seq = seq
-        self.kind = kind
-        self.record = record
-        self.future: asyncio.Future[None] = channel.loop.create_future()
-        # tcp/staged get: where the reply's bytes go (a memoryview of CPU memory, or a tensor to stage into)
-        self.dests: list[memoryview | torch.Tensor] | None = None
-        self.staged = False  # a get whose reply is staged into the caller's tensors (copies may lag the socket)
-        self.keep: Any = None  # tensors referenced until the op is over
-        self.inline = inline  # the op's bytes travel in the channel's stream (tcp framing)
-        self.gated = False  # its plane may wait before sending: later ops are kept behind it (Channel.run)
-        self.abandoned = False
-        self.on_wire = False  # its header was handed to the sender
-        # Writing into the caller's tensors or the peer's buffer (a get's payload, a local copy, an shm or
-        # cuda_ipc put's copy): ``busy`` is set under
-        # ``lock`` when it starts, unless the op was abandoned first; ``quiet`` is set once it
-        # will write no more.
-        self.lock = threading.Lock()
-        self.busy = False
-        self.quiet = _Quiet()
-        self.stuck = False  # a staged copy into the caller's tensor outlived its bound (may still write)
-        self.p2p = False  # its bytes move over the channel's NCCL link (cannot be cancelled: abort on timeout)
-        # the op's own posted work (an nccl op's send/recv): the op ends only once it completed too
-        self.after: asyncio.Future[None] | None = None
-        self.abandon_bound = 1.0  # how long an abandoned op may still be writing (the caller's tensors, the peer's buffer)
 
 
 class CoreProtocol(Protocol):
@@ -306,8 +235,8 @@ class Channel:
         self._order_tail: asyncio.Future[None] | None = None
         self._lock = threading.Lock()
         self._tx = Sender(sock, self.peer_name, self._send_failed)
-        self._target = Serving(self)  # the target's half: the peer's ops served by the reader thread
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
+        self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
         self._reader = threading.Thread(target=self._read_loop, name=f"transport-rx-{self.peer_name}", daemon=True)
         self.peer = Peer(self)
 
@@ -341,7 +270,7 @@ class Channel:
             plane=plane.name,
             state=OpState.POSTED,
         )
-        op = Op(self, op_id, seq, kind, rec, plane.inline_payload)
+        op = Op(self.loop, op_id, seq, kind, rec, plane.inline_payload)
         op.gated = not plane.sends_at_once
         with self._lock:
             self._pending[op_id] = op
@@ -354,7 +283,7 @@ class Channel:
         can map (else the reason is logged once and the op is staged), otherwise the staged
         path, except that a GPU tensor of ours meeting the peer's CPU buffers over ``shm`` goes
         through our bounce buffers straight into (or out of) the peer's mapped segments
-        (:class:`~transport.planes.shm_staged.StagedShmPlane`). A peer's GPU buffer is never in shared
+        (:class:`~transport.planes.shm.StagedShmPlane`). A peer's GPU buffer is never in shared
         memory, so staged ops on one travel inline on this channel's socket."""
         self.last_refusal = ""
         specs = self.peer_specs  # replaced whole by the reader on a registry update

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,17 +27,32 @@ from .errors import (
     TransportTimeoutError,
     error_kind,
 )
-from .flight_recorder import OpState
+from .flight_recorder import FlightRecorder, OpState
 from .p2p import LinkConn, LinkEngine
 from .serving import item_bytes
-from .wire import Ack, Fail, Get, Go, Item, NcclReady, NcclSetup, Put
+from .wire import Ack, Fail, Get, Go, Item, Message, NcclReady, NcclSetup, Put
 
-if TYPE_CHECKING:
-    from .channel import Channel
-
-__all__ = ["Link", "bytes_of", "resolve"]
+__all__ = ["Link", "LinkChannel", "bytes_of", "resolve"]
 
 log = logging.getLogger(__name__)
+
+
+class LinkChannel(Protocol):
+    """What a link reads and calls of its channel (:class:`transport.channel.Channel`)."""
+
+    core: Any  # the endpoint (its identity keys the teardowns of links with one peer)
+    loop: asyncio.AbstractEventLoop
+    peer_name: str
+    id: str
+    recorder: FlightRecorder
+
+    def send(self, msg: Message) -> None: ...
+
+    def send_quietly(self, msg: Message) -> None: ...
+
+    def lose(self, exc: BaseException) -> None: ...
+
+    def link_changed(self) -> None: ...
 
 
 # Links of this process still being torn down, per (endpoint, peer name). A new link with that peer
@@ -49,14 +64,14 @@ _teardowns: dict[tuple[int, str], set[threading.Event]] = {}
 _teardowns_lock = threading.Lock()
 
 
-def _teardown_started(channel: Channel) -> threading.Event:
+def _teardown_started(channel: LinkChannel) -> threading.Event:
     done = threading.Event()
     with _teardowns_lock:
         _teardowns.setdefault((id(channel.core), channel.peer_name), set()).add(done)
     return done
 
 
-def _teardown_over(channel: Channel, done: threading.Event) -> None:
+def _teardown_over(channel: LinkChannel, done: threading.Event) -> None:
     key = (id(channel.core), channel.peer_name)
     with _teardowns_lock:
         left = _teardowns.get(key)
@@ -67,7 +82,7 @@ def _teardown_over(channel: Channel, done: threading.Event) -> None:
     done.set()
 
 
-def _await_teardowns(channel: Channel, timeout: float) -> bool:
+def _await_teardowns(channel: LinkChannel, timeout: float) -> bool:
     """Worker thread: wait (bounded) until the links with this channel's peer that were being torn
     down when it was called are over; False if one is not."""
     with _teardowns_lock:
@@ -89,7 +104,7 @@ class Link:
     closed; :attr:`reason` says why). Thread-safe; :attr:`lock` orders posts with their frames.
     """
 
-    def __init__(self, channel: Channel, engine: LinkEngine, *, dialer: bool, timeout: float) -> None:
+    def __init__(self, channel: LinkChannel, engine: LinkEngine, *, dialer: bool, timeout: float) -> None:
         self.channel = channel
         self.engine = engine
         self.dialer = dialer

@@ -15,8 +15,9 @@ writing into the caller's tensors once the caller abandoned the op).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,17 +30,19 @@ from .errors import (
     TransportError,
     error_kind,
 )
-from .flight_recorder import OpKind, OpState, Record
+from .flight_recorder import FlightRecorder, OpKind, OpState, Record
 from .peer import Notification
 from .planes import PLANES
 from .ranges import resolve_item
 from .registry import byte_slice, dtype_from_name
-from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Notify, Put
+from .staging import Staging
+from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Message, Notify, Put
 
 if TYPE_CHECKING:
-    from .channel import Channel, Op
+    from .op import Op
+    from .receiver import Receiver
 
-__all__ = ["Serving", "item_bytes"]
+__all__ = ["ServedChannel", "Serving", "item_bytes"]
 
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
@@ -56,11 +59,36 @@ def item_bytes(it: Item) -> int:
     return it.count * size
 
 
-class Serving:
-    """The target's half of one channel (reader thread, except where a method says otherwise)."""
+class ServedChannel(Protocol):
+    """What the target's half reads and calls of its channel (:class:`transport.channel.Channel`)."""
 
-    def __init__(self, channel: Channel) -> None:
+    core: Any  # the endpoint: deliver(), name
+    id: str
+    peer_name: str
+    plane: Any  # the channel's CPU plane (its name)
+    link: Any  # the channel's NCCL link, or None
+    registry: Any  # the endpoint's LocalRegistry
+    recorder: FlightRecorder
+    staging: Staging
+    error: BaseException | None
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
+             op: Op | None = None, direct: bool = True,
+             early: Callable[[StagingError], None] | None = None) -> None: ...
+
+
+class Serving:
+    """The target's half of one channel (reader thread, except where a method says otherwise):
+    ``rx`` is the channel's socket's receiving half, ``lock`` the channel's lock (the table of
+    staged replies is read by ``lose`` under it)."""
+
+    def __init__(self, channel: ServedChannel, rx: Receiver, lock: threading.Lock) -> None:
         self.ch = channel
+        self.rx = rx
+        self.lock = lock
         self.current: Record | None = None  # the target record the reader is working on
         self.replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
 
@@ -146,7 +174,7 @@ class Serving:
             error = exc
         if inline:
             if error is not None:
-                self.ch._rx.drain(sum(item_bytes(it) for it in msg.items))
+                self.rx.drain(sum(item_bytes(it) for it in msg.items))
             else:
                 dests = [self._dest(buf, off, n) for buf, off, n in ranges]
                 if any(not isinstance(d, memoryview) for d in dests):
@@ -240,7 +268,7 @@ class Serving:
 
             # the writer copies each staged part out chunk by chunk (a later failure breaks the
             # channel) and settles the record: the reader is long gone by then
-            with self.ch._lock:
+            with self.lock:
                 if self.ch.is_open:  # (else lose() has run: the send below raises)
                     self.replies[id(rec)] = rec
             self.ch.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
@@ -262,7 +290,7 @@ class Serving:
             self.ch.recorder.update(rec, OpState.FAILED, exc)
             raise
         finally:
-            with self.ch._lock:
+            with self.lock:
                 self.replies.pop(id(rec), None)
             if ok:
                 self.ch.recorder.update(rec, OpState.DONE)
@@ -290,7 +318,7 @@ class Serving:
                 for v in views:
                     left -= len(v)
                     if len(v):
-                        self.ch._rx.recv_into(v, left, total)
+                        self.rx.recv_into(v, left, total)
                 return None
         sizes = [len(d) if isinstance(d, memoryview) else d.numel() * d.element_size() for d in dests]
         total = left = sum(sizes)
@@ -315,7 +343,7 @@ class Serving:
                 if not n:
                     continue
                 if not writing:
-                    self.ch._rx.drain(n, left, total)
+                    self.rx.drain(n, left, total)
                 elif isinstance(dest, memoryview):
                     got = 0
                     while got < n:
@@ -324,13 +352,13 @@ class Serving:
                         k = n - got if op is None else min(n - got, _RX_CHUNK)
                         more = left + n - got - k
                         if writing:
-                            self.ch._rx.recv_into(dest[got : got + k], more, total)
+                            self.rx.recv_into(dest[got : got + k], more, total)
                         else:
-                            self.ch._rx.drain(k, more, total)
+                            self.rx.drain(k, more, total)
                         got += k
                 else:
                     def fill(view: memoryview, more: int, rest: int = left) -> None:
-                        self.ch._rx.recv_into(view, more + rest, total)
+                        self.rx.recv_into(view, more + rest, total)
 
                     def stuck() -> None:  # (before quiet is set)
                         if op is not None:

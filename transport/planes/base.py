@@ -5,7 +5,7 @@ part in any of it):
 
 1. The endpoint checks the call against its cached copy of the peer's
    registry (:func:`transport.ranges.plan_items`) and asks the channel for an
-   :class:`~transport.channel.Op` (op id, per-channel sequence number, future,
+   :class:`~transport.op.Op` (op id, per-channel sequence number, future,
    flight-recorder record).
 2. It asks the channel for the op's plane (:meth:`~transport.channel.Channel.plane_for`:
    the channel's CPU plane, or the staged plane when GPU memory is involved on
@@ -57,18 +57,60 @@ exactly its bytes). Each plane keeps it its own way:
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..errors import PlaneUnavailableError
-from ..wire import HostInfo, Item
+from ..errors import PlaneUnavailableError, StagingError
+from ..flight_recorder import FlightRecorder, OpKind, Record
+from ..op import Op
+from ..registry import BufferSpec
+from ..staging import Staging
+from ..wire import HostInfo, Item, Message, WireBuffer
 
-if TYPE_CHECKING:
-    from ..channel import Channel, Op
-    from ..flight_recorder import OpKind
+__all__ = ["ChannelPort", "DataPlane"]
 
-__all__ = ["DataPlane"]
+
+class ChannelPort(Protocol):
+    """What a plane may use of the channel that owns it (:class:`transport.channel.Channel` is one).
+    Attributes are read on the event loop unless a plane's docs say otherwise; ``send``,
+    ``send_quietly``, ``lose`` and ``fail_op`` may be called from any thread."""
+
+    loop: asyncio.AbstractEventLoop
+    peer_name: str
+    #: the peer's registry as last announced: specs, and the wire records (exports: shm, cuda_ipc)
+    peer_specs: dict[str, BufferSpec]
+    remote_wire: dict[str, WireBuffer]
+    error: BaseException | None  # why the channel broke (None while open)
+    staging: Staging  # the endpoint's bounce buffers (the staged path)
+    recorder: FlightRecorder
+    core: Any  # the endpoint (its cuda_ipc engine: ``core.ipc_engine``)
+    link: Any  # the channel's NCCL link (transport.link.Link), or None
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
+             op: Op | None = None, direct: bool = True,
+             early: Callable[[StagingError], None] | None = None) -> None:
+        """Send ``msg`` (and ``payload`` behind it) in the channel's order; never blocks."""
+
+    def send_quietly(self, msg: Message) -> None:
+        """:meth:`send`, ignoring a channel that is gone."""
+
+    def lose(self, exc: BaseException) -> None:
+        """Break the channel: every pending op fails with ``exc``."""
+
+    def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:
+        """End ``op`` with ``exc`` (and break the channel with ``lost`` if given)."""
+
+    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str) -> Record:
+        """The flight recorder's record of an op done right here (:meth:`DataPlane.run_here`)."""
+
+    def finish_here(self, op: Op) -> None:
+        """``op`` completed on this side alone (a one-sided copy): it succeeds."""
 
 
 class DataPlane(abc.ABC):
@@ -80,7 +122,7 @@ class DataPlane(abc.ABC):
     #: staged path awaits the caller's CUDA work): the channel then keeps later ops behind it
     sends_at_once: ClassVar[bool] = True
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: ChannelPort) -> None:
         self.channel = channel
 
     @classmethod

@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,11 +44,9 @@ from ..completion import CompletionBridge, CompletionError
 from ..errors import EndpointClosedError, PeerLostError, PlaneUnavailableError, StaleBufferError, TransportError
 from ..hostinfo import same_host
 from ..ipc import IpcMapping, IpcQueue, mapping_cache
+from ..op import Op
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
-from .base import DataPlane
-
-if TYPE_CHECKING:
-    from ..channel import Channel, Op
+from .base import ChannelPort, DataPlane
 
 __all__ = ["CudaIpcPlane"]
 
@@ -123,7 +121,7 @@ class CudaIpcPlane(DataPlane):
     inline_payload = False
     sends_at_once = False  # the header waits for the copies: later ops stay behind it (call order)
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: ChannelPort) -> None:
         super().__init__(channel)
         engine = channel.core.ipc_engine
         if engine is None:

@@ -38,13 +38,12 @@ import torch
 
 from ..errors import PeerLostError, PlaneUnavailableError
 from ..link import Link, bytes_of, resolve
+from ..op import Op
 from ..wire import Get, HostInfo, Item, Put
-from .base import DataPlane
+from .base import ChannelPort, DataPlane
 
 if TYPE_CHECKING:
     import asyncio
-
-    from ..channel import Channel, Op
 
 __all__ = ["NcclPlane"]
 
@@ -56,7 +55,7 @@ class NcclPlane(DataPlane):
     inline_payload = False
     sends_at_once = True  # posts and headers go out in the call, under the link's lock
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: ChannelPort) -> None:
         super().__init__(channel)
         link = channel.link
         if link is None:
