@@ -134,8 +134,8 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
             t.call("register", name, "float32", (1000,))
             await ep.connect(t.name)
             task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("float32", (1000,), seed())}))
-            await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
-                         and bool(ch._ipc._busy), what="our copy is running")  # (it takes 3 s)
+            await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch.planes._ipc is not None
+                         and bool(ch.planes._ipc._busy), what="our copy is running")  # (it takes 3 s)
             t.call("unregister", name)
             assert len(t.call("ipc_held")) == 1  # we have not confirmed: our copy runs
             await asyncio.sleep(0.3)
@@ -177,8 +177,8 @@ async def test_a_channel_lost_while_its_process_lives_holds_what_existed_then(st
         name = uname("w")
         t.call("register", name, "uint8", (4096,))
         task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("uint8", (4096,), seed())}))
-        await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch._ipc is not None
-                     and bool(ch._ipc._busy), what="our copy is running")
+        await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch.planes._ipc is not None
+                     and bool(ch.planes._ipc._busy), what="our copy is running")
         ep._channels[t.name].lose(transport.PeerLostError("test: the channel breaks"))
         with pytest.raises(transport.PeerLostError):
             await asyncio.wait_for(task, 10)

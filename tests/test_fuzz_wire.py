@@ -36,7 +36,7 @@ from transport import auth, wire
 from transport.errors import ProtocolError
 from transport.handshake import check_hello, specs_from_wire
 from transport.hostinfo import local_host
-from transport.serving import item_bytes
+from transport.ranges import item_bytes
 
 _HOST = local_host()
 _SHM = wire.ShmHandle(1234, 7, 99, 4096, 0, 5)

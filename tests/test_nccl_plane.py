@@ -376,14 +376,14 @@ async def test_a_cpu_op_racing_the_link_going_down_takes_the_channel_plane(store
             ch = ep._channels[t.name]
             await _until(lambda: ch.link is not None and ch.link.state == "ready", what="the link is up")
             link = ch.link
-            choose = ch.gpu_plane_choice
+            choose = ch.planes.gpu_plane_choice
 
             def racing_choice():
                 with link._state_lock:
                     link.state, link.reason = "down", "taken down while the op picked its plane"
                 return choose()
 
-            ch.gpu_plane_choice = racing_choice
+            ch.planes.gpu_plane_choice = racing_choice
             ch.link_changed()  # the next op chooses its GPU plane again
             s = seed()
             await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
@@ -425,7 +425,7 @@ async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_liv
                 going_down("gone down just now")
                 assert ch.gpu_plane == "nccl"  # the loop has not heard of it yet
             else:  # the op was given the link, which went down right after (Endpoint._plane picks again)
-                refusal = ch._nccl_refusal
+                refusal = ch.planes._nccl_refusal
 
                 def refused_then_down(pairs):
                     why = refusal(pairs)
@@ -433,7 +433,7 @@ async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_liv
                         going_down("went down as the op picked its plane")
                     return why
 
-                ch._nccl_refusal = refused_then_down
+                ch.planes._nccl_refusal = refused_then_down
             s = seed()
             await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
             assert t.call("check", "w", s)

@@ -48,11 +48,9 @@ from .errors import (
     EndpointClosedError,
     PeerLostError,
     Phase,
-    PlaneUnavailableError,
     ProtocolError,
     RemoteError,
     StagingError,
-    StaleBufferError,
     TransportTimeoutError,
 )
 from .flight_recorder import OpKind, OpState, Record
@@ -60,7 +58,7 @@ from .handshake import specs_from_wire
 from .hostinfo import local_host, same_host
 from .op import Op
 from .peer import Notification, Peer
-from .planes import choose_gpu_plane
+from .planes import PlaneChoice
 from .receiver import RX_POLL_S, Receiver
 from .registry import BufferSpec
 from .sender import Sender
@@ -94,9 +92,6 @@ if TYPE_CHECKING:
     from .ipc import IpcEngine
     from .link import Link
     from .planes.base import DataPlane
-    from .planes.cuda_ipc import CudaIpcPlane
-    from .planes.nccl import NcclPlane
-    from .planes.staged import StagedPlane
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op"]
 
@@ -212,21 +207,11 @@ class Channel:
         self.error: BaseException | None = None
         self.orderly = False  # closed by a Bye, not by a failure
         self.plane: DataPlane = plane_cls(self)
+        self._bye = False  # say_bye ran
         self.plane_reason = plane_reason
         self.staging = core.staging
-        self._staged: StagedPlane | None = None  # ops touching GPU memory (created on the first)
-        self._staged_of: dict[str, BufferSpec] | None = None  # the peer_specs _staged_names was computed from
-        self._staged_shm: DataPlane | None = None  # shm ops whose tensors here are staged
-        self._staged_names: frozenset[str] = frozenset()  # the peer's buffers not in CPU memory (on GPUs)
-        self._ipc_names: frozenset[str] = frozenset()  # the peer's buffers with a cuda_ipc export
-        self._ipc: CudaIpcPlane | None = None  # ops over cuda_ipc (created on the first)
-        self._refused: set[str] = set()  # reasons already logged for ops that could not use the GPU plane
-        self.last_refusal = ""  # why the latest op that could not use the GPU plane was staged
         self.link: Link | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
-        self._nccl: NcclPlane | None = None
-        self._bye = False  # say_bye ran: no new cuda_ipc plane (its copies were quiesced)
-        self.gpu_plane: str | None = None  # the plane for GPU buffers and why (decided on the first such op)
-        self.gpu_plane_reason: str | None = None
+        self.planes = PlaneChoice(self)  # the GPU planes and the choice of a plane per op
         self._sock = sock
         self._seq = itertools.count(1)
         self._pending: dict[int, Op] = {}
@@ -276,217 +261,41 @@ class Channel:
             self._pending[op_id] = op
         return op
 
+    # ---------------------------------------------------------------- plane choice (planes.choice)
     def plane_for(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> DataPlane:
-        """The plane for one op (event loop). CPU memory on both sides: the channel's plane.
-        GPU memory on either side: the GPU plane of this peer (see :meth:`gpu_plane_choice`):
-        ``cuda_ipc`` when it was chosen and every buffer of the op has an export this process
-        can map (else the reason is logged once and the op is staged), otherwise the staged
-        path, except that a GPU tensor of ours meeting the peer's CPU buffers over ``shm`` goes
-        through our bounce buffers straight into (or out of) the peer's mapped segments
-        (:class:`~transport.planes.shm.StagedShmPlane`). A peer's GPU buffer is never in shared
-        memory, so staged ops on one travel inline on this channel's socket."""
-        self.last_refusal = ""
-        specs = self.peer_specs  # replaced whole by the reader on a registry update
-        if specs is not self._staged_of:
-            wire = self.remote_wire
-            cfg = self.staging.config
-            cpu_too = cfg.cpu_engine is not None and cfg.cpu_engine_peers  # (tests: see StagingConfig)
-            self._staged_names = frozenset(n for n, sp in specs.items() if sp.device != "cpu" or cpu_too)
-            self._ipc_names = frozenset(n for n, wb in wire.items() if wb.ipc is not None)
-            self._staged_of = specs
-        remote = local = ipc = False
-        if self._staged_names:  # plain loops: this runs for every op
-            for it, _ in pairs:
-                if it.name in self._staged_names:
-                    remote = True
-                    break
-        if self._ipc_names:
-            for it, _ in pairs:
-                if it.name in self._ipc_names:
-                    ipc = True
-                    break
-        if self.staging.config.cpu_engine is not None:
-            local = True
-        else:
-            for _, t in pairs:
-                if t.is_cuda:
-                    local = True
-                    break
-        cpu_link = False  # CPU buffers only, offered to a link engine on CPU memory
-        if not (remote or local):
-            link = self.link
-            if link is not None and link.engine.device == "cpu" and link.state != "down":
-                local = cpu_link = True  # a link engine on CPU memory (tests: SocketLinkEngine) moves CPU buffers
-            elif not ipc:
-                return self.plane
-        self._choose_gpu_plane()
-        if self.gpu_plane == "nccl" and (remote or local):
-            if self._usable("nccl", self._nccl_refusal(pairs)):
-                if self._nccl is None:
-                    from .planes.nccl import NcclPlane
-
-                    self._nccl = NcclPlane(self)
-                return self._nccl
-        if cpu_link and not ipc:  # the link went down (another thread) since the look above: CPU bytes take our plane
-            return self.plane
-        if self.gpu_plane == "cuda_ipc" and (remote or ipc):
-            if self._usable("cuda_ipc", self._ipc_refusal(pairs)):
-                return self._ipc_plane()
-        if cpu_link or not (remote or local):  # (CPU buffers that neither stand-in engine took)
-            return self.plane
-        if not remote and not self.plane.inline_payload:  # the peer's buffers are in its shm segments
-            for _, t in pairs:
-                if self.staging.stages(t.device):  # through our pinned bounce buffers, into the segments
-                    if self._staged_shm is None:
-                        self._staged_shm = self.plane.staged_twin()
-                    if self._staged_shm is not None:
-                        return self._staged_shm
-                    break
-            return self.plane
-        if self._staged is None:
-            from .planes.staged import StagedPlane
-
-            self._staged = StagedPlane(self)
-        return self._staged
+        """The plane for one op (event loop): :meth:`~transport.planes.choice.PlaneChoice.plane_for`."""
+        return self.planes.plane_for(pairs)
 
     def reason_for(self, plane: DataPlane) -> str:
         """Why an op that :meth:`plane_for` gave ``plane`` takes it (event loop)."""
-        if plane is self.plane:
-            return self.plane_reason
-        if plane is self._staged_shm:
-            return (f"a GPU tensor here with the peer's CPU buffer: through this side's bounce buffers into its "
-                    f"{self.plane.name} segment")
-        if plane.name == self.gpu_plane:
-            return self.gpu_plane_reason or ""
-        refused = f"; {self.last_refusal}" if self.last_refusal else ""
-        return f"GPU buffers with this peer use {self.gpu_plane} ({self.gpu_plane_reason}){refused}"
-
-    def _choose_gpu_plane(self) -> None:
-        if self.gpu_plane is not None:
-            return
-        self.gpu_plane, self.gpu_plane_reason = self.gpu_plane_choice()
-        log.info("channel %s: ops on GPU buffers with %r use %s: %s%s", self.id, self.peer_name, self.gpu_plane,
-                 self.gpu_plane_reason,
-                 "" if self.plane.inline_payload or self.gpu_plane == "cuda_ipc" else
-                 f" (the channel's CPU plane is {self.plane.name}, but a peer's GPU buffer is never in shared "
-                 "memory: ops on one travel inline on the channel's socket; a GPU tensor of ours put into or "
-                 "read from a CPU buffer of the peer goes through our bounce buffers into or out of its "
-                 f"{self.plane.name} segment)")
-
-    def _ipc_plane(self) -> DataPlane:
-        if self._ipc is None:
-            if self._bye:
-                raise PeerLostError(f"channel to {self.peer_name!r} is closing")
-            from .planes.cuda_ipc import CudaIpcPlane
-
-            self._ipc = CudaIpcPlane(self)
-        return self._ipc
+        return self.planes.reason_for(plane)
 
     def map_plane(self, name: str) -> tuple[DataPlane, str]:
-        """The plane that aliases the peer's buffer ``name`` in this process
-        (:meth:`transport.Endpoint.map`), and why (event loop): ``cuda_ipc`` for a buffer the peer
-        exports through its IPC engine (every GPU buffer; CPU ones too with a CPU stand-in engine)
-        when that is this peer's GPU plane, else the channel's own plane for a CPU buffer if it
-        maps peer memory (``shm``). Raises :class:`PlaneUnavailableError` saying why none can."""
-        spec = self.peer_specs.get(name)
-        if spec is None:
-            raise StaleBufferError(f"{self.peer_name!r} has no buffer {name!r} any more")
-        wb = self.remote_wire.get(name)
-        if wb is not None and wb.ipc is not None:
-            self._choose_gpu_plane()
-            if self.gpu_plane == "cuda_ipc":
-                engine = self.core.ipc_engine
-                if engine is None:
-                    why: str | None = "no IPC engine here"
-                else:
-                    from .ipc import mapping_cache
-
-                    why = engine.reachable(wb.ipc) or mapping_cache(engine).refusal(wb.ipc)
-                if why is None:
-                    return self._ipc_plane(), f"cuda_ipc: {self.gpu_plane_reason}"
-                raise PlaneUnavailableError(f"{name!r} cannot be mapped over cuda_ipc: {why}")
-            if spec.device != "cpu":
-                raise PlaneUnavailableError(
-                    f"{name!r} is on {spec.device} and GPU buffers with {self.peer_name!r} use {self.gpu_plane} "
-                    f"({self.gpu_plane_reason}): mapping a GPU buffer needs cuda_ipc (a peer on this host)")
-        if spec.device != "cpu":
-            raise PlaneUnavailableError(f"{name!r} is on {spec.device} and the peer exports no CUDA IPC handle for "
-                                        "it: only CPU buffers (over shm) and exported GPU buffers (over cuda_ipc) "
-                                        "can be mapped")
-        if not self.plane.maps_peer_memory:
-            raise PlaneUnavailableError(
-                f"the channel runs the {self.plane.name} plane; mapping needs shm (a peer on this host, with shm "
-                "allowed by planes= on both sides)")
-        return self.plane, f"{self.plane.name}: a CPU buffer of a peer on this host, mapped read-only"
-
-    def _usable(self, plane: str, why: str | None) -> bool:
-        """Whether the chosen GPU plane takes this op (``why`` it cannot: logged once per reason)."""
-        if why is None:
-            return True
-        self.last_refusal = f"{plane} cannot take it: {why}"
-        if why not in self._refused:
-            self._refused.add(why)
-            log.warning("channel %s: an op with %r cannot use %s (%s); it goes through the staged path",
-                        self.id, self.peer_name, plane, why)
-        return False
+        """The plane that aliases the peer's buffer ``name`` here, and why
+        (:meth:`~transport.planes.choice.PlaneChoice.map_plane`)."""
+        return self.planes.map_plane(name)
 
     def gpu_plane_choice(self) -> tuple[str, str]:
         """This peer's plane for GPU buffers and why (:func:`~transport.planes.choose_gpu_plane`)."""
-        link = self.link
-        return choose_gpu_plane(local_host(), self.host, self.core.planes, self.remote_planes,
-                                (self.core.ipc_engine is not None, self.core.ipc_reason),
-                                (link.state, link.reason) if link is not None else None)
+        return self.planes.gpu_plane_choice()
 
     def link_changed(self) -> None:
         """Event loop: the NCCL link was set up or went down: choose the GPU plane again (logged)."""
-        self.gpu_plane = self.gpu_plane_reason = None
-        self._refused.clear()
+        self.planes.link_changed()
 
-    def _nccl_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
-        """Why this op cannot go over the NCCL link (None if it can): every buffer, ours and the
-        peer's, must be on the device its side's link serves."""
-        link = self.link
-        if link is None:
-            return "no NCCL link"
-        if link.state == "pending":
-            return None  # the plane waits for it (Endpoint.put/get)
-        if link.state == "down":  # (another thread) before link_changed() reached the event loop
-            return f"the NCCL link is down: {link.reason}"
-        specs = self.peer_specs
-        for it, t in pairs:
-            if not it.count:
-                continue
-            if not link.engine.handles(t):
-                return f"our tensor for {it.name!r} is on {t.device}, the link serves {link.engine.device}"
-            sp = specs.get(it.name)
-            if sp is None or sp.device != link.peer_device:
-                return (f"the peer's {it.name!r} is on {sp.device if sp else '?'}, its link serves "
-                        f"{link.peer_device}")
-        return None
+    @property
+    def gpu_plane(self) -> str | None:
+        """The plane for GPU buffers (None until the first op on one decided it)."""
+        return self.planes.gpu_plane
 
-    def _ipc_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
-        """Why this op cannot go over cuda_ipc (None if it can): a buffer without an export
-        (a CPU buffer of the peer, or one its engine could not export) or one not mappable here."""
-        engine = self.core.ipc_engine
-        if engine is None:
-            return "no IPC engine here"
-        from .ipc import mapping_cache
+    @property
+    def gpu_plane_reason(self) -> str | None:
+        return self.planes.gpu_plane_reason
 
-        cache = mapping_cache(engine)
-        wire = self.remote_wire
-        for it, t in pairs:
-            if not it.count:
-                continue
-            wb = wire.get(it.name)
-            if wb is None or wb.ipc is None:
-                where = "a CPU buffer" if wb is not None and wb.device == "cpu" else "not exported by the peer"
-                return f"{it.name!r} has no cuda_ipc export ({where})"
-            if not engine.handles(t):  # (a host<->device copy of pageable memory would block the event loop)
-                return f"our tensor for {it.name!r} is on {t.device}"
-            why = engine.reachable(wb.ipc) or cache.refusal(wb.ipc)
-            if why is not None:
-                return f"{it.name!r}: {why}"
-        return None
+    @property
+    def last_refusal(self) -> str:
+        """Why the latest op that could not use the GPU plane was staged ("" if it could)."""
+        return self.planes.last_refusal
 
     def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
              op: Op | None = None, direct: bool = True,
@@ -812,8 +621,7 @@ class Channel:
 
     def _closed(self, exc: BaseException) -> None:
         self.plane.close()
-        if self._ipc is not None:
-            self._ipc.close()
+        self.planes.close()
         self.core.channel_closed(self, exc)
 
     def say_bye(self, reason: str) -> None:
@@ -825,7 +633,7 @@ class Channel:
         if not self.is_open or self._bye:
             return
         self._bye = True
-        if self._ipc is not None and not self._ipc.quiesce(1.0):
+        if not self.planes.quiesce(1.0):
             log.warning("channel %s: cuda_ipc copies to %r still running at close; closing without a Bye",
                         self.id, self.peer_name)
             return
@@ -944,7 +752,5 @@ class Channel:
         if self.ipc_acks:  # confirm the epoch once nothing of ours uses the exports that left it
             gone = [wb.ipc for name, wb in old.items()
                     if wb.ipc is not None and ((nb := wire.get(name)) is None or nb.ipc != wb.ipc)]
-            if self._ipc is not None:
-                self._ipc.retire(gone, msg.epoch)
-            else:  # nothing of ours ever mapped them
+            if not self.planes.retire(gone, msg.epoch):  # nothing of ours ever mapped them
                 self.send(Unmapped(msg.epoch))

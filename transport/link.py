@@ -29,7 +29,7 @@ from .errors import (
 )
 from .flight_recorder import FlightRecorder, OpState
 from .p2p import LinkConn, LinkEngine
-from .serving import item_bytes
+from .ranges import item_bytes
 from .wire import Ack, Fail, Get, Go, Item, Message, NcclReady, NcclSetup, Put
 
 __all__ = ["Link", "LinkChannel", "bytes_of", "resolve"]

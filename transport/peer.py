@@ -39,8 +39,11 @@ class _Channel(Protocol):
     plane: Any  # its DataPlane (.name)
     plane_reason: str
     host: HostInfo
-    gpu_plane: str | None
-    gpu_plane_reason: str | None
+    @property
+    def gpu_plane(self) -> str | None: ...
+
+    @property
+    def gpu_plane_reason(self) -> str | None: ...
     id: str
     state: Any  # its ChannelState (.value)
 

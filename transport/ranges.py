@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import BufferMismatchError, InvalidTensorError, UnknownBufferError
-from .registry import BufferSpec, LocalBuffer, check_tensor, dtype_name
+from .errors import BufferMismatchError, InvalidTensorError, ProtocolError, UnknownBufferError
+from .registry import BufferSpec, LocalBuffer, check_tensor, dtype_from_name, dtype_name
 from .wire import Item
 
-__all__ = ["At", "plan_items", "resolve_item"]
+__all__ = ["At", "item_bytes", "plan_items", "resolve_item"]
+
+_MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,17 @@ def plan_items(
             )
         out.append((Item(name, dtype_name(t.dtype), off, t.numel(), shape), t))
     return out
+
+
+def item_bytes(it: Item) -> int:
+    """The bytes an item of a peer's op covers; :class:`ProtocolError` for an unknown dtype or a nonsensical range."""
+    try:
+        size = dtype_from_name(it.dtype).itemsize
+    except KeyError:
+        raise ProtocolError(f"op names unknown dtype {it.dtype!r}") from None
+    if it.offset < 0 or it.count < 0 or it.count * size > _MAX_ITEM_BYTES:
+        raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
+    return it.count * size
 
 
 def resolve_item(buf: LocalBuffer | None, item: Item) -> tuple[int, int]:

@@ -33,8 +33,8 @@ from .errors import (
 from .flight_recorder import FlightRecorder, OpKind, OpState, Record
 from .peer import Notification
 from .planes import PLANES
-from .ranges import resolve_item
-from .registry import byte_slice, dtype_from_name
+from .ranges import item_bytes, resolve_item
+from .registry import byte_slice
 from .staging import Staging
 from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Message, Notify, Put
 
@@ -42,21 +42,9 @@ if TYPE_CHECKING:
     from .op import Op
     from .receiver import Receiver
 
-__all__ = ["ServedChannel", "Serving", "item_bytes"]
+__all__ = ["ServedChannel", "Serving"]
 
-_MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
-
-
-def item_bytes(it: Item) -> int:
-    """The bytes an item of a peer's op covers; :class:`ProtocolError` for an unknown dtype or a nonsensical range."""
-    try:
-        size = dtype_from_name(it.dtype).itemsize
-    except KeyError:
-        raise ProtocolError(f"op names unknown dtype {it.dtype!r}") from None
-    if it.offset < 0 or it.count < 0 or it.count * size > _MAX_ITEM_BYTES:
-        raise ProtocolError(f"op addresses a nonsensical range: offset {it.offset}, count {it.count}")
-    return it.count * size
 
 
 class ServedChannel(Protocol):
