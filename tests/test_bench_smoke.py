@@ -130,3 +130,12 @@ def test_bench_nixl_phase_failure_is_an_error_row(tmp_path):
     doc = json.loads(out.read_text())
     assert [e["phase"] for e in doc["errors"]] == ["nixl"] and doc["nixl"]["ran"] is False
     assert "transport shm put" in {row["case"] for row in doc["rows"]}
+
+
+def test_op_stages_runs_and_names_every_stage():
+    """bench/op_stages.py wraps channel internals: it must keep up with them (or fail here)."""
+    r = subprocess.run([sys.executable, "bench/op_stages.py", "--ops", "60"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    for stage in ("I call", "I send:Put", "T woke", "T send:Ack", "I settle", "I return", "whole put"):
+        assert stage in r.stdout, f"{stage!r} missing:\n{r.stdout}"
