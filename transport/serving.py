@@ -142,6 +142,18 @@ class Serving:
             raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
         return cls.inline_payload
 
+    def _ranges(self, msg: Put | Get, what: str, *, shm: bool) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
+        """The op's ranges (:meth:`_resolve`), or the error to answer it with; a malformed header
+        raises :class:`ProtocolError`. ``shm``: the op names the exports it copied (``segments``)."""
+        if shm and msg.segments is None:
+            raise ProtocolError(f"{msg.plane} {what} without segments")
+        try:
+            return self._resolve(msg.items, msg.segments if shm else None, msg.plane), None
+        except ProtocolError:
+            raise
+        except TransportError as exc:
+            return [], exc
+
     def serve_put(self, msg: Put) -> None:
         rec = self._target_record(msg, OpKind.PUT, msg.items, msg.plane)
         if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
@@ -150,16 +162,7 @@ class Serving:
         if msg.plane == "nccl":
             self._serve_p2p(msg, rec)
             return
-        shm = not inline
-        error: TransportError | None = None
-        if shm and msg.segments is None:
-            raise ProtocolError(f"{msg.plane} put without segments")
-        try:
-            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
-        except ProtocolError:
-            raise
-        except TransportError as exc:
-            error = exc
+        ranges, error = self._ranges(msg, "put", shm=not inline)
         if inline:
             if error is not None:
                 self.rx.drain(sum(item_bytes(it) for it in msg.items))
@@ -232,14 +235,9 @@ class Serving:
         if msg.plane == "nccl":
             self._serve_p2p(msg, rec)
             return
-        if shm and msg.segments is None:
-            raise ProtocolError(f"{msg.plane} get without segments")
-        try:
-            ranges = self._resolve(msg.items, msg.segments if shm else None, msg.plane)
-        except ProtocolError:
-            raise
-        except TransportError as exc:
-            self._reject(rec, msg.op_id, exc)
+        ranges, error = self._ranges(msg, "get", shm=shm)
+        if error is not None:
+            self._reject(rec, msg.op_id, error)
             return
         if shm:  # the initiator already copied; the segments were still the buffers'
             self._done(rec)
