@@ -554,13 +554,15 @@ class Channel:
         else:
             op.future.set_exception(exc)
 
-    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str) -> Record:
-        """Event loop: the flight recorder's record of an op a plane does right here, with no op
-        object (:meth:`~transport.planes.base.DataPlane.run_here`); the plane settles it."""
-        return self.recorder.record(
+    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str, t_posted: float,
+                    error: BaseException | None = None) -> Record:
+        """The flight recorder's record of an op a plane did right here, with no op object
+        (:meth:`~transport.planes.base.DataPlane.run_here`), from ``t_posted`` to now: done, or
+        failed with ``error``. Any thread (one step under the recorder's lock)."""
+        return self.recorder.record_done(
             op_id=next(Channel._op_ids), channel=self.id, seq=next(self._seq), role="initiator",
             initiator=self.core.name, peer=self.peer_name, kind=kind, names=names, nbytes=nbytes, plane=plane,
-            state=OpState.POSTED)
+            t_posted=t_posted, error=error)
 
     def in_order_now(self) -> bool:
         """Whether an op started now goes out at once (no earlier op of the channel is still held

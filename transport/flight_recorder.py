@@ -132,6 +132,38 @@ class FlightRecorder:
             self._ring.append(rec)
         return rec
 
+    def record_done(
+        self,
+        *,
+        op_id: int,
+        channel: str,
+        seq: int,
+        role: str,
+        initiator: str,
+        peer: str,
+        kind: OpKind,
+        names: list[str],
+        nbytes: int,
+        plane: str,
+        t_posted: float,
+        error: BaseException | None = None,
+    ) -> Record:
+        """Record an op that began at ``t_posted`` (``time.time()``) and is over now, in one step:
+        done, or failed with ``error``. For an op done synchronously (a one-sided shm put or get),
+        which no other thread can see halfway."""
+        now = time.time()
+        state = "done" if error is None else "failed"
+        with self._lock:
+            rec = Record(
+                record_id=next(self._ids), op_id=op_id, channel=channel, seq=seq, role=role,
+                initiator=initiator, peer=peer, kind=kind._value_, names=names, nbytes=nbytes,
+                plane=plane, state=state, t_posted=t_posted, t_updated=now,
+                history=[("posted", t_posted), (state, now)],
+                error=None if error is None else f"{type(error).__name__}: {error}",
+            )
+            self._ring.append(rec)
+        return rec
+
     def update(self, rec: Record, state: OpState, error: BaseException | str | None = None) -> None:
         now = time.time()
         with self._lock:

@@ -139,7 +139,7 @@ def check_tensor(name: str, tensor: object) -> torch.Tensor:
             f"{name!r}: tensor is a lazy {'conjugate' if tensor.is_conj() else 'negative'} view (its memory does "
             "not hold its values); pass .resolve_conj().resolve_neg()"
         )
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):
         raise InvalidTensorError(
             f"{name!r}: tensor is on {tensor.device}; this build moves CPU and CUDA tensors only"
         )

@@ -106,8 +106,10 @@ class ChannelPort(Protocol):
     def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:
         """End ``op`` with ``exc`` (and break the channel with ``lost`` if given)."""
 
-    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str) -> Record:
-        """The flight recorder's record of an op done right here (:meth:`DataPlane.run_here`)."""
+    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str, t_posted: float,
+                    error: BaseException | None = None) -> Record:
+        """Record in the flight recorder an op done right here (:meth:`DataPlane.run_here`) that
+        began at ``t_posted`` (``time.time()``): done, or failed with ``error``."""
 
     def finish_here(self, op: Op) -> None:
         """``op`` completed on this side alone (a one-sided copy): it succeeds."""

@@ -49,6 +49,7 @@ SLOTS = 1 << 16  # words per table (512 KiB of sparse memfd; a page appears when
 REVOKE_WAIT_S = 2.0  # how long a revoke waits for the copies in flight on its export
 MOVED = 1 << 63  # or-ed into a word: the owner re-pointed the registered tensor (ops fail: re-register it)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_WORD = struct.Struct("<Q")  # a slot's word, read in place from the mapped table
 _FLOCK = "hhqqi4x"  # struct flock on Linux x86-64 and aarch64: type, whence, start, len, pid (0 for OFD locks)
 
 
@@ -192,9 +193,6 @@ class TableView:
         self._held: dict[int, int] = {}  # slot -> ops of this process holding its shared lock
         self._lock = threading.Lock()
 
-    def word(self, slot: int) -> int:
-        return int.from_bytes(self._mm[slot * 8 : slot * 8 + 8], "little")
-
     def enter(self, slots: list[tuple[int, int]], names: list[str]) -> None:
         """Lock every ``(slot, export_id)`` shared and check its word; all or nothing. Raises
         :class:`StaleBufferError` if one is being revoked or no longer holds that export, and
@@ -202,28 +200,14 @@ class TableView:
         taken: list[int] = []
         try:
             for (slot, export_id), name in zip(slots, names, strict=True):
-                self._take(slot)
+                self.enter1(slot, export_id, name)
                 taken.append(slot)
-                word = self.word(slot)
-                if word == export_id | MOVED:
-                    raise BufferMismatchError(f"buffer {name!r} was re-pointed at other memory since it was "
-                                              "registered; re-register it")
-                if word != export_id:
-                    raise StaleBufferError(f"shm: export {export_id} was revoked by the peer (unregistered or "
-                                           "re-registered)")
         except BaseException:
             self.leave(taken)
             raise
 
-    def check(self, slots: list[tuple[int, int]]) -> None:
-        """With the locks held, after the copy: every word still holds its export (else the peer
-        took the buffer back without waiting for us: :class:`StaleBufferError`)."""
-        for slot, export_id in slots:
-            if self.word(slot) != export_id:
-                raise StaleBufferError(f"shm: export {export_id} was taken back by the peer while the copy ran "
-                                       "(the peer did not wait for it: frozen or slow here)")
-
-    def _take(self, slot: int) -> None:
+    def enter1(self, slot: int, export_id: int, name: str) -> None:
+        """:meth:`enter` for one slot (the common case, without the lists)."""
         with self._lock:
             if self.fd < 0:
                 raise PeerLostError("shm: the channel to the peer is closed")
@@ -231,17 +215,42 @@ class TableView:
             if n == 0 and not _lock(self.fd, fcntl.F_RDLCK, slot):
                 raise StaleBufferError("shm: the peer is taking the buffer back (unregister or re-register)")
             self._held[slot] = n + 1
+        word = _WORD.unpack_from(self._mm, slot * 8)[0]
+        if word != export_id:
+            self.leave1(slot)
+            if word == export_id | MOVED:
+                raise BufferMismatchError(f"buffer {name!r} was re-pointed at other memory since it was "
+                                          "registered; re-register it")
+            raise StaleBufferError(f"shm: export {export_id} was revoked by the peer (unregistered or "
+                                   "re-registered)")
+
+    def check(self, slots: list[tuple[int, int]]) -> None:
+        """With the locks held, after the copy: every word still holds its export (else the peer
+        took the buffer back without waiting for us: :class:`StaleBufferError`)."""
+        for slot, export_id in slots:
+            self.check1(slot, export_id)
+
+    def check1(self, slot: int, export_id: int) -> None:
+        """:meth:`check` for one slot."""
+        if _WORD.unpack_from(self._mm, slot * 8)[0] != export_id:
+            raise StaleBufferError(f"shm: export {export_id} was taken back by the peer while the copy ran "
+                                   "(the peer did not wait for it: frozen or slow here)")
 
     def leave(self, slots: list[int]) -> None:
+        """Drop this op's hold of each slot's shared lock."""
+        for slot in slots:
+            self.leave1(slot)
+
+    def leave1(self, slot: int) -> None:
+        """Drop this op's hold of ``slot``'s shared lock (the last holder in this process unlocks)."""
         with self._lock:
-            for slot in slots:
-                n = self._held.get(slot, 0) - 1
-                if n > 0:
-                    self._held[slot] = n
-                    continue
-                self._held.pop(slot, None)
-                if self.fd >= 0:
-                    _lock(self.fd, fcntl.F_UNLCK, slot)
+            n = self._held.get(slot, 0) - 1
+            if n > 0:
+                self._held[slot] = n
+                return
+            self._held.pop(slot, None)
+            if self.fd >= 0:
+                _lock(self.fd, fcntl.F_UNLCK, slot)
 
     def close(self) -> None:
         with self._lock:
