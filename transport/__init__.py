@@ -27,6 +27,7 @@ from .errors import (
 from .peer import Notification, Peer, Route
 from .ranges import At
 from .registry import BufferSpec
+from .remote import PeerAddress, RemoteBuffer, byte_view, describe_buffer, peer_address
 from .staging import StagingConfig
 
 __all__ = [
@@ -40,10 +41,12 @@ __all__ = [
     "InvalidTensorError",
     "Notification",
     "Peer",
+    "PeerAddress",
     "PeerLostError",
     "PeerNotFoundError",
     "PlaneUnavailableError",
     "ProtocolError",
+    "RemoteBuffer",
     "RemoteError",
     "Route",
     "StagingConfig",
@@ -52,6 +55,9 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "UnknownBufferError",
+    "byte_view",
+    "describe_buffer",
+    "peer_address",
 ]
 
 __version__ = "0.1.0"

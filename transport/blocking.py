@@ -49,6 +49,7 @@ class BlockingEndpoint:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"transport-loop-{name}", daemon=True)
         self._thread.start()
         self.timeout = self._ep.timeout
+        self._submitted: set[concurrent.futures.Future[None]] = set()  # submit_put/get futures not yet resolved
         try:
             self._call(self._ep.open(), None)
         except BaseException:
@@ -147,6 +148,70 @@ class BlockingEndpoint:
         """See :meth:`Endpoint.get`; timeouts as for :meth:`put`."""
         self._call(self._ep.get(peer, tensors, timeout=timeout), timeout, settle=True)
 
+    def submit_put(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, notify: bytes | None = None,
+                   timeout: float | None = None) -> concurrent.futures.Future[None]:
+        """Start :meth:`Endpoint.put` on the endpoint's loop and return at once with its future.
+
+        Non-blocking: the calling thread only schedules the op (any thread but the loop's).
+        The future resolves once the op has ended: with None when the target holds the bytes,
+        or with the put's exception (bad input, :class:`TransportTimeoutError` at its deadline,
+        :class:`PeerLostError`, :class:`EndpointClosedError` if the endpoint closes first). It
+        resolves only once nothing of the op writes any more (as when an awaited put raises),
+        so a failed op's buffers may be reused as soon as it has. ``timeout`` (default the
+        endpoint's) is the op's deadline, not a bound on waiting for the future: bound that
+        with ``future.result(timeout)``. The op cannot be cancelled: ``future.cancel()``
+        returns False; it ends at its deadline at the latest. Ops submitted one after another
+        start in submission order; as with concurrent awaited puts, nothing orders when they
+        land. ``tensors`` must stay unmodified until the future has resolved.
+        """
+        return self._submit(self._ep.put(peer, tensors, notify=notify, timeout=timeout))
+
+    def submit_get(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *,
+                   timeout: float | None = None) -> concurrent.futures.Future[None]:
+        """Start :meth:`Endpoint.get` on the endpoint's loop and return at once with its future.
+
+        As :meth:`submit_put`: the future resolves with None once every byte is in ``tensors``,
+        or with the get's exception once nothing of the op writes into them any more; the op
+        cannot be cancelled and ends at ``timeout`` (its deadline) at the latest. Do not read
+        or reuse ``tensors`` before the future has resolved.
+        """
+        return self._submit(self._ep.get(peer, tensors, timeout=timeout))
+
+    def _submit(self, coro: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
+        if not self._thread.is_alive():
+            coro.close()
+            raise EndpointClosedError("the blocking endpoint's loop has stopped")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread")
+        out: concurrent.futures.Future[None] = concurrent.futures.Future()
+        out.set_running_or_notify_cancel()  # running from here on: cancel() returns False
+        self._submitted.add(out)
+        out.add_done_callback(self._submitted.discard)
+
+        def settle(task: asyncio.Task[None]) -> None:
+            if out.done():
+                return
+            if task.cancelled():
+                out.set_exception(EndpointClosedError("the op was cancelled: the blocking endpoint closed"))
+            elif task.exception() is not None:
+                out.set_exception(task.exception())
+            else:
+                out.set_result(None)
+
+        def start() -> None:
+            if out.done():  # (failed by close() before the loop ran this)
+                coro.close()
+                return
+            self._loop.create_task(coro).add_done_callback(settle)
+
+        try:
+            self._loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop closed meanwhile
+            coro.close()
+            out.set_exception(EndpointClosedError("the blocking endpoint's loop has stopped"))
+        return out
+
     def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
         """See :meth:`Endpoint.map`."""
         return self._call(self._ep.map(peer, name, timeout=timeout), timeout)
@@ -180,6 +245,9 @@ class BlockingEndpoint:
         self._thread.join(_GRACE)
         if not self._thread.is_alive():
             self._loop.close()
+            for fut in list(self._submitted):  # never started, or the loop stopped under them: nothing runs them now
+                if not fut.done():
+                    fut.set_exception(EndpointClosedError("the blocking endpoint closed before the op ended"))
 
 
 async def _as_coro(fn: Any, *args: Any) -> Any:

@@ -11,7 +11,8 @@ Registered under the ``torch.distributed.transports`` entry point as ``"transpor
 
 Needs a torch that ships ``torch.distributed._transport`` (2.15 and later). Nothing else in
 :mod:`transport` imports this package, so the library itself works with older torch; importing
-it there raises ``ImportError`` saying so. See :class:`TransportRL` for the options and the
+it there raises ``ImportError`` saying so. It is a client of the library like any other: it uses
+only the names in ``transport.__all__`` (:mod:`transport.remote` holds what it needed). See :class:`TransportRL` for the options and the
 blocking, timeout and cancellation behaviour.
 """
 

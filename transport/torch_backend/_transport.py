@@ -19,9 +19,8 @@ from torch.distributed import HashStore
 from torch.distributed._transport import Memory, MemoryView, MutableMemoryView, RemoteBuffer, Transport, Work
 from torch.distributed._transport._work import _validate_timeout, wait_all
 
-from ..address import decode_address
-from ..endpoint import Endpoint
-from ..ranges import At
+import transport  # the public API only (transport.__all__): this backend is a client of the library like any other
+
 from ._memory import (
     Registration,
     TransportRLMemory,
@@ -115,7 +114,7 @@ class TransportRL(Transport):
         self._closed = False
         self._ep_close: concurrent.futures.Future[None] | None = None
         self._in_order = asyncio.Lock()  # transfers run one at a time, in submission order (on the loop)
-        self._ep = Endpoint(name or f"torch-{os.getpid()}-{secrets.token_hex(6)}", store=HashStore(),
+        self._ep = transport.Endpoint(name or f"torch-{os.getpid()}-{secrets.token_hex(6)}", store=HashStore(),
                             planes=(plane,), timeout=self._transfer_timeout, listen_host=listen_host, secret=secret)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"transport-rl-{self._ep.name}",
@@ -184,13 +183,13 @@ class TransportRL(Transport):
         t = self._wait_for(timeout)
         if type(peer_url) is not bytes:
             raise TypeError("peer_url must be bytes from the peer's bind()")
-        rec, _ = decode_address(peer_url)
+        peer = transport.peer_address(peer_url)
         with self._locked(t):
             self._ensure_open()
             if self._peer is not None:
                 raise RuntimeError("transport is already connected")
             self._on_loop(self._dial(peer_url, max(t, 1e-3)), t)
-            self._peer, self._peer_incarnation = rec.name, rec.incarnation
+            self._peer, self._peer_incarnation = peer.name, peer.incarnation
         return 0
 
     async def _dial(self, peer_url: bytes, timeout: float) -> None:
@@ -232,7 +231,7 @@ class TransportRL(Transport):
         if self.plane == "shm":  # the caller's tensor first: its storage moves; the flat view then shares it
             base = f"{name}.t"
             self._ep.register(base, tensor)
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        flat = transport.byte_view(tensor)
         try:
             self._ep.register(name, flat)
         except BaseException:
@@ -271,7 +270,8 @@ class TransportRL(Transport):
 
     def _descriptor(self, reg: Registration) -> TransportRLRemoteBuffer:
         self._ensure_open()
-        return TransportRLRemoteBuffer(self._ep.name, self._ep.incarnation, reg.name, reg.length)
+        mine = transport.describe_buffer(self._ep, reg.name)  # (a flat uint8 buffer: byte offsets are element offsets)
+        return TransportRLRemoteBuffer(mine.endpoint, mine.incarnation, mine.buffer, mine.length)
 
     # ------------------------------------------------------------------ transfers
     def _check_transfer(self, local_buffer: MemoryView, remote_buffer: RemoteBuffer, *, mutable: bool) -> None:
@@ -309,7 +309,8 @@ class TransportRL(Transport):
             if view.size() == 0:
                 work._settle(None)
             else:
-                ops = {desc.buffer: At(view._bytes(), offset=0)}
+                target = transport.RemoteBuffer(desc.endpoint, desc.incarnation, desc.buffer, torch.uint8, 0, desc.length)
+                ops = target.items(view._bytes())
                 bound = max(t, self._transfer_timeout)
                 peer = desc.endpoint
                 with self._pending_lock:
@@ -320,7 +321,7 @@ class TransportRL(Transport):
         work._wait(max(0.0, deadline - time.monotonic()))
         return 0
 
-    async def _transfer(self, write: bool, peer: str, ops: dict[str, At], bound: float) -> None:
+    async def _transfer(self, write: bool, peer: str, ops: dict[str, transport.At], bound: float) -> None:
         # asyncio.Lock is FIFO and these coroutines start in submission order (run_coroutine_threadsafe)
         async with self._in_order:
             if write:
