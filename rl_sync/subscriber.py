@@ -49,7 +49,7 @@ from .plan import (
     plan_hash,
 )
 from .rwlock import RWLock
-from .weights import live_tensors, repoint
+from .weights import live_tensors, repoint, shared_memory
 
 __all__ = ["WeightSubscriber", "host_key", "live_tensors"]
 
@@ -88,7 +88,11 @@ class WeightSubscriber(Holding):
             weights. Swap needs CPU tensors and a model that keeps no other
             alias of its weights (a view taken before a commit keeps the old
             bank, which the next push overwrites: take views inside
-            :meth:`hold` and drop them when it ends). Memory is the same in
+            :meth:`hold` and drop them when it ends). The modes that
+            re-point (swap, direct, shared) refuse tensors that share memory
+            with other tensors given (views of one tensor, e.g. a fused
+            weight given as row views: use staged, which copies into them);
+            one tensor under several names (tied weights) is fine. Memory is the same in
             both modes, the live weights plus one copy, except that in swap
             mode the tensors the model was built with stay allocated until
             the first commit re-points them.
@@ -149,6 +153,11 @@ class WeightSubscriber(Holding):
         self._live = live_tensors(model_or_state_dict, keep_vars=self._strategy.repoints)
         if not self._live:
             raise ValueError("the model has no tensors to receive")
+        if self._strategy.repoints and (aliased := shared_memory(self._live)):
+            raise ValueError(f"mode={mode!r} re-points each tensor into an arena (Tensor.set_), which would leave "
+                             f"the tensors sharing its memory behind: {'; '.join(', '.join(g) for g in aliased)} "
+                             f"share memory (views); pass one tensor per memory, or use mode='staged', which "
+                             f"copies into the tensors (views included)")
         self.device = one_device(self._live)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the model is on {self.device}: rl_sync receives into CPU or CUDA tensors")

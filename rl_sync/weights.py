@@ -13,7 +13,7 @@ import torch
 
 from .plan import dtype_from_name
 
-__all__ = ["contiguous_strides", "live_tensors", "repoint", "uncancellable"]
+__all__ = ["contiguous_strides", "live_tensors", "repoint", "shared_memory", "uncancellable"]
 
 
 def live_tensors(model_or_state_dict: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -32,6 +32,28 @@ def live_tensors(model_or_state_dict: Any, *, keep_vars: bool = False) -> dict[s
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise TypeError(f"state entries are str -> tensor, got {name!r} -> {type(t).__name__}")
     return state if keep_vars else {name: t.detach() for name, t in state.items()}
+
+
+def shared_memory(live: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Names whose tensors cannot be re-pointed one by one: each group shares memory between tensor
+    objects that are not one object (views of one tensor, a view and its base), or is one view of a
+    tensor not in ``live``. Re-pointing one of them (``Tensor.set_``) would leave the others behind.
+    One tensor object under several names (a tied weight in a state dict) is fine: it moves once
+    for all its names."""
+    by_memory: dict[tuple[str, int], dict[int, list[str]]] = {}
+    groups: list[list[str]] = []
+    for name, t in live.items():
+        if t.numel() == 0:  # (empty tensors may all report the same null storage)
+            continue
+        by_memory.setdefault((str(t.device), t.untyped_storage().data_ptr()), {}).setdefault(id(t), []).append(name)
+    for objects in by_memory.values():
+        if len(objects) > 1:
+            groups.append(sorted(n for names in objects.values() for n in names))
+        else:
+            (names,) = objects.values()
+            if live[names[0]]._base is not None:
+                groups.append(sorted(names))
+    return sorted(groups)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

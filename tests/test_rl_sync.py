@@ -109,6 +109,22 @@ def test_check_sources_lists_every_difference():
     assert set(check_sources(train, man, dtype="auto", name_map=None, subscriber="g")) == set(GEN)
 
 
+def test_repointing_modes_refuse_views_and_keep_tied_weights():
+    from rl_sync.weights import shared_memory
+
+    fused = torch.zeros(6, 4)
+    tied = torch.nn.Parameter(torch.zeros(3, 4))
+    views = {"qkv.q": fused[:2], "qkv.k": fused[2:4], "qkv.v": fused[4:], "embed": tied, "head": tied,
+             "empty.a": torch.zeros(0), "empty.b": torch.zeros(0, 2)}
+    assert shared_memory(views) == [["qkv.k", "qkv.q", "qkv.v"]]  # one object under two names is no alias
+    assert shared_memory({"half": fused[:3]}) == [["half"]]  # a view of a tensor not given: its base stays behind
+    assert shared_memory({"all": fused, "part": fused[1:]}) == [["all", "part"]]
+    assert shared_memory({"embed": tied, "head": tied, "other": torch.zeros(2)}) == []
+    for mode in ("swap", "direct", "shared"):
+        with pytest.raises(ValueError, match=r"qkv.k, qkv.q, qkv.v share memory"):
+            rl_sync.WeightSubscriber(transport.Endpoint("never-opened", store="tcp://127.0.0.1:1"), views, mode=mode)
+
+
 def test_hostile_manifests_and_messages_are_refused_not_raised():
     import msgspec
 
