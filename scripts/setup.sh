@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create the virtual environment and install the project with its test tools.
+# Create the virtual environment and install the project with its test tools (and transformers, for the
+# tests and the demo option that use a Hugging Face model).
 #   bash scripts/setup.sh [VENV]       (default .venv)
 # TORCH_SPEC chooses the torch to install when the venv has none
 # (default torch==2.13.0, the CPU build; e.g. TORCH_SPEC='torch==2.11.0' on a GPU box).
@@ -16,7 +17,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "installing ${TORCH_SPEC:-torch==2.13.0} into $VENV"
   "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored: it is neither" || true
 fi
-echo "installing transport (editable) with its test tools into $VENV"
-"${PIP[@]}" install -e ".[test,dev]" 2>&1 | grep -v "is ignored: it is neither" || true
+echo "installing transport (editable) with its test tools and transformers into $VENV"
+"${PIP[@]}" install -e ".[test,dev,hf]" 2>&1 | grep -v "is ignored: it is neither" || true
 "$VENV/bin/python" -c "import torch, msgspec, pytest, hypothesis, transport; print('environment ready: torch', torch.__version__)"
 touch "$VENV/.installed"
