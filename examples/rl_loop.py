@@ -1,10 +1,13 @@
 """An RL loop on one machine: a trainer and generator processes, weights pushed with rl_sync.
 
     python examples/rl_loop.py [--steps 30] [--generators 2] [--seed 0] [--device cpu|cuda] [--planes tcp]
-                               [--mode staged|swap|direct|shared] [-v]
+                               [--mode staged|swap|direct|shared] [--model toy|hf-llama] [-v]
 
 A small transformer policy (built in code, nothing downloaded; see
-``_toy_rl.py``) learns to copy a 4-digit prompt by policy gradient. Each step:
+``_toy_rl.py``) learns to copy a 4-digit prompt by policy gradient.
+``--model hf-llama`` makes the policy a Hugging Face ``LlamaForCausalLM``
+instead, built from a tiny config with tied embeddings (``_hf_llama.py``;
+needs ``transformers``: ``pip install -e ".[hf]"``). Each step:
 
 1. every generator waits until a new version of the weights is committed
    (``WeightSubscriber.wait_for_version``) and samples a batch of rollouts
@@ -26,7 +29,8 @@ At the end each generator reports a sha256 of the weights it holds and the
 trainer checks that every one holds exactly its final weights. Exits
 non-zero if a generator fails, a push does not reach everyone, the weights
 differ, or the reward did not rise (mean of the last 5 steps less than 0.2
-above the first 5).
+above the first 5; 0.1 for ``hf-llama``; runs of fewer than 10 steps are not
+judged).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ log = logging.getLogger("rl_loop")
 TRAINER = "trainer"
 READY_TIMEOUT = 120.0  # spawning a process that imports torch can be slow on a busy machine
 STEP_TIMEOUT = 60.0
+MODELS = {"toy": "policy", "hf-llama": "LlamaForCausalLM policy (transformers, tied embeddings)"}
+# the rise of the mean reward (last 5 steps over the first 5) a run must show: the Llama (rotary positions,
+# no learned ones) learns the copy task slower than the toy (one run: from 0.17 to 0.48 in 30 steps)
+MIN_RISE = {"toy": 0.2, "hf-llama": 0.1}
+JUDGE_STEPS = 10  # fewer steps: no verdict on learning (the weights are still verified)
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -59,6 +68,15 @@ def weights_digest(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def build_policy(model: str, seed: int) -> torch.nn.Module:
+    """The policy: the toy transformer, or (``hf-llama``) a tiny ``LlamaForCausalLM`` reading the same tokens."""
+    if model == "hf-llama":
+        import _hf_llama  # (imports transformers: only when asked for)
+
+        return _hf_llama.build_policy(seed, toy.NUM_DIGITS)
+    return toy.build_policy(seed)
 
 
 def rollout_buffers(gen: str, batch: int) -> dict[str, torch.Tensor]:
@@ -77,7 +95,7 @@ def generator(name: str, index: int, store: str, args: argparse.Namespace) -> No
 async def _generator(name: str, index: int, store: str, args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     # Same architecture, different initial weights: the first push overwrites them.
-    policy = toy.build_policy(args.seed + 1000 + index).to(device).eval()
+    policy = build_policy(args.model, args.seed + 1000 + index).to(device).eval()
     rng = torch.Generator().manual_seed(args.seed * 100 + index)
     ep = transport.Endpoint(name, store=store, planes=args.planes)
     sub = rl_sync.WeightSubscriber(ep, policy, mode=args.mode)  # registered before opening: the trainer finds it
@@ -134,7 +152,7 @@ async def _generator(name: str, index: int, store: str, args: argparse.Namespace
 async def trainer(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     names = [f"gen-{i}" for i in range(args.generators)]
-    policy = toy.build_policy(args.seed).to(device)
+    policy = build_policy(args.model, args.seed).to(device)
     learner = toy.Trainer(policy)
     nparams = sum(p.numel() for p in policy.parameters())
     async with transport.Endpoint(TRAINER, store="tcp://127.0.0.1:0", host_store=True, planes=args.planes) as ep:
@@ -152,7 +170,7 @@ async def trainer(args: argparse.Namespace) -> int:
         try:
             await collect(ep, "ready", names, procs, READY_TIMEOUT, role="generator")
             planes = ", ".join(f"{n} over {ep.peers[n].plane}" for n in names if n in ep.peers)
-            print(f"trainer: policy of {nparams} parameters ({nparams * 4 / 2**10:.0f} KiB) on {device}; "
+            print(f"trainer: {MODELS[args.model]} of {nparams} parameters ({nparams * 4 / 2**10:.0f} KiB) on {device}; "
                   f"{len(names)} generator(s) ({planes}, mode {args.mode}); {args.batch} rollouts per step", flush=True)
             report = await pub.push(policy, version=1)
             if not report.ok:
@@ -187,11 +205,16 @@ async def trainer(args: argparse.Namespace) -> int:
             pub.close()
     if any(p.exitcode != 0 for p in procs):
         raise SystemExit("FAILED: generator exit codes " + ", ".join(f"{p.name}={p.exitcode}" for p in procs))
-    k = min(5, len(rewards))
+    if len(rewards) < JUDGE_STEPS:
+        print(f"{len(rewards)} steps are too few to judge learning (the reward is checked from {JUDGE_STEPS})",
+              flush=True)
+        return 0
+    k = 5
+    rise = MIN_RISE[args.model]
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     print(f"reward rose from {first:.3f} (mean of the first {k} steps) to {last:.3f} (last {k})"
-          if last - first >= 0.2 else f"reward did not rise enough: {first:.3f} -> {last:.3f}", flush=True)
-    return 0 if last - first >= 0.2 else 1
+          if last - first >= rise else f"reward did not rise enough: {first:.3f} -> {last:.3f}", flush=True)
+    return 0 if last - first >= rise else 1
 
 
 def main() -> int:
@@ -204,6 +227,8 @@ def main() -> int:
     ap.add_argument("--planes", help="comma-separated transport planes to allow, e.g. tcp (default: the best one)")
     ap.add_argument("--mode", choices=rl_sync.subscriber.MODES,
                     help="the generators' WeightSubscriber mode (default: shared on the CPU, else staged)")
+    ap.add_argument("--model", choices=tuple(MODELS), default="toy",
+                    help="the policy: toy (default) or hf-llama (a tiny transformers LlamaForCausalLM, tied embeddings)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO (planes, plans, pushes)")
     args = ap.parse_args()
     if args.steps < 1 or args.generators < 1 or args.batch < args.generators:

@@ -12,6 +12,8 @@ import asyncio
 import hashlib
 import importlib.util
 import multiprocessing as mp
+import re
+import subprocess
 import sys
 import time
 import traceback
@@ -215,3 +217,19 @@ async def test_tiny_llama_reaches_plain_and_fused_generators_bit_for_bit(store_u
                 await asyncio.to_thread(proc.join, 5)
     assert [p.exitcode for _, p in gens] == [0, 0]
 
+
+def test_rl_loop_demo_with_the_hf_llama_policy():
+    steps = 3  # (too few to judge learning: the demo says so and still verifies the generators' weights)
+    r = subprocess.run([sys.executable, "examples/rl_loop.py", "--model", "hf-llama", "--steps", str(steps)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=100)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert re.search(r"^trainer: LlamaForCausalLM policy \(transformers, tied embeddings\) of \d+ parameters", r.stdout,
+                     re.M), out
+    rows = [line.split() for line in r.stdout.splitlines()]
+    rows = [row for row in rows if len(row) == 7 and row[0].isdigit()]  # step version sampled reward push_ms GB/s ok
+    assert [(int(row[0]), int(row[1]), row[2], row[6]) for row in rows] == \
+        [(i, i + 1, str(i), "True") for i in range(1, steps + 1)], out
+    assert re.search(r"^verified: gen-0 and gen-1 hold exactly the trainer's final weights \(version "
+                     rf"{steps + 1}, sha256 [0-9a-f]{{16}}\)$", r.stdout, re.M), out
+    assert f"{steps} steps are too few to judge learning" in r.stdout, out
