@@ -17,7 +17,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "installing ${TORCH_SPEC:-torch==2.13.0} into $VENV"
   "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored: it is neither" || true
 fi
-echo "installing transport (editable) with its test tools and transformers into $VENV"
-"${PIP[@]}" install -e ".[test,dev,hf]" 2>&1 | grep -v "is ignored: it is neither" || true
-"$VENV/bin/python" -c "import torch, msgspec, pytest, hypothesis, transport; print('environment ready: torch', torch.__version__)"
+echo "installing transport (editable) with its test tools, transformers and Ray into $VENV"
+"${PIP[@]}" install -e ".[test,dev,hf,ray]" 2>&1 | grep -v "is ignored: it is neither" || true
+"$VENV/bin/python" -c "import torch, msgspec, pytest, hypothesis, ray, transformers, transport; print('environment ready: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
 touch "$VENV/.installed"
