@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         differ = {n: v for n, (v, d) in held.items() if (v, d) != (final, want)}
         if differ:
             raise SystemExit(f"FAILED: weights differ from the trainer's version {final} ({want[:16]}): {differ}")
-        print(f"verified: {', '.join(live)} hold exactly the trainer's final weights (version {final}, "
+        print(f"verified: {', '.join(live)} hold{'s' if len(live) == 1 else ''} exactly the trainer's final weights (version {final}, "
               f"sha256 {want[:16]})", flush=True)
         return {"generators": names, "steps": args.steps, "mode": args.mode, "final_version": final,
                 "sampled": sampled, "killed": killed, "kill_at": args.kill_at, "verified": live,
