@@ -7,7 +7,9 @@ the multi-process suites live in test_conformance.py and test_faults.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -330,3 +332,43 @@ def test_blocking_facade(store_url, uname):
             assert not errs and torch.equal(w, torch.arange(10.0))
     with pytest.raises(transport.EndpointClosedError):
         ini.put(tgt.name, {"w": src})
+
+
+async def test_close_while_open_is_running_ends_the_open_cleanly(store_url, uname):
+    """close() racing open() at every point of open's awaits: open either finished first (and close
+    closes normally) or raises EndpointClosedError; close returns within its bound; no task of the
+    endpoint dies with an unretrieved exception, and a fresh endpoint of the same name opens after."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    outcomes = set()
+    try:
+        for k in [*range(0, 40, 3), 50, 100, 200, 400, 800]:  # loop turns, then ~ms: past every await of open
+            name = uname("racy")
+            ep = transport.Endpoint(name, store=store_url, timeout=10)
+            opening = asyncio.ensure_future(ep.open())
+            for _ in range(k):
+                await asyncio.sleep(0 if k < 50 else 0.0001)
+            t0 = time.monotonic()
+            await ep.close(timeout=5)
+            assert time.monotonic() - t0 < 6
+            try:
+                await asyncio.wait_for(opening, 5)
+                outcomes.add("opened")
+            except transport.EndpointClosedError as exc:
+                if k == 0:  # (closed before open() ran at all)
+                    assert "is closed" in str(exc)
+                else:
+                    assert "closed while it was opening" in str(exc)
+                    outcomes.add("cut")
+            assert not ep.is_open
+            with pytest.raises(transport.EndpointClosedError):
+                await ep.put(name, {"x": torch.zeros(1)})
+            gc.collect()
+            await asyncio.sleep(0.01)
+        async with transport.Endpoint(uname("after"), store=store_url, timeout=10) as again:
+            assert again.is_open
+    finally:
+        loop.set_exception_handler(None)
+    assert outcomes == {"cut", "opened"}, outcomes  # (the race was really hit, and so was an open that won)
+    assert errors == [], errors

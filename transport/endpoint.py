@@ -212,6 +212,8 @@ class Endpoint:
         self._listener: socket.socket | None = None
         self._record: EndpointRecord | None = None
         self._state = "new"
+        self._opening: asyncio.Task[Any] | None = None  # the task running open(), while it runs
+        self._cut_open = False  # close() cancelled that task: open() raises EndpointClosedError
         self._notes: asyncio.Queue[Notification] | None = None
         self._notes_room: Any = None
         self._max_notes = max_pending_notifications
@@ -236,9 +238,13 @@ class Endpoint:
         Raises :class:`TransportTimeoutError` (phase connect) if the store
         cannot be reached within ``timeout``.
         """
+        if self._state == "closed":
+            raise EndpointClosedError(f"endpoint {self.name!r} is closed (closed before it was opened, or already "
+                                      "used): make a new one")
         if self._state != "new":
             raise EndpointClosedError(f"endpoint {self.name!r} was already opened")
         self._state = "opening"
+        self._opening = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
         self._notes = asyncio.Queue()
         self._notes_room = threading.Semaphore(self._max_notes)
@@ -270,10 +276,19 @@ class Endpoint:
             self._spawn(self._accept_loop())
             self._spawn(self._monitor())
             await self._rdv.publish(self._record, time.monotonic() + self.timeout)
-        except BaseException:
+        except BaseException as exc:
             self._state = "closed"
+            for task in list(self._tasks):  # (the accept loop and the monitor, if they were started)
+                task.cancel()
             self._teardown_sync()
+            if self._cut_open and isinstance(exc, asyncio.CancelledError):
+                me = asyncio.current_task()
+                if me is not None:
+                    me.uncancel()  # (close()'s cancellation, not the caller's)
+                raise EndpointClosedError(f"endpoint {self.name!r} was closed while it was opening") from None
             raise
+        finally:
+            self._opening = None
         if self._dump_signal is not None:
             self.loop.add_signal_handler(self._dump_signal, self._dump_on_signal)
         self._state = "open"
@@ -310,7 +325,17 @@ class Endpoint:
     async def close(self, timeout: float = 5.0) -> None:
         """Close every channel (pending ops fail with :class:`EndpointClosedError`),
         withdraw from the store and release exported memory. Idempotent; bounded by ``timeout``.
-        Registered tensors stay valid for the caller."""
+        Registered tensors stay valid for the caller. Called while :meth:`open` is still running
+        in another task, it cancels that open, which then raises :class:`EndpointClosedError`
+        (not :class:`asyncio.CancelledError`) after undoing what it had done, and waits for it
+        (bounded by ``timeout``)."""
+        if self._state == "opening":  # open() is still running (in another task): stop it, wait for it
+            opening = self._opening
+            if opening is not None and opening is not asyncio.current_task() and not opening.done():
+                self._cut_open = True
+                opening.cancel()
+                await asyncio.wait({opening}, timeout=timeout)
+            return
         if self._state in ("closed", "closing", "new"):
             if self._state == "new":
                 self._rdv.close()
@@ -687,9 +712,11 @@ class Endpoint:
         return ch
 
     async def _accept_loop(self) -> None:
-        assert self._listener is not None
+        listener = self._listener
+        if listener is None:  # (open() failed, or close() cut it short, before this task first ran)
+            return
         while True:
-            sock, addr = await self.loop.sock_accept(self._listener)
+            sock, addr = await self.loop.sock_accept(listener)
             self._spawn(self._accept_one(sock, addr))
 
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
