@@ -232,7 +232,7 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             await ep.connect(args[0])
             return None
         if cmd == "ipc_held":  # unregistered cuda_ipc exports held for peers: export id -> epoch it left
-            return ep._ipc_retention.held
+            return ep._exports.exporter("cuda_ipc").retention.held
         if cmd == "staging_stats":
             st = ep.staging.statistics()
             return {"in_use": st.in_use, "peak_in_use": st.peak_in_use, "allocated": st.allocated}

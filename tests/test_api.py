@@ -87,12 +87,12 @@ async def test_new_buffer_segments_are_closed_without_an_open(store_url, uname):
     ep = transport.Endpoint(uname("x"), store=store_url)
     kept = [ep.new_buffer(f"b{i}", (1000,)) for i in range(3)]
     ep.unregister("b0")
-    assert len([s for s in ep._segments if s.fd >= 0]) == 2
+    assert len([s for s in ep._exports.exporter("shm").segments if s.fd >= 0]) == 2
     with pytest.raises(transport.BufferMismatchError):
         ep.new_buffer("b1", (1000,))
-    assert len([s for s in ep._segments if s.fd >= 0]) == 2
+    assert len([s for s in ep._exports.exporter("shm").segments if s.fd >= 0]) == 2
     await ep.close()  # never opened
-    assert not [s for s in ep._segments if s.fd >= 0]
+    assert not [s for s in ep._exports.exporter("shm").segments if s.fd >= 0]
     assert all(t.shape == (1000,) and not t.any() for t in kept)  # the tensors stay valid
 
 

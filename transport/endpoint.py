@@ -39,20 +39,19 @@ from .errors import (
     TransportTimeoutError,
     UnknownBufferError,
 )
+from .exports import Exports
 from .flight_recorder import FlightRecorder, OpKind
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
-from .ipc import IpcEngine, IpcExport, export_ids
+from .ipc import IpcEngine
 from .p2p import LinkEngine, link_engine_probe
 from .peer import Notification, Peer, Route
-from .planes import choose_cpu_plane, validate_planes
-from .planes.shm_export import Segment, SlotTable, export_buffer, new_segment, new_slot_table
+from .planes import choose_cpu_plane, make_exporters, validate_planes
 from .ranges import At, plan_items
-from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
+from .registry import BufferSpec
 from .rendezvous import EndpointRecord, Rendezvous
-from .retention import NEVER, Retention
 from .staging import Staging, StagingConfig
-from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, IpcHandle, Notify, Registry, WireBuffer
+from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, Notify, Registry, WireBuffer
 
 __all__ = ["Endpoint"]
 
@@ -177,11 +176,9 @@ class Endpoint:
         self.staging = Staging(staging)
         if ipc_engine is not None and not callable(ipc_engine):
             raise ValueError(f"ipc_engine must be a zero-argument factory of an IPC engine, got {ipc_engine!r}")
-        self._ipc_factory = ipc_engine
-        self._ipc_engine: IpcEngine | None = None
-        self._ipc_reason: str | None = None
-        self._ipc_retention = Retention(self._ipc_release)
-        self._newest_export: int | None = None  # the newest cuda_ipc export id made (None: none yet)
+        # the registry, and each plane's exports of its buffers (shm's segments, cuda_ipc's handles)
+        self._exports = Exports(make_exporters(name, self.planes, [], ipc_engine))
+        self._registry = self._exports.registry
         self._holder_ids = itertools.count(1)
         if nccl_engine is not None and not callable(nccl_engine):
             raise ValueError(f"nccl_engine must be a zero-argument factory of a link engine, got {nccl_engine!r}")
@@ -201,9 +198,6 @@ class Endpoint:
         self._dump_signal = dump_signal
         self._rdv = Rendezvous(store, host_store=host_store, timeout=timeout)
         self._book = AddressBook()  # peers added from their address records (add_peer)
-        self._registry = LocalRegistry()
-        self._segments: list[Segment] = []  # shm segments exported by this endpoint
-        self._slots: SlotTable | None = None  # their exports' words (one-sided puts and gets), made at the first
         self.recorder = FlightRecorder(name, self.incarnation, flight_recorder_size)
         self._channels: dict[str, Channel] = {}
         self._all: set[Channel] = set()
@@ -270,9 +264,7 @@ class Endpoint:
                     log.info("endpoint %r does not offer the nccl plane: %s", self.name, self.nccl_reason)
             else:
                 self.nccl_reason = f"not allowed here (planes={self.planes})"
-            # re-export buffers registered before open
-            for buf in self._registry.snapshot()[1]:
-                self._export(buf)
+            self._exports.start()  # export the buffers registered before open, and every later one at once
             self._spawn(self._accept_loop())
             self._spawn(self._monitor())
             await self._rdv.publish(self._record, time.monotonic() + self.timeout)
@@ -339,7 +331,7 @@ class Endpoint:
         if self._state in ("closed", "closing", "new"):
             if self._state == "new":
                 self._rdv.close()
-                self._close_unexported()
+                self._exports.close()
             self._state = "closed"
             return
         self._state = "closing"
@@ -372,12 +364,7 @@ class Endpoint:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for buf in self._registry.snapshot()[1]:
-            self._unexport(buf, closing=True)
-        self._close_unexported()  # new_buffer segments never exported (an open that failed before its exports)
-        if self._slots is not None:
-            self._slots.close()
-        self._ipc_retention.shutdown(self._newest_export)  # live peers may still write: held until they exit
+        self._exports.close()  # (live same-host peers may keep some memory until they exit)
         self._rdv.close()
 
     def _spawn(self, coro: Any) -> None:
@@ -411,29 +398,10 @@ class Endpoint:
         """
         if self._state in ("closing", "closed"):
             raise EndpointClosedError(f"endpoint {self.name!r} is closed")
-        if not isinstance(name, str) or not name:
-            raise InvalidTensorError(f"buffer names are non-empty strings, got {name!r}")
-        check_tensor(name, tensor)
-        buf = LocalBuffer(BufferSpec.of(name, tensor), tensor)
-        old = self._registry.get(name)
-        if old is not None:
-            if old.tensor is tensor and old.spec == buf.spec:
-                return old.spec
-            raise BufferMismatchError(
-                f"buffer {old.spec.describe()} is already registered; unregister it before registering "
-                + (f"{buf.spec.describe()}" if old.spec != buf.spec else "another tensor under that name")
-            )
-        if self._state == "open":
-            self._export(buf)
-        else:
-            buf.ptr = tensor.data_ptr()
-        try:
-            self._registry.add(buf)
-        except BaseException:
-            self._unexport(buf)
-            raise
-        self._registry_changed()
-        return buf.spec
+        spec, changed = self._exports.register(name, tensor)
+        if changed:
+            self._registry_changed()
+        return spec
 
     def new_buffer(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8, *,
                    device: torch.device | str | None = None) -> torch.Tensor:
@@ -462,41 +430,9 @@ class Endpoint:
             raise InvalidTensorError(f"{name!r}: new_buffer: bad device {device!r}: {exc}") from exc
         if where.type not in ("cpu", "cuda"):
             raise InvalidTensorError(f"{name!r}: new_buffer makes CPU or CUDA buffers, not {where.type}")
-        if where.type == "cuda":
-            if "cuda_ipc" in self.planes and self._ipc_factory is None and torch.Size(shape).numel():
-                from .cuda.ipc import exportable_zeros
-
-                tensor = exportable_zeros(shape, dtype, where)
-            else:
-                tensor = torch.zeros(shape, dtype=dtype, device=where)
-            self.register(name, tensor)
-            return tensor
-        if "shm" not in self.planes or torch.Size(shape).numel() == 0:
-            tensor = torch.zeros(shape, dtype=dtype)
-            self.register(name, tensor)
-            return tensor
-        seg, tensor = new_segment(name, shape, dtype)
-        self._segments[:] = [s for s in self._segments if s.fd >= 0]
-        self._segments.append(seg)  # the tensor lies in it: registering shares it, without a copy
-        try:
-            self.register(name, tensor)
-        except BaseException:
-            if seg in self._segments:
-                self._segments.remove(seg)
-            seg.close(drop_storage=False)  # (a failed registration may have closed it already)
-            raise
+        tensor = self._exports.new_buffer(name, shape, dtype, where)
+        self._registry_changed()
         return tensor
-
-    def _close_unexported(self, tensor: torch.Tensor | None = None) -> None:
-        """Close the segments :meth:`new_buffer` made that no export holds (``refs == 0``): the one
-        ``tensor`` lies in, or every one (at close). Before the endpoint opens, a registered
-        buffer's segment waits for its export at open with ``refs == 0``."""
-        live = [] if tensor is None else [b.tensor for b in self._registry.snapshot()[1]]
-        for seg in self._segments:
-            if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
-                    and not any(seg.holds(t) for t in live)):  # (a view of it still registered keeps it)
-                seg.close()
-        self._segments[:] = [s for s in self._segments if s.fd >= 0]
 
     def unregister(self, name: str, *, discard: bool = False) -> None:
         """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`. Non-blocking.
@@ -511,108 +447,36 @@ class Endpoint:
         the tensor object is left empty (no elements) instead (so a second
         name it is registered under must be registered again).
         """
-        buf = self._registry.remove(name)
-        if "shm" not in buf.exports:  # not exported yet (the endpoint is not open): its own segment, if any
-            self._close_unexported(buf.tensor)
-        if discard:
-            t = buf.tensor
-            with torch.no_grad():
-                t.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage(), 0, (0,), (1,))
-        self._unexport(buf, detach=True)
+        self._exports.unregister(name, discard=discard)
         self._registry_changed()
 
     @property
     def buffers(self) -> dict[str, BufferSpec]:
         """This endpoint's registered buffers (a copy)."""
-        return self._registry.specs()
+        return self._exports.specs()
 
     # ------------------------------------------------------------------ cuda_ipc
     @property
     def ipc_engine(self) -> IpcEngine | None:
         """The ``cuda_ipc`` plane's engine of this endpoint, or None (see :attr:`ipc_reason`)."""
-        if self._ipc_reason is None:
-            self._ipc_engine, self._ipc_reason = self._make_ipc_engine()
-        return self._ipc_engine
+        exporter = self._exports.exporter("cuda_ipc")
+        return None if exporter is None else exporter.engine  # type: ignore[attr-defined]
 
     @property
     def ipc_reason(self) -> str:
         """Why this endpoint has (or has not) an IPC engine for ``cuda_ipc``."""
-        if self._ipc_reason is None:
-            self._ipc_engine, self._ipc_reason = self._make_ipc_engine()
-        return self._ipc_reason
-
-    def _make_ipc_engine(self) -> tuple[IpcEngine | None, str]:
-        if "cuda_ipc" not in self.planes:
-            return None, f"not allowed here (planes={self.planes})"
-        if self._ipc_factory is not None:
-            engine = self._ipc_factory()
-            return engine, f"engine {engine.name!r} (ipc_engine=)"
-        try:
-            from .cuda.ipc import cuda_ipc_engine
-        except ImportError as exc:  # a torch without CUDA bindings
-            return None, f"the CUDA IPC engine cannot be imported: {exc}"
-        return cuda_ipc_engine()
-
-    def _export_ipc(self, buf: LocalBuffer) -> None:
-        t = buf.tensor
-        if "cuda_ipc" not in self.planes or "cuda_ipc" in buf.exports or not buf.spec.nbytes:
-            return
-        if not t.is_cuda and self._ipc_factory is None:  # (no CUDA engine for a CPU tensor)
-            return
-        engine = self.ipc_engine
-        if engine is None or not engine.handles(t):
-            return
-        try:
-            device, handle, size, offset, keep = engine.export(t, self._segments)
-        except PlaneUnavailableError as exc:
-            log.warning("endpoint %r: buffer %r cannot be exported over cuda_ipc: %s; same-host peers reach it "
-                        "through the staged path", self.name, buf.spec.name, exc)
-            return
-        ipc = IpcHandle(engine.name, device, handle, size, offset, next(export_ids))
-        buf.exports["cuda_ipc"] = IpcExport(ipc, (t.untyped_storage(), keep))
-        self._newest_export = ipc.export_id
-
-    def _ipc_release(self, keep: Any) -> None:
-        _storage, engine_keep = keep
-        if self._ipc_engine is not None and engine_keep is not None:
-            self._ipc_engine.release(engine_keep)
+        exporter = self._exports.exporter("cuda_ipc")
+        return f"not allowed here (planes={self.planes})" if exporter is None else exporter.reason  # type: ignore[attr-defined]
 
     def ipc_unmapped(self, ch: Channel, epoch: int) -> None:
         """A peer confirmed registry ``epoch`` (reader thread): release what no one may use any more."""
         if ch.holder is not None:
-            self._ipc_retention.acked(ch.holder, epoch)
+            self._exports.acked(ch.holder, epoch)
 
     # ------------------------------------------------------------------ exports
-    def _export(self, buf: LocalBuffer) -> None:
-        if "shm" in self.planes and "shm" not in buf.exports and buf.tensor.device.type == "cpu":
-            if self._slots is None:
-                self._slots = new_slot_table()
-            buf.exports["shm"] = export_buffer(buf, self._segments, self._slots)
-        self._export_ipc(buf)
-        buf.ptr = buf.tensor.data_ptr()
-
-    def _unexport(self, buf: LocalBuffer, detach: bool = False, closing: bool = False) -> None:
-        ipc = buf.exports.pop("cuda_ipc", None)
-        if ipc is not None:  # held until every same-host peer confirmed it unmapped (see transport.retention)
-            self._ipc_retention.retire(ipc.handle.export_id, ipc.keep, NEVER if closing else self._registry.epoch)
-        exp = buf.exports.pop("shm", None)
-        if exp is not None and exp.close(wait=not closing) and detach:
-            t = buf.tensor
-            private = torch.empty_like(t)
-            with torch.no_grad():
-                private.copy_(t)
-                t.set_(private.untyped_storage(), 0, t.shape, t.stride())
-
     def wire_registry(self) -> tuple[int, list[WireBuffer]]:
-        epoch, bufs = self._registry.snapshot()
-        out = []
-        for b in bufs:
-            exp = b.exports.get("shm")
-            ipc = b.exports.get("cuda_ipc")
-            s = b.spec
-            out.append(WireBuffer(s.name, dtype_name(s.dtype), list(s.shape), s.device, s.nbytes,
-                                  exp.handle if exp is not None else None, ipc.handle if ipc is not None else None))
-        return epoch, out
+        """The registry as peers are told it (any thread)."""
+        return self._exports.wire_registry()
 
     def _registry_changed(self) -> None:
         if self._state != "open" or self._registry_dirty:
@@ -701,7 +565,7 @@ class Endpoint:
         ch.start()
         if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
             ch.holder = f"channel-{next(self._holder_ids)}"
-            self._ipc_retention.watch(ch.holder, sent_epoch, remote.host.pid)
+            self._exports.watch(ch.holder, sent_epoch, remote.host.pid)
         if ch.link is not None and dialer:
             ch.link.start()
         log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, self.name, remote.name,
@@ -734,13 +598,13 @@ class Endpoint:
             sock.close()
             raise
         pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
-        self._ipc_retention.watch(pending, hello.epoch, None)
+        self._exports.watch(pending, hello.epoch, None)
         adopted = False
         try:
             assert self._secret is not None and self._record is not None
             remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False,
                                      secret=self._secret, address=(self._record.host, self._record.port))
-            self._ipc_retention.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
+            self._exports.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
                                       else None)
             if self._state != "open":
                 raise EndpointClosedError("endpoint is closing")
@@ -763,9 +627,9 @@ class Endpoint:
         finally:
             self._handshaking -= 1
             if adopted:  # tracked as its channel from here
-                self._ipc_retention.forget(pending)
+                self._exports.forget(pending)
             else:  # it had our Hello and may have adopted its side: as a channel closed without a Bye
-                self._ipc_retention.closed(pending, self._newest_export)
+                self._exports.closed(pending, orderly=False)
                 sock.close()  # (cancelled by close(), or an unexpected error: never left to the GC)
 
     async def _channel(self, peer: str, deadline: float) -> Channel:
@@ -823,9 +687,9 @@ class Endpoint:
                 continue
             finally:
                 if adopted:
-                    self._ipc_retention.forget(pending)
+                    self._exports.forget(pending)
                 else:  # it may have had our Hello and adopted its side: as a channel closed without a Bye
-                    self._ipc_retention.closed(pending, self._newest_export)
+                    self._exports.closed(pending, orderly=False)
 
     async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
                          deadline: float, skip: set[int]) -> Channel:
@@ -833,7 +697,7 @@ class Endpoint:
         try:
             await self._late_nccl()
             hello = self._hello(channel_id)
-            self._ipc_retention.watch(pending, hello.epoch,
+            self._exports.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             assert self._secret is not None
             remote = await handshake(sock, hello, deadline, dialer=True,
@@ -877,7 +741,7 @@ class Endpoint:
         # its process may still have copies in flight into our exports: held until it exits
         # (a Bye promised that nothing of its writes into our memory any more)
         if ch.holder is not None:
-            self._ipc_retention.closed(ch.holder, None if ch.orderly else self._newest_export)
+            self._exports.closed(ch.holder, ch.orderly)
         if self._channels.get(ch.peer_name) is ch:
             del self._channels[ch.peer_name]
             # another open channel to the same peer (accepted while we dialled) takes over
@@ -938,22 +802,7 @@ class Endpoint:
                     ch.tick(now, self._hb_interval, self._hb_timeout)
                 except PeerLostError:
                     pass
-            if self._slots is not None:
-                self._mark_moved()
-
-    def _mark_moved(self) -> None:
-        """Registered CPU tensors re-pointed at other memory since (``module.to()``, ``t.data =``):
-        peers put into and get from shm segments without a message, so they cannot be told at
-        their op; every heartbeat interval the owner looks, and marks those exports' slots, so
-        peers' later ops fail with :class:`BufferMismatchError` (re-register the tensor)."""
-        for buf in self._registry.snapshot()[1]:
-            exp = buf.exports.get("shm")
-            if exp is None or exp.table is None or exp.moved_marked or buf.moved() is None:
-                continue
-            exp.moved_marked = True
-            exp.table.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
-            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' ops on "
-                        "it fail from now on (re-register it)", self.name, buf.spec.name)
+            self._exports.tick()
 
     # ------------------------------------------------------------------ operations
     def address_record(self) -> bytes:

@@ -14,7 +14,7 @@ always available.
 
 from __future__ import annotations
 
-from .base import ChannelPort, DataPlane
+from .base import ChannelPort, DataPlane, Exporter
 from .choice import (
     CPU_PLANES,
     GPU_PLANES,
@@ -22,8 +22,9 @@ from .choice import (
     PlaneChoice,
     choose_cpu_plane,
     choose_gpu_plane,
+    make_exporters,
     validate_planes,
 )
 
-__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "ChannelPort", "DataPlane", "PlaneChoice", "choose_cpu_plane",
-           "choose_gpu_plane", "validate_planes"]
+__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "ChannelPort", "DataPlane", "Exporter", "PlaneChoice",
+           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "validate_planes"]

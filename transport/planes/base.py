@@ -66,11 +66,11 @@ import torch
 from ..errors import PlaneUnavailableError, StagingError
 from ..flight_recorder import FlightRecorder, OpKind, Record
 from ..op import Op
-from ..registry import BufferSpec
+from ..registry import BufferSpec, LocalBuffer
 from ..staging import Staging
 from ..wire import HostInfo, Item, Message, WireBuffer
 
-__all__ = ["ChannelPort", "DataPlane"]
+__all__ = ["ChannelPort", "DataPlane", "Exporter"]
 
 
 class ChannelPort(Protocol):
@@ -181,3 +181,68 @@ class DataPlane(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """The channel is gone: drop every cached resource."""
+
+
+class Exporter:
+    """A plane's target half at registration: what it makes of each registered buffer so peers can
+    reach it (its handle travels in the registry the endpoint sends them, in the
+    :class:`~transport.wire.WireBuffer` field :attr:`wire_field`), and what it must undo when
+    the buffer goes. The endpoint's :class:`~transport.exports.Exports` holds one per allowed
+    plane that has one (:func:`transport.planes.make_exporters`) and names none of them.
+
+    Every method runs on the thread that registers (the event loop's, or the caller's before the
+    endpoint opens) unless it says otherwise; none waits except where it says so. The defaults
+    do nothing, for a plane without the feature.
+    """
+
+    #: the plane whose exports these are (the key in ``LocalBuffer.exports``)
+    plane: ClassVar[str]
+    #: the :class:`~transport.wire.WireBuffer` field this plane's handle travels in
+    wire_field: ClassVar[str]
+
+    def export(self, buf: LocalBuffer) -> None:
+        """Make ``buf`` reachable over this plane (may move its bytes, and set
+        ``buf.exports[plane]``); a buffer it cannot or need not export is left alone."""
+
+    def handle(self, buf: LocalBuffer) -> Any:
+        """What peers are told of ``buf`` over this plane (None: not exported). Any thread."""
+        exp = buf.exports.get(self.plane)
+        return None if exp is None else exp.handle
+
+    def unexport(self, buf: LocalBuffer, *, detach: bool, closing: bool, epoch: int) -> None:
+        """Stop exporting ``buf`` (it left the registry at ``epoch``). ``detach``: it was
+        unregistered, and must not stay in memory peers may still write; ``closing``: the
+        endpoint closes (do not wait for peers)."""
+
+    def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | None:
+        """A zero-filled tensor for :meth:`Endpoint.new_buffer` in memory this plane can export
+        without a copy, or None (the endpoint then asks the next exporter, or allocates it)."""
+        return None
+
+    def new_buffer_failed(self, tensor: torch.Tensor) -> None:
+        """Registering what :meth:`new_buffer` made failed: let go of its memory."""
+
+    def forget_unexported(self, tensor: torch.Tensor | None, live: list[torch.Tensor]) -> None:
+        """Let go of memory made by :meth:`new_buffer` that no export holds: the memory ``tensor``
+        lies in (unless one of ``live`` lies there too), or all of it (``tensor`` None)."""
+
+    def tick(self, bufs: list[LocalBuffer]) -> None:
+        """Every heartbeat interval (event loop), with the registered buffers."""
+
+    # peers that may map exports (see transport.retention): a channel, or a handshake in progress
+    def watch(self, holder: str, epoch: int, pid: int | None) -> None:
+        """``holder`` (process ``pid`` if on this host) may map exports of registries up to ``epoch``."""
+
+    def forget(self, holder: str) -> None:
+        """``holder`` (a handshake that failed before the peer saw our registry) maps nothing."""
+
+    def acked(self, holder: str, epoch: int) -> None:
+        """``holder`` confirmed that it uses nothing absent from our registry at ``epoch`` (reader thread)."""
+
+    def closed(self, holder: str, orderly: bool) -> None:
+        """``holder``'s channel (or handshake) closed; ``orderly``: the peer promised it was done."""
+
+    def close(self) -> None:
+        """The endpoint closes: every export was undone; release what is left (live peers may
+        keep some memory until they exit)."""

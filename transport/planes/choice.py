@@ -23,8 +23,10 @@ from ..errors import PeerLostError, PlaneUnavailableError, StaleBufferError
 from ..hostinfo import local_host, same_host
 from ..registry import BufferSpec
 from ..wire import HostInfo, Item
-from .base import ChannelPort, DataPlane
+from .base import ChannelPort, DataPlane, Exporter
+from .cuda_ipc_export import IpcExporter
 from .shm import ShmPlane
+from .shm_export import ShmExporter
 from .tcp import TcpPlane
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from .staged import StagedPlane
 
 __all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "ChoosingChannel", "PlaneChoice", "choose_cpu_plane",
-           "choose_gpu_plane", "validate_planes"]
+           "choose_gpu_plane", "make_exporters", "validate_planes"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,20 @@ PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
 # For GPU buffers, in order of preference.
 GPU_PLANES: tuple[str, ...] = ("cuda_ipc", "nccl", "staged")
 _ALLOWABLE = (*PLANES, "cuda_ipc", "nccl")  # what planes= may name
+
+
+def make_exporters(endpoint: str, planes: tuple[str, ...], segments: list[Any],
+                   ipc_engine: Any = None) -> list[Exporter]:
+    """The :class:`~transport.planes.base.Exporter` of each plane in ``planes`` that exports
+    buffers at registration, in the order they export (``shm`` first: ``cuda_ipc``'s CPU stand-in
+    exports CPU tensors through the segments ``shm`` made). ``segments``: the endpoint's memfd
+    segments, shared by both; ``ipc_engine``: the endpoint's ``ipc_engine=`` factory."""
+    out: list[Exporter] = []
+    if "shm" in planes:
+        out.append(ShmExporter(endpoint, segments))
+    if "cuda_ipc" in planes:
+        out.append(IpcExporter(endpoint, segments, ipc_engine))
+    return out
 
 
 def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ The plane itself (:class:`~transport.planes.shm.ShmPlane`, the initiator side) i
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import warnings
@@ -18,10 +19,13 @@ import torch
 from ..errors import PlaneUnavailableError, StaleBufferError
 from ..registry import LocalBuffer
 from ..wire import ShmHandle
+from .base import Exporter
 from .shm_slots import SlotTable
 
-__all__ = ["Segment", "ShmExport", "SlotTable", "export_buffer", "map_segment", "memfd_probe", "new_segment",
-           "new_slot_table"]
+__all__ = ["Segment", "ShmExport", "ShmExporter", "SlotTable", "export_buffer", "map_segment", "memfd_probe",
+           "new_segment", "new_slot_table"]
+
+log = logging.getLogger(__name__)
 
 
 def memfd_probe() -> tuple[bool, str]:
@@ -198,3 +202,87 @@ def map_segment(handle: ShmHandle, writable: bool = True) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
+
+
+class ShmExporter(Exporter):
+    """``shm``'s :class:`~transport.planes.base.Exporter`: a registered CPU tensor's bytes move
+    into a memfd segment (or share the one it already lies in) and its export gets a word in the
+    endpoint's slot table, made at the first export (one-sided puts and gets; see
+    :mod:`transport.planes.shm_slots`). ``segments`` is the endpoint's list of memfd segments,
+    shared with the planes that export CPU memory through them (``cuda_ipc``'s CPU stand-in)."""
+
+    plane = "shm"
+    wire_field = "shm"
+
+    def __init__(self, endpoint: str, segments: list[Segment]) -> None:
+        self.endpoint = endpoint
+        self.segments = segments
+        self.slots: SlotTable | None = None  # made at the first export (None too where OFD locks are missing)
+        self._tried_slots = False
+
+    def export(self, buf: LocalBuffer) -> None:
+        if "shm" in buf.exports or buf.tensor.device.type != "cpu":
+            return
+        if not self._tried_slots:
+            self._tried_slots = True
+            self.slots = new_slot_table()
+        exp = export_buffer(buf, self.segments, self.slots)
+        if exp is not None:
+            buf.exports["shm"] = exp
+
+    def unexport(self, buf: LocalBuffer, *, detach: bool, closing: bool, epoch: int) -> None:
+        """Revoke the export's slot (waiting up to :data:`~transport.planes.shm_slots.REVOKE_WAIT_S`
+        for peers' copies in flight, unless ``closing``); with ``detach``, a tensor that lived
+        alone in its segment has its bytes copied back into private memory (blocking for the
+        copy; the tensor object is re-pointed in place), so a peer with a stale mapping can
+        never write into it again."""
+        exp = buf.exports.pop("shm", None)
+        if exp is not None and exp.close(wait=not closing) and detach:
+            t = buf.tensor
+            private = torch.empty_like(t)
+            with torch.no_grad():
+                private.copy_(t)
+                t.set_(private.untyped_storage(), 0, t.shape, t.stride())
+
+    def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | None:
+        if device.type != "cpu" or torch.Size(shape).numel() == 0:
+            return None
+        seg, tensor = new_segment(name, shape, dtype)
+        self.segments[:] = [s for s in self.segments if s.fd >= 0]
+        self.segments.append(seg)  # the tensor lies in it: registering shares it, without a copy
+        return tensor
+
+    def new_buffer_failed(self, tensor: torch.Tensor) -> None:
+        for seg in [s for s in self.segments if s.refs == 0 and s.holds(tensor)]:
+            self.segments.remove(seg)
+            seg.close(drop_storage=False)  # (a failed registration may have closed it already)
+
+    def forget_unexported(self, tensor: torch.Tensor | None, live: list[torch.Tensor]) -> None:
+        for seg in self.segments:
+            if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
+                    and not any(seg.holds(t) for t in live)):  # (a view of it still registered keeps it)
+                seg.close()
+        self.segments[:] = [s for s in self.segments if s.fd >= 0]
+
+    def tick(self, bufs: list[LocalBuffer]) -> None:
+        """Registered CPU tensors re-pointed at other memory since (``module.to()``, ``t.data =``):
+        peers put into and get from shm segments without a message, so they cannot be told at
+        their op; every heartbeat interval the owner looks, and marks those exports' slots, so
+        peers' later ops fail with :class:`~transport.errors.BufferMismatchError` (re-register
+        the tensor)."""
+        if self.slots is None:
+            return
+        for buf in bufs:
+            exp = buf.exports.get("shm")
+            if exp is None or exp.table is None or exp.moved_marked or buf.moved() is None:
+                continue
+            exp.moved_marked = True
+            exp.table.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
+            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' ops on "
+                        "it fail from now on (re-register it)", self.endpoint, buf.spec.name)
+
+    def close(self) -> None:
+        self.forget_unexported(None, [])
+        if self.slots is not None:
+            self.slots.close()
