@@ -115,6 +115,27 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             ep.unregister(args[0])
             bufs.pop(args[0], None)
             return None
+        if cmd == "reregister":  # take `name` back and register a fresh poisoned buffer of `dtype`/`shape` under it;
+            # the old tensor is kept (as `name` + "#old", for "check") to see that nothing more lands in it
+            bname, dtype, shape, *dev = args
+            old = bufs[bname]
+            ep.unregister(bname)
+            bufs[bname + "#old"] = old
+            t = poisoned(dtype, tuple(shape)).to(*dev or ["cpu"])
+            bufs[bname] = t
+            ep.register(bname, t)
+            return None
+        if cmd == "register_fill":  # a flat uint8 buffer of `nbytes` bytes, each `value` (cancellation races)
+            bname, nbytes, value, *dev = args
+            t = torch.full((nbytes,), value, dtype=torch.uint8, device=(dev or ["cpu"])[0])
+            bufs[bname] = t
+            ep.register(bname, t)
+            return None
+        if cmd in ("holds", "count"):  # what a register_fill buffer holds (off the loop: it keeps serving)
+            from tests._race_remote import count, describe
+
+            t = bufs[args[0]]
+            return await asyncio.to_thread(describe if cmd == "holds" else count, t.cpu(), args[1])
         if cmd == "check":
             bname, seed = args[0], args[1]
             t = bufs[bname].cpu()
