@@ -39,15 +39,25 @@ def seed() -> int:
 
 
 # ---------------------------------------------------------------------------- between processes
-@pytest.fixture(scope="module", params=["tcp", "shm"])
-def plane(request):
+# (plane, which side stages: each side decides alone; the wire is the same). Both sides staging
+# over tcp is the staged plane of the conformance suite (tests/test_conformance.py).
+_SETUPS = [("tcp", "init-stages"), ("tcp", "target-stages"),
+           ("shm", "both-stage"), ("shm", "init-stages"), ("shm", "target-stages")]
+
+
+@pytest.fixture(scope="module", params=_SETUPS, ids=[f"{p}-{s}" for p, s in _SETUPS])
+def setup(request):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["both-stage", "init-stages", "target-stages"])
-def sides(request):
-    """Which side stages (each side decides alone; the wire is the same)."""
-    return request.param
+@pytest.fixture(scope="module")
+def plane(setup):
+    return setup[0]
+
+
+@pytest.fixture(scope="module")
+def sides(setup):
+    return setup[1]
 
 
 @pytest.fixture(scope="module")
