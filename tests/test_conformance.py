@@ -55,7 +55,8 @@ class Plane:
     name: str  # the plane every op must take (the initiator's flight recorder, Endpoint.route)
     target: dict[str, Any]  # Endpoint arguments of the target processes
     init: dict[str, Any]  # and of the initiator
-    device: str = "cpu"  # where both sides' tensors live
+    device: str = "cpu"  # where the initiator's tensors live
+    target_device: str | None = None  # and the targets' (None: the same)
     # plain puts and gets need nothing of the target process (shm: one-sided copies into its
     # segments); they complete while it is frozen
     one_sided: bool = False
@@ -65,6 +66,10 @@ class Plane:
     race_rounds: int = 30
     kill_bytes: int = 256 * MiB  # a put that is still running when the target is killed
     gib: bool = False  # run the 1 GiB case (slow): where the engine is a real one, not a CPU stand-in
+
+    @property
+    def remote(self) -> str:
+        return self.target_device or self.device
 
 
 def shm() -> Plane:
@@ -104,7 +109,8 @@ def cuda_ipc_cuda() -> Plane:
 def nccl_cuda() -> Plane:
     """Two GPUs (NCCL refuses two ranks on one): the targets on cuda:1, the initiator on cuda:0."""
     return dataclasses.replace(nccl(), target={"planes": ("tcp", "nccl"), "cuda_device": 1},
-                               init={"planes": ("tcp", "nccl")}, device="cuda:0", gib=True)
+                               init={"planes": ("tcp", "nccl")}, device="cuda:0", target_device="cuda:1",
+                               gib=True)
 
 
 FACTORIES = {"shm": shm, "tcp": tcp, "staged": staged, "cuda_ipc": cuda_ipc, "nccl": nccl,
@@ -172,7 +178,7 @@ async def call(tgt: RemoteEndpoint, *args: Any, timeout: float = 60.0) -> Any:
 
 
 def reg(tgt: RemoteEndpoint, plane: Plane, name: str, dtype: str, shape: tuple[int, ...]) -> None:
-    tgt.call("register", name, dtype, shape, plane.device)
+    tgt.call("register", name, dtype, shape, plane.remote)
 
 
 # ---------------------------------------------------------------------------- the plane
@@ -208,7 +214,7 @@ async def test_get_every_dtype_and_shape(ep, targets, plane, dtype, uname):
     for shape in SHAPES:
         name = uname(f"g{dtype}")
         s = seed()
-        tgt.call("register_data", name, dtype, shape, s, plane.device)
+        tgt.call("register_data", name, dtype, shape, s, plane.remote)
         out = pz(plane, dtype, shape)
         await ep.get(tgt.name, {name: out})
         assert same(out, make_tensor(dtype, shape, s)), f"{dtype}{shape}"
@@ -292,13 +298,13 @@ async def test_both_directions_on_one_channel(ep, targets, plane, uname):
     await ep.connect(tgt.name)
     s1, s2 = seed(), seed()
     # the target puts into us over the channel we dialled while we put into it
-    tgt.start("put", ep.name, {mine: ("float16", (64, 64), s1)}, 30, plane.device)
+    tgt.start("put", ep.name, {mine: ("float16", (64, 64), s1)}, 30, plane.remote)
     await ep.put(tgt.name, {theirs: mk(plane, "float16", (64, 64), s2)})
     await asyncio.to_thread(tgt.result, 60)
     assert same(local, make_tensor("float16", (64, 64), s1))
     assert tgt.call("check", theirs, s2)
     # and it reads back what we hold
-    res = await call(tgt, "get_check", ep.name, {mine: ("float16", (64, 64), s1)}, 30, plane.device)
+    res = await call(tgt, "get_check", ep.name, {mine: ("float16", (64, 64), s1)}, 30, plane.remote)
     assert res == {mine: True}
     assert await call(tgt, "op_planes", "put") == await call(tgt, "op_planes", "get") == [plane.name]
     assert took(ep, "put") == {plane.name}
@@ -423,7 +429,7 @@ async def test_a_cancelled_put_leaves_no_writer_behind(ep, targets, plane, uname
     catch = _Catch()
     logging.getLogger("asyncio").addHandler(catch)
     request.addfinalizer(lambda: logging.getLogger("asyncio").removeHandler(catch))
-    await call(tgt, "register_fill", buf, n, 0, plane.device)
+    await call(tgt, "register_fill", buf, n, 0, plane.remote)
     # round k puts first[k % 2] (stopped), then second[k % 2]: the target starts each round holding
     # the previous round's second value, never the first op's
     first = [torch.full((n,), v, dtype=torch.uint8, device=plane.device) for v in (1, 3)]
@@ -457,8 +463,8 @@ async def test_a_cancelled_get_writes_nothing_after_it_raised(ep, targets, plane
     returns exactly its bytes; the endpoint stays usable."""
     tgt, n = targets[1], plane.race_bytes
     src_a, src_b, va, vb = uname("ga"), uname("gb"), 7, 9
-    await call(tgt, "register_fill", src_a, n, va, plane.device)
-    await call(tgt, "register_fill", src_b, n, vb, plane.device)
+    await call(tgt, "register_fill", src_a, n, va, plane.remote)
+    await call(tgt, "register_fill", src_b, n, vb, plane.remote)
     out = torch.zeros(n, dtype=torch.uint8, device=plane.device)
     warm = await timed(lambda: ep.get(tgt.name, {src_a: out}, timeout=60))
     warm = min(warm, await timed(lambda: ep.get(tgt.name, {src_b: out}, timeout=60)))
@@ -495,7 +501,7 @@ async def test_registry_changes_fail_typed_or_land_in_the_new_buffer(ep, targets
     reg(tgt, plane, name, "float32", (4096,))
     s1 = seed()
     await ep.put(tgt.name, {name: mk(plane, "float32", (4096,), s1)})  # our cache now names the first buffer
-    tgt.call("reregister", name, "float32", (4096,), plane.device)
+    tgt.call("reregister", name, "float32", (4096,), plane.remote)
     s2 = seed()
     await ep.put(tgt.name, {name: mk(plane, "float32", (4096,), s2)})  # at once: our cache is stale
     assert tgt.call("check", name, s2), "the put reported done but the new buffer does not hold its bytes"
@@ -504,7 +510,7 @@ async def test_registry_changes_fail_typed_or_land_in_the_new_buffer(ep, targets
     await ep.get(tgt.name, {name: out})
     assert same(out, make_tensor("float32", (4096,), s2))
     # the same name, another shape
-    tgt.call("reregister", name, "float32", (64, 32), plane.device)
+    tgt.call("reregister", name, "float32", (64, 32), plane.remote)
     with pytest.raises(transport.BufferMismatchError):
         await ep.put(tgt.name, {name: mk(plane, "float32", (4096,), seed())})
     with pytest.raises(transport.BufferMismatchError):
@@ -581,7 +587,7 @@ async def test_a_killed_target_fails_ops_fast_and_restarted_is_reached_again(sto
     victim = RemoteEndpoint(name, store=store_url, **plane.target)
     second = None
     try:
-        await call(victim, "register", "w", "float32", (n,), plane.device, timeout=120)
+        await call(victim, "register", "w", "float32", (n,), plane.remote, timeout=120)
         first = await ep.connect(name)
         src = mk(plane, "float32", (n,), seed())
         put = asyncio.ensure_future(ep.put(name, {"w": src}, timeout=120))
