@@ -265,28 +265,25 @@ async def test_one_initiator_many_targets_concurrently(ep, targets, plane, uname
     assert took(ep, "put") == {plane.name}
 
 
-async def test_several_initiators_into_one_target(store_url, targets, plane, uname):
+async def test_several_initiators_into_one_target(ep, store_url, targets, plane, uname):
+    """Another process's initiator and this one put into one target at once."""
     if plane.device != "cpu":
-        pytest.skip("the initiator processes of this case make CPU tensors")
+        pytest.skip("the other initiator process makes CPU tensors")
     tgt = targets[0]
-    inits = [RemoteEndpoint(uname("ini"), store=store_url, **plane.init) for _ in range(2)]
+    ini = await asyncio.to_thread(RemoteEndpoint, uname("ini"), store=store_url, **plane.init)
     try:
-        jobs = []
-        for ini in inits:
-            name = uname("multi")
-            reg(tgt, plane, name, "int64", (1000, 100))
-            s = seed()
-            ini.start("put", tgt.name, {name: ("int64", (1000, 100), s)}, 60)
-            jobs.append((ini, name, s))
-        for ini, _, _ in jobs:
-            await asyncio.to_thread(ini.result, 90)
-        for _, name, s in jobs:
-            assert tgt.call("check", name, s)
-        for ini, _, _ in jobs:
-            assert ini.call("op_planes", "put") == [plane.name]
+        theirs, mine = uname("multi"), uname("multi")
+        for n in (theirs, mine):
+            reg(tgt, plane, n, "int64", (1000, 100))
+        s1, s2 = seed(), seed()
+        ini.start("put", tgt.name, {theirs: ("int64", (1000, 100), s1)}, 60)
+        await ep.put(tgt.name, {mine: mk(plane, "int64", (1000, 100), s2)})
+        await asyncio.to_thread(ini.result, 90)
+        assert tgt.call("check", theirs, s1) and tgt.call("check", mine, s2)
+        assert ini.call("op_planes", "put") == [plane.name]
+        assert took(ep, "put") == {plane.name}
     finally:
-        for ini in inits:
-            ini.stop()
+        ini.stop()
 
 
 async def test_both_directions_on_one_channel(ep, targets, plane, uname):
