@@ -174,3 +174,26 @@ def test_a_buffer_that_cannot_be_exported_is_staged(store_url):
         with_init(store_url, body)
     finally:
         t.stop()
+
+
+def test_the_driver_through_cuda_bindings():
+    """The engine's driver layer itself (cuda.bindings.driver): the engine's reason names the bindings and
+    the driver API, an error is described by the driver (not ``unknown error``), and a buffer of its own
+    allocation exports a 64-byte handle at offset 0 while the caller's current context stays as it was."""
+    import torch
+    from cuda.bindings import driver as cu
+
+    from transport.cuda import ipc
+    from transport.errors import PlaneUnavailableError
+
+    engine, reason = ipc.cuda_ipc_engine()
+    assert engine is not None and reason.startswith("CUDA IPC handles through the driver (cuda.bindings "), reason
+    with pytest.raises(PlaneUnavailableError, match=r"CUDA error 2 CUDA_ERROR_OUT_OF_MEMORY \((?!unknown error)"):
+        ipc.check((cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemAlloc")
+    t = ipc.exportable_zeros((4096,), torch.float32, torch.device(DEV))
+    assert not t.any()
+    before = ipc.check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")  # (after torch's own calls on this thread)
+    device, raw, size, offset, _ = engine.export(t[1024:], [])
+    assert len(raw) == 64 and raw != bytes(64) and size >= t.numel() * 4 and offset == 4096
+    assert int(ipc.check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == int(before)
+    del t

@@ -15,9 +15,12 @@ The only code of the plane that needs a GPU, kept small:
   GPU) for an event recorded on the caller's current stream at the call, and is followed by a
   blocking-sync event that a :class:`~transport.completion.CompletionBridge` thread sleeps on.
 
-The driver is reached with ctypes through ``libcuda.so.1`` (already loaded by torch in a process
+The driver is reached through cuda-python's ``cuda.bindings.driver`` (imported on first use, so this
+module imports without it; it loads ``libcuda.so.1``, which torch has loaded already in a process
 that uses CUDA); the calls run in the device's primary context (torch's), made current for the
-call and restored after, so the caller's current device never changes.
+call and restored after, so the caller's current device never changes. cuda-bindings releases the
+GIL around each driver call (from 12.9.1 / 13.0.0, hence pyproject's floor), as ctypes did, so a
+blocking call (``cuMemFree``, ``cuStreamSynchronize``) blocks only its own thread.
 """
 
 from __future__ import annotations
@@ -38,60 +41,110 @@ from .marks import caller_marks
 
 __all__ = ["CudaIpcEngine", "allocator_warning", "cuda_ipc_engine", "exportable_zeros"]
 
-_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _CUDA_ERROR_OUT_OF_MEMORY = 2
-_HANDLE_BYTES = 64
+_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
+
+# the driver entry points the engine calls (their cuda.bindings signatures: docs/cuda.md)
+_FUNCTIONS = ("cuDriverGetVersion", "cuGetErrorName", "cuGetErrorString", "cuMemGetAddressRange", "cuIpcGetMemHandle",
+              "cuIpcOpenMemHandle", "cuIpcCloseMemHandle", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGet",
+              "cuDevicePrimaryCtxRetain", "cuMemAlloc", "cuMemFree", "cuMemsetD8", "cuStreamSynchronize")
 
 
-class _CUipcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * _HANDLE_BYTES)]
+def _bindings() -> Any:
+    """``cuda.bindings.driver``, imported on first use: without cuda-python this module still imports (and
+    the plane says why it is off)."""
+    try:
+        from cuda.bindings import driver
+    except Exception as exc:  # noqa: BLE001 - ImportError, or whatever a broken install raises
+        raise PlaneUnavailableError(
+            f"cuda_ipc: cuda-python's driver bindings (cuda.bindings.driver) cannot be imported: "
+            f"{type(exc).__name__}: {exc}") from exc
+    return driver
+
+
+def check(result: Any, what: str) -> Any:
+    """Check what a ``cuda.bindings.driver`` call returned, ``(CUresult, value, ...)``: on CUDA_SUCCESS the
+    value (None when there is none, a tuple when there are several); otherwise
+    :class:`~transport.errors.PlaneUnavailableError` naming the call, the error's code and name, and the
+    driver's description of it (``unknown error`` where the driver cannot be asked)."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    code = int(err)
+    if code != 0:
+        raise PlaneUnavailableError(f"cuda_ipc: {what} failed: {_describe(code)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _describe(code: int) -> str:
+    """``CUDA error 2 CUDA_ERROR_OUT_OF_MEMORY (out of memory)``."""
+    cu = _bindings()
+    try:
+        err = cu.CUresult(code)
+    except ValueError:  # a code newer than these bindings
+        return f"CUDA error {code} (unknown error)"
+    name, text = err.name, "unknown error"
+    for fn, is_name in ((cu.cuGetErrorName, True), (cu.cuGetErrorString, False)):
+        try:
+            rc, raw = fn(err)
+        except Exception:  # noqa: BLE001 - no driver library: the enum's name is all there is
+            continue
+        if int(rc) == 0 and raw:
+            value = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            if is_name:
+                name = value
+            else:
+                text = value
+    return f"CUDA error {code} {name} ({text})"
+
+
+def _address(obj: Any) -> int:
+    """The address a cuda.bindings handle (CUcontext, CUdeviceptr, ...) stands for, as an int."""
+    return int(obj)
+
+
+# A CUipcMemHandle's 64 bytes are read and written through its address (getPtr()): cuda.bindings up to 12.9
+# and 13.3 also expose them as ``.reserved``, 13.4 no longer does; getPtr() is in every version. This copies
+# bytes of a struct these bindings allocated; no driver call goes through ctypes.
+def _handle_bytes(handle: Any) -> bytes:
+    return ctypes.string_at(handle.getPtr(), _HANDLE_BYTES)
+
+
+def _handle_from_bytes(cu: Any, raw: bytes) -> Any:
+    if len(raw) != _HANDLE_BYTES:
+        raise PlaneUnavailableError(f"cuda_ipc: malformed IPC handle ({len(raw)} bytes)")
+    h = cu.CUipcMemHandle()
+    ctypes.memmove(h.getPtr(), raw, _HANDLE_BYTES)
+    return h
 
 
 class _Driver:
-    """The few driver entry points the engine uses."""
+    """The driver through ``cuda.bindings.driver``: the module, once the driver library is known to load."""
 
     def __init__(self) -> None:
+        cu = _bindings()
+        for name in _FUNCTIONS:
+            if not hasattr(cu, name):
+                raise PlaneUnavailableError(f"cuda_ipc: cuda.bindings.driver has no {name}")
         try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise PlaneUnavailableError(f"cuda_ipc: the CUDA driver library libcuda.so.1 cannot be loaded: {exc}") from exc
-        u64, p = ctypes.c_uint64, ctypes.POINTER
-        self._get_error = self._fn("cuGetErrorString", [ctypes.c_int, p(ctypes.c_char_p)])
-        self.range = self._fn("cuMemGetAddressRange_v2", [p(u64), p(ctypes.c_size_t), u64])
-        self.get_handle = self._fn("cuIpcGetMemHandle", [p(_CUipcMemHandle), u64])
-        self.open_handle = self._fn("cuIpcOpenMemHandle_v2", [p(u64), _CUipcMemHandle, ctypes.c_uint],
-                                    "cuIpcOpenMemHandle")
-        self.close_handle = self._fn("cuIpcCloseMemHandle", [u64])
-        self.ctx_get = self._fn("cuCtxGetCurrent", [p(ctypes.c_void_p)])
-        self.ctx_set = self._fn("cuCtxSetCurrent", [ctypes.c_void_p])
-        self.device_get = self._fn("cuDeviceGet", [p(ctypes.c_int), ctypes.c_int])
-        self.primary_retain = self._fn("cuDevicePrimaryCtxRetain", [p(ctypes.c_void_p), ctypes.c_int])
-        self.mem_alloc = self._fn("cuMemAlloc_v2", [p(u64), ctypes.c_size_t], "cuMemAlloc")
-        self.mem_free = self._fn("cuMemFree_v2", [u64], "cuMemFree")
-        self.memset = self._fn("cuMemsetD8_v2", [u64, ctypes.c_ubyte, ctypes.c_size_t], "cuMemsetD8")
-        self.stream_sync = self._fn("cuStreamSynchronize", [ctypes.c_void_p])
+            # loads libcuda.so.1 (cuda.bindings does so on the first call) without initialising CUDA:
+            # cuDriverGetVersion is one of the calls that need no cuInit
+            result = cu.cuDriverGetVersion()
+        except Exception as exc:  # noqa: BLE001 - cuda.pathfinder's DynamicLibNotFoundError, or RuntimeError
+            raise PlaneUnavailableError(
+                f"cuda_ipc: the NVIDIA driver library was not found (cuda.bindings: {type(exc).__name__}: {exc})"
+            ) from exc
+        self.cu = cu
+        self.version = int(check(result, "cuDriverGetVersion"))
 
-    def _fn(self, name: str, argtypes: list[Any], fallback: str | None = None) -> Any:
-        for n in (name, fallback):
-            if n is None:
-                continue
-            try:
-                f = getattr(self.lib, n)
-            except AttributeError:
-                continue
-            f.argtypes = argtypes
-            f.restype = ctypes.c_int
-            return f
-        raise PlaneUnavailableError(f"cuda_ipc: libcuda.so.1 has no {name}")
-
-    def check(self, rc: int, what: str) -> None:
-        if rc == 0:
-            return
-        text = ctypes.c_char_p()
-        msg = "unknown error"
-        if self._get_error(rc, ctypes.byref(text)) == 0 and text.value:
-            msg = text.value.decode(errors="replace")
-        raise PlaneUnavailableError(f"cuda_ipc: {what} failed: CUDA error {rc} ({msg})")
+    def describe(self) -> str:
+        """``CUDA IPC handles through the driver (cuda.bindings 13.4.4, driver API 13.0)``."""
+        try:
+            from cuda.bindings import __version__ as bindings
+        except ImportError:
+            bindings = "?"
+        major, minor = self.version // 1000, self.version % 1000 // 10
+        return f"CUDA IPC handles through the driver (cuda.bindings {bindings}, driver API {major}.{minor})"
 
 
 @functools.cache
@@ -99,7 +152,7 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-_contexts: dict[int, int] = {}
+_contexts: dict[int, Any] = {}  # device index -> its primary context (a CUcontext)
 _ctx_lock = threading.Lock()
 
 
@@ -107,25 +160,22 @@ _ctx_lock = threading.Lock()
 def _in_device(index: int) -> Iterator[_Driver]:
     """Make device ``index``'s primary context (torch's) current for driver calls; restore after."""
     drv = _driver()
+    cu = drv.cu
     with _ctx_lock:
         ctx = _contexts.get(index)
         if ctx is None:
             torch.cuda.init()
-            dev = ctypes.c_int()
-            drv.check(drv.device_get(ctypes.byref(dev), index), f"cuDeviceGet({index})")
-            c = ctypes.c_void_p()
-            drv.check(drv.primary_retain(ctypes.byref(c), dev.value), f"cuDevicePrimaryCtxRetain({index})")
-            ctx = _contexts[index] = c.value or 0
-    prev = ctypes.c_void_p()
-    drv.check(drv.ctx_get(ctypes.byref(prev)), "cuCtxGetCurrent")
-    switched = (prev.value or 0) != ctx
+            dev = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+            ctx = _contexts[index] = check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({index})")
+    prev = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    switched = _address(prev) != _address(ctx)
     if switched:
-        drv.check(drv.ctx_set(ctx), "cuCtxSetCurrent")
+        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     try:
         yield drv
     finally:
         if switched:
-            drv.ctx_set(prev.value)
+            cu.cuCtxSetCurrent(prev)
 
 
 @functools.cache
@@ -162,7 +212,7 @@ class _Allocation(_Cai):
         if ptr:
             try:
                 with _in_device(self.index) as drv:
-                    drv.mem_free(ptr)  # (cuMemFree waits for the device's work on it)
+                    drv.cu.cuMemFree(drv.cu.CUdeviceptr(ptr))  # (cuMemFree waits for the device's work on it)
             except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone; the process frees it
                 pass
 
@@ -193,20 +243,20 @@ def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     thread that drops its last view."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     nbytes = torch.Size(shape).numel() * dtype.itemsize
-    ptr = ctypes.c_uint64()
     with _in_device(index) as drv:
-        rc = drv.mem_alloc(ctypes.byref(ptr), nbytes)
-        if rc == _CUDA_ERROR_OUT_OF_MEMORY:  # torch's cache may hold what is missing: hand it back, once
+        cu = drv.cu
+        result = cu.cuMemAlloc(nbytes)
+        if int(result[0]) == _CUDA_ERROR_OUT_OF_MEMORY:  # torch's cache may hold what is missing: hand it back, once
             torch.cuda.empty_cache()
-            rc = drv.mem_alloc(ctypes.byref(ptr), nbytes)
-        drv.check(rc, f"cuMemAlloc of {nbytes} bytes on cuda:{index}")
-        owner = _Allocation(index, ptr.value, nbytes)
+            result = cu.cuMemAlloc(nbytes)
+        ptr = _address(check(result, f"cuMemAlloc of {nbytes} bytes on cuda:{index}"))
+        owner = _Allocation(index, ptr, nbytes)
         # cuMemsetD8 on device memory may return before it is done, and torch's streams do not wait for
         # the legacy stream it runs on: wait here, so no later copy on another stream races the zeroing
-        drv.check(drv.memset(ptr.value, 0, nbytes), "cuMemsetD8")
-        drv.check(drv.stream_sync(None), "cuStreamSynchronize")
+        check(cu.cuMemsetD8(cu.CUdeviceptr(ptr), 0, nbytes), "cuMemsetD8")
+        check(cu.cuStreamSynchronize(cu.CUstream(0)), "cuStreamSynchronize")
     raw = torch.as_tensor(owner, device=torch.device("cuda", index))
-    if raw.data_ptr() != ptr.value:
+    if raw.data_ptr() != ptr:
         raise PlaneUnavailableError(f"cuda_ipc: wrapping a new allocation made a copy (0x{raw.data_ptr():x})")
     return raw.view(dtype).view(shape)
 
@@ -235,7 +285,7 @@ class _CudaMapping:
         ptr, self.ptr = self.ptr, 0
         if ptr:
             with _in_device(self.index) as drv:
-                drv.check(drv.close_handle(ptr), "cuIpcCloseMemHandle")
+                check(drv.cu.cuIpcCloseMemHandle(drv.cu.CUdeviceptr(ptr)), "cuIpcCloseMemHandle")
 
 
 class _CudaQueue:
@@ -271,20 +321,19 @@ class CudaIpcEngine:
     def export(self, tensor: torch.Tensor, segments: list[Any]) -> tuple[str, bytes, int, int, Any]:
         index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
         ptr = tensor.data_ptr()
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        handle = _CUipcMemHandle()
         with _in_device(index) as drv:
-            drv.check(drv.range(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+            cu = drv.cu
+            base_ptr, size = check(cu.cuMemGetAddressRange(cu.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+            base = _address(base_ptr)
             try:
-                drv.check(drv.get_handle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+                handle = check(cu.cuIpcGetMemHandle(cu.CUdeviceptr(base)), "cuIpcGetMemHandle")
             except PlaneUnavailableError as exc:
                 raise PlaneUnavailableError(
                     f"{exc} (memory from expandable segments or cudaMallocAsync pools cannot be exported with "
                     "cudaIpc handles: register memory from Endpoint.new_buffer(..., device=...), or unset "
                     "expandable_segments in PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF)"
                 ) from exc
-        raw = ctypes.string_at(ctypes.addressof(handle), _HANDLE_BYTES)
-        return _uuid(index), raw, size.value, ptr - base.value, None
+        return _uuid(index), _handle_bytes(handle), int(size), ptr - base, None
 
     def release(self, keep: Any) -> None:
         pass
@@ -302,11 +351,12 @@ class CudaIpcEngine:
         index = _index_of(handle.device)
         if index is None:
             raise PlaneUnavailableError(f"cuda_ipc: the peer's GPU {handle.device} is not visible in this process")
-        h = _CUipcMemHandle.from_buffer_copy(handle.handle)
-        ptr = ctypes.c_uint64()
         with _in_device(index) as drv:
-            drv.check(drv.open_handle(ctypes.byref(ptr), h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
-        return _CudaMapping(index, ptr.value, handle.size)
+            cu = drv.cu
+            h = _handle_from_bytes(cu, handle.handle)
+            flags = int(cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+            ptr = _address(check(cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
+        return _CudaMapping(index, ptr, handle.size)
 
     def mark(self, tensors: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
         return caller_marks(tensors)
@@ -326,13 +376,12 @@ def cuda_ipc_engine() -> tuple[CudaIpcEngine | None, str]:
     """The process's CUDA IPC engine and why, or None and why not (no GPU, no driver library)."""
     global _engine
     with _engine_lock:
-        if _engine is not None:
-            return _engine, "CUDA IPC handles through the driver (libcuda.so.1)"
-        if not torch.cuda.is_available():
-            return None, "CUDA is not available in this process"
-        try:
-            _driver()
-        except PlaneUnavailableError as exc:
-            return None, str(exc)
-        _engine = CudaIpcEngine()
-        return _engine, "CUDA IPC handles through the driver (libcuda.so.1)"
+        if _engine is None:
+            if not torch.cuda.is_available():
+                return None, "CUDA is not available in this process"
+            try:
+                _driver()
+            except PlaneUnavailableError as exc:
+                return None, str(exc)
+            _engine = CudaIpcEngine()
+        return _engine, _driver().describe()
