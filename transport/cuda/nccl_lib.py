@@ -1,6 +1,6 @@
 """ctypes binding for NCCL (``libnccl.so.2``): locate it, type it, check every result.
 
-Why ctypes and not a compiled extension or ``cuda.bindings.nccl``: one pure-Python wheel works with
+Why ctypes and not a compiled extension, ``cuda.bindings.nccl`` or nccl4py (docs/cuda.md): one pure-Python wheel works with
 whichever NCCL the process already has (the one torch loaded, the ``nvidia-nccl-cu12``/``-cu13``
 wheel, the system's), nothing is built per CUDA/NCCL/Python combination, and a missing NCCL is an
 ordinary, explained error at run time instead of an import failure. The price is that every
