@@ -40,10 +40,52 @@ from typing import Any
 LAT_BYTES = 4096
 
 
-def _transport() -> Any:
+BACKENDS = ("nixl", "transport_rl")
+
+
+def backend_options(backend: str, plane: str | None) -> dict[str, Any]:
+    """The keyword options given to ``new_transport(backend, "cpu", **options)``."""
+    if backend == "transport_rl":
+        return {"plane": plane or "tcp"}
+    if plane is not None:
+        raise SystemExit("--plane is an option of --backend transport_rl only")
+    return {}
+
+
+def ensure_registered(backend: str) -> str:
+    """Make ``backend`` known to ``new_transport`` in this process; say how it is known.
+
+    NIXL ships with torch. ``transport_rl`` is found through its ``torch.distributed.transports``
+    entry point where this repository is installed into the venv; run from a checkout
+    (``PYTHONPATH=<repository root>``, as ``bench_transport.py`` does) the entry point is missing,
+    and the factory it names (``transport.torch_backend.TransportRL``) is registered for this
+    process with ``torch.distributed._transport.register_transport``."""
+    import torch.distributed._transport as tdt
+
+    if backend == "nixl":
+        return "built into torch"
+    if backend in tdt.available_transports():
+        return "entry point (package installed)"
+    from transport.torch_backend import TransportRL
+
+    tdt.register_transport(backend, TransportRL)
+    return "register_transport (no entry point: package imported from PYTHONPATH)"
+
+
+def _transport(backend: str, options: dict[str, Any]) -> Any:
     from torch.distributed._transport import new_transport
 
-    return new_transport("nixl", "cpu")
+    return new_transport(backend, "cpu", **options)
+
+
+def _remote_cls(backend: str) -> Any:
+    if backend == "nixl":
+        from torch.distributed._transport.nixl import NIXLRemoteBuffer
+
+        return NIXLRemoteBuffer
+    from transport.torch_backend import TransportRLRemoteBuffer
+
+    return TransportRLRemoteBuffer
 
 
 def _pattern(nbytes: int, offset: float = 0.0) -> Any:
@@ -56,13 +98,15 @@ def _pattern(nbytes: int, offset: float = 0.0) -> Any:
 
 
 # ---------------------------------------------------------------------------- target process
-def target_main(conn: Any, threads: int, timeout: float) -> None:
+def target_main(conn: Any, threads: int, timeout: float, backend: str = "nixl",
+                options: dict[str, Any] | None = None) -> None:
     """Bind, connect back, then serve register/unregister commands until "quit"."""
     try:
         import torch
 
         torch.set_num_threads(threads)
-        tr = _transport()
+        ensure_registered(backend)
+        tr = _transport(backend, options or {})
         try:
             conn.send(("url", tr.bind()))
             if not conn.poll(timeout):
@@ -181,9 +225,10 @@ def _one_size(tr: Any, peer: Peer, remote_cls: Any, name: str, nbytes: int, warm
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from torch.distributed._transport.nixl import NIXLRemoteBuffer
 
     torch.set_num_threads(args.threads)
+    options = backend_options(args.backend, args.plane)
+    remote_cls = _remote_cls(args.backend)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     reps = [int(s) for s in args.reps.split(",") if s]
     warm = [int(s) for s in args.warmup.split(",") if s]
@@ -195,14 +240,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     t0 = time.perf_counter()
-    proc = ctx.Process(target=target_main, args=(there, args.threads, args.timeout), name="nixl-target",
-                       daemon=True)
+    proc = ctx.Process(target=target_main, args=(there, args.threads, args.timeout, args.backend, options),
+                       name=f"{args.backend}-target", daemon=True)
     proc.start()
     there.close()
     peer = Peer(here, proc, args.timeout)
     out: dict[str, Any] = {"sizes": {}}
     try:
-        tr = _transport()
+        tr = _transport(args.backend, options)
         try:
             kind, target_url = peer.recv()
             assert kind == "url", kind
@@ -211,9 +256,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peer.recv()
             out["setup_s"] = time.perf_counter() - t0
             for size, r, w in zip(sizes, reps, warm, strict=True):
-                out["sizes"][str(size)] = _one_size(tr, peer, NIXLRemoteBuffer, f"buf_{size}", size, w, r,
+                out["sizes"][str(size)] = _one_size(tr, peer, remote_cls, f"buf_{size}", size, w, r,
                                                     args.completion)
-            out["latency"] = _one_size(tr, peer, NIXLRemoteBuffer, "lat", LAT_BYTES, args.lat_warmup,
+            out["latency"] = _one_size(tr, peer, remote_cls, "lat", LAT_BYTES, args.lat_warmup,
                                        args.lat_iters, args.completion, offset=7.0)
             peer.command("quit")
         finally:
@@ -227,19 +272,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def versions() -> dict[str, Any]:
+def versions(backend: str) -> dict[str, Any]:
     import importlib.metadata as md
 
     import torch
 
     info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
                             "torch_threads": torch.get_num_threads()}
-    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
-        try:
-            info[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    info["ucx_env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    if backend == "nixl":
+        for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+            try:
+                info[dist] = md.version(dist)
+            except md.PackageNotFoundError:
+                pass
+        info["ucx_env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    else:
+        import transport
+
+        info["transport_path"] = os.path.dirname(transport.__file__)
     return info
 
 
@@ -254,18 +304,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds either side waits for the other")
     ap.add_argument("--completion", choices=("poll", "wait"), default="poll",
                     help="poll Work.is_completed() (default) or the blocking write()/read()")
+    ap.add_argument("--backend", choices=BACKENDS, default="nixl",
+                    help="the new_transport backend to time (default nixl); transport_rl is this repository's "
+                         "(PYTHONPATH=<repository root> where it is not installed)")
+    ap.add_argument("--plane", choices=("tcp", "shm"), default=None,
+                    help="transport_rl's plane option (default tcp, the backend's default)")
     args = ap.parse_args(argv)
+    if args.plane is not None and args.backend != "transport_rl":
+        ap.error("--plane is an option of --backend transport_rl only")
     # NIXL's logger and native libraries print to stdout: send fd 1 (also the target's) to stderr
     # and keep the real stdout for the one json line
     out = os.fdopen(os.dup(1), "w")
     sys.stdout.flush()
     os.dup2(2, 1)
-    doc: dict[str, Any] = {"ok": False, "completion": args.completion, "plugin": "UCX"}
+    doc: dict[str, Any] = {"ok": False, "completion": args.completion, "backend": args.backend}
+    if args.backend == "nixl":
+        doc["plugin"] = "UCX"
     try:
         import torch
 
         torch.set_num_threads(args.threads)
-        doc.update(versions())
+        doc["options"] = backend_options(args.backend, args.plane)
+        doc["registration"] = ensure_registered(args.backend)
+        doc.update(versions(args.backend))
         doc.update(run(args))
         doc["ok"] = True
     except BaseException as exc:  # one json line in every case; the caller reports the error

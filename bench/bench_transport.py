@@ -793,22 +793,36 @@ def probe_torch_transport() -> dict[str, Any]:
 
 
 NIXL_PEER = ROOT / "bench" / "_nixl_peer.py"
+# phases that run bench/_nixl_peer.py with --nixl-python: name -> (new_transport backend, plane option)
+TORCH_API_PHASES: dict[str, tuple[str, str | None]] = {
+    "nixl": ("nixl", None),
+    "torchapi_shm": ("transport_rl", "shm"),
+    "torchapi_tcp": ("transport_rl", "tcp"),
+}
 
 
-def run_nixl_phase(python: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """``python bench/_nixl_peer.py`` with the ``shm`` phase's sizes and counts, in its own process
-    group, killed whole at the phase deadline; its one json line of results, or a PhaseError."""
+def run_nixl_phase(python: str, cfg: dict[str, Any], backend: str = "nixl", plane: str | None = None,
+                   phase: str = "nixl") -> dict[str, Any]:
+    """``python bench/_nixl_peer.py --backend BACKEND`` with the ``shm`` phase's sizes and counts, in
+    its own process group, killed whole at the phase deadline; its one json line of results, or a
+    PhaseError. ``transport_rl`` runs with ``PYTHONPATH`` = this checkout (the other venv need not
+    have it installed; the peer registers the backend itself when the entry point is missing)."""
     timeout = cfg["phase_timeout_s"]
     sizes = cfg["sizes"]
     lat = cfg["latency"]
-    cmd = [python, str(NIXL_PEER),
+    cmd = [python, str(NIXL_PEER), "--backend", backend,
            "--sizes", ",".join(str(s) for s in sizes),
            "--reps", ",".join(str(_reps(cfg, s)[1]) for s in sizes),
            "--warmup", ",".join(str(_reps(cfg, s)[0]) for s in sizes),
            "--lat-iters", str(lat["iters"]), "--lat-warmup", str(lat["warmup"]),
            "--threads", str(cfg["threads"]), "--timeout", str(min(CMD_TIMEOUT, timeout))]
-    # the peer's venv has its own torch: keep this checkout's paths out of its sys.path
+    if plane is not None:
+        cmd += ["--plane", plane]
+    # the peer's venv has its own torch: keep this process's paths out of its sys.path, except this
+    # checkout's root for transport_rl (the package under test; its deps msgspec and numpy are the venv's)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if backend == "transport_rl":
+        env["PYTHONPATH"] = str(ROOT)
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -822,8 +836,8 @@ def run_nixl_phase(python: str, cfg: dict[str, Any]) -> dict[str, Any]:
         except ProcessLookupError:
             pass
         proc.communicate()
-        STRAGGLERS.append(f"{NIXL_PEER.name} (pid {proc.pid}, process group)")
-        raise PhaseError(f"phase 'nixl' timed out after {timeout:.0f} s") from None
+        STRAGGLERS.append(f"{NIXL_PEER.name} --backend {backend} (pid {proc.pid}, process group)")
+        raise PhaseError(f"phase {phase!r} timed out after {timeout:.0f} s") from None
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     try:
         doc = json.loads(lines[-1])
@@ -831,7 +845,7 @@ def run_nixl_phase(python: str, cfg: dict[str, Any]) -> dict[str, Any]:
         tail = "\n".join(stderr.strip().splitlines()[-20:])
         raise PhaseError(f"{NIXL_PEER.name} exited with code {proc.returncode} without a json line:\n{tail}") from None
     if not doc.get("ok"):
-        raise PhaseError(f"{NIXL_PEER.name}: {doc.get('traceback', '')}{doc.get('error')}")
+        raise PhaseError(f"{NIXL_PEER.name} --backend {backend}: {doc.get('traceback', '')}{doc.get('error')}")
     return doc
 
 
@@ -928,6 +942,21 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
                 if r:
                     row.update(ratio=row["gbps"] / r, ratio_vs="copy_ (separate phase)")
                 rows.append(row)
+        for plane in ("shm", "tcp"):  # transport_rl through torch's API, against our native API and NIXL
+            api = res.get(f"torchapi_{plane}")
+            if not (api and k in api["sizes"]):
+                continue
+            entry = api["sizes"][k]
+            native = res.get(f"transport_{plane}")
+            for op, nop in NIXL_OP.items():
+                row = _tput_row(f"torch API transport_rl {plane} {nop}", "torchapi", size, entry[nop],
+                                verified=entry["verified"])
+                if native and k in native["sizes"]:
+                    row.update(ratio=row["gbps"] / _gbps(size, _med(native["sizes"][k][op])),
+                               ratio_vs=f"transport {plane} {op} (native API)")
+                if nixl and k in nixl["sizes"]:
+                    row["ratio_vs_nixl"] = row["gbps"] / _gbps(size, _med(nixl["sizes"][k][nop]))
+                rows.append(row)
 
     # state dict
     nb, nt = sd["nbytes"], sd["tensors"]
@@ -973,6 +1002,20 @@ def build_rows(cfg: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]
             row = _lat_row(f"4 KiB NIXL {op}", "nixl", nixl["latency"][op], verified=nixl["latency"]["verified"])
             if raw_p50:
                 row.update(ratio=row["p50_us"] / (raw_p50 * 1e6), ratio_vs="raw socket p50 (lower is better)")
+            rows.append(row)
+    for plane in ("shm", "tcp"):
+        api = res.get(f"torchapi_{plane}")
+        if not api:
+            continue
+        native = res.get(f"transport_{plane}")
+        for op, nop in NIXL_OP.items():
+            row = _lat_row(f"4 KiB torch API transport_rl {plane} {nop}", "torchapi", api["latency"][nop],
+                           verified=api["latency"]["verified"])
+            if native:
+                row.update(ratio=row["p50_us"] / (_pct(native["latency"][op], 0.5) * 1e6),
+                           ratio_vs=f"transport {plane} {op} p50, native API (lower is better)")
+            if nixl:
+                row["p50_vs_nixl"] = row["p50_us"] / (_pct(nixl["latency"][nop], 0.5) * 1e6)
             rows.append(row)
 
     # CPU time per op (tcp phase)
@@ -1044,8 +1087,46 @@ def nixl_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def nixl_section(python: str, peer: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The results' "nixl" section: which python ran the peer, its versions and settings, and the ratios."""
+SIDE_COLS = ("nixl", "api_shm", "api_tcp", "native_shm", "native_tcp")  # the side-by-side table's columns
+
+
+def torch_api_side_by_side(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per size and op (write = put, read = get) and at 4 KiB: NIXL and transport_rl (shm, tcp)
+    through torch's API, and our native API (shm, tcp) from the same run, with the ratios
+    transport_rl / NIXL and transport_rl through torch's API / native, per plane. GB/s of the
+    medians (ratio > 1: the first is faster) or, at 4 KiB, p50 us (ratio > 1: the first is slower)."""
+    by = {(r["case"], r["size_bytes"]): r for r in rows if not r.get("cpu")}
+    out: list[dict[str, Any]] = []
+    sizes = sorted({s for c, s in by if c.startswith(("NIXL ", "torch API transport_rl "))})
+    for latency in (False, True):
+        for size in [LAT_BYTES] if latency else sizes:
+            for op, nop in NIXL_OP.items():
+                pre = "4 KiB " if latency else ""
+                cases = {"nixl": f"{pre}NIXL {nop}", "api_shm": f"{pre}torch API transport_rl shm {nop}",
+                         "api_tcp": f"{pre}torch API transport_rl tcp {nop}",
+                         "native_shm": f"{pre}transport shm {op}", "native_tcp": f"{pre}transport tcp {op}"}
+                found = {col: by.get((case, size)) for col, case in cases.items()}
+                if not (found["api_shm"] or found["api_tcp"] or found["nixl"]):
+                    continue
+                key = "p50_us" if latency else "gbps"
+                e: dict[str, Any] = {"size_bytes": size, "latency": latency, "op": nop, "native_op": op,
+                                     "unit": "p50 us" if latency else "GB/s",
+                                     "verified": all(r.get("verified", True) for r in found.values() if r)}
+                for col in SIDE_COLS:
+                    e[col] = found[col][key] if found[col] else None
+                for plane in ("shm", "tcp"):
+                    api = e[f"api_{plane}"]
+                    e[f"api_{plane}_vs_nixl"] = api / e["nixl"] if api and e["nixl"] else None
+                    native = e[f"native_{plane}"]
+                    e[f"api_{plane}_vs_native"] = api / native if api and native else None
+                out.append(e)
+    return out
+
+
+def nixl_section(python: str, peer: dict[str, Any] | None, rows: list[dict[str, Any]],
+                 api: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """The results' "nixl" section: which python ran the peer, its versions and settings, and the
+    ratios; ``api``: the torchapi_* phases' results (transport_rl through torch's API), per phase."""
     out: dict[str, Any] = {"python": python, "ran": peer is not None}
     if peer:
         for k in ("torch", "python", "nixl", "nixl-cu12", "nixl-cu13", "plugin", "completion", "torch_threads",
@@ -1053,13 +1134,55 @@ def nixl_section(python: str, peer: dict[str, Any] | None, rows: list[dict[str, 
             if k in peer:
                 out["peer_python" if k == "python" else k] = peer[k]
     out["ours_vs_nixl"] = nixl_ratios(rows)
+    out["torch_api"] = {name: ({k: doc[k] for k in ("backend", "options", "registration", "torch", "completion",
+                                                    "transport_path", "setup_s") if k in doc} | {"ran": True}
+                               if doc else {"ran": False})
+                        for name, doc in (api or {}).items()}
+    out["torch_api_side_by_side"] = torch_api_side_by_side(rows)
     return out
+
+
+def _format_side_by_side(sec: dict[str, Any]) -> list[str]:
+    entries = sec.get("torch_api_side_by_side") or []
+    api = sec.get("torch_api") or {}
+    if not entries:
+        return []
+    reg = sorted({d["registration"] for d in api.values() if d.get("registration")})
+    torch_v = next((d["torch"] for d in api.values() if d.get("torch")), sec.get("torch"))
+    lines = ["", f"torch API side by side: new_transport(backend, \"cpu\") for NIXL and transport_rl (plane=shm, "
+                 f"plane=tcp), torch {torch_v}, each op polled with Work.is_completed(), same sizes and "
+                 "repetitions, separate phases; native = our Endpoint put/get in the same run",
+             f"  transport_rl registered in that venv by: {'; '.join(reg) or '-'}"]
+    for name, d in api.items():
+        if not d.get("ran"):
+            lines.append(f"  {name}: the phase failed (see ERRORS)")
+    h = (f"{'size':>9} {'op':<5} {'NIXL':>8} {'trl shm':>8} {'trl tcp':>8} {'nat shm':>8} {'nat tcp':>8}  "
+         f"{'shm/NIXL':>8} {'tcp/NIXL':>8}  {'shm/nat':>7} {'tcp/nat':>7}")
+    lines.append(h)
+
+    def num(v: float | None, lat: bool) -> str:
+        return f"{'-':>8}" if v is None else (f"{v:5.0f} us" if lat else f"{v:8.2f}")
+
+    def ratio(v: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if v is None else f"{v:{width - 1}.2f}x"
+
+    for e in entries:
+        lat = e["latency"]
+        label = "4 KiB p50" if lat else _size_label(e["size_bytes"])
+        bad = "  !! DATA MISMATCH" if not e["verified"] else ""
+        lines.append(f"{label:>9} {e['op']:<5} " + " ".join(num(e[c], lat) for c in SIDE_COLS) + "  "
+                     + f"{ratio(e['api_shm_vs_nixl'], 8)} {ratio(e['api_tcp_vs_nixl'], 8)}  "
+                     + f"{ratio(e['api_shm_vs_native'], 7)} {ratio(e['api_tcp_vs_native'], 7)}{bad}")
+    lines.append("GB/s rows: ratio > 1 means transport_rl (through torch's API) is faster than NIXL / than our "
+                 "native API; 4 KiB p50 rows (us per op): ratio > 1 means it is slower; trl = transport_rl, "
+                 "nat = native (write = put, read = get)")
+    return lines
 
 
 def _format_nixl(sec: dict[str, Any]) -> list[str]:
     if not sec["ran"]:
         return [f"{'torch.distributed._transport (NIXL)':<48} {'-':>9} {'n/a':>8}  the nixl phase failed "
-                "(see ERRORS)"]
+                "(see ERRORS)"] + _format_side_by_side(sec)
     lines = [f"ours / NIXL: transport shm against torch.distributed._transport (torch {sec.get('torch')}, "
              f"nixl {sec.get('nixl')}, {sec.get('plugin')}; completion: {sec.get('completion')} Work), "
              "same sizes and repetitions, separate phases:"]
@@ -1085,10 +1208,10 @@ def _format_nixl(sec: dict[str, Any]) -> list[str]:
         lines.append(f"{'4 KiB p50':>9}  {cells[0]}  {cells[1]}")
     if not sec["ours_vs_nixl"]:
         lines.append("  (no shm phase ran: nothing to compare; the NIXL rows are in the table above)")
-        return lines
+        return lines + _format_side_by_side(sec)
     lines.append("GB/s rows: ours/NIXL > 1 means ours is faster; 4 KiB p50 row (us per op): ours/NIXL < 1 means "
                  "ours is faster; '!' = a data mismatch")
-    return lines
+    return lines + _format_side_by_side(sec)
 
 
 def evaluate_targets(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1319,7 +1442,8 @@ def main(argv: list[str] | None = None) -> int:
     if keep is not None:
         phases = [ph for ph in phases if ph[0].removeprefix("transport_") in keep]
     if args.nixl_python:
-        phases.append(("nixl", [], 0, "nixl"))  # not a spawn phase: a subprocess of another venv (run_nixl_phase)
+        # not spawn phases: subprocesses of another venv (run_nixl_phase), NIXL and transport_rl per plane
+        phases += [(name, [], 0, name) for name in TORCH_API_PHASES]
     try:
         for rnd in range(cfg["rounds"]):
             k = rnd % len(phases)
@@ -1328,8 +1452,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  [{time.monotonic() - t_start:6.1f} s] round {rnd + 1}/{cfg['rounds']}: {name} ...",
                       flush=True)
                 try:
-                    if name == "nixl":
-                        res[name] = _merge(res.get(name), run_nixl_phase(args.nixl_python, cfg))
+                    if name in TORCH_API_PHASES:
+                        backend, plane = TORCH_API_PHASES[name]
+                        res[name] = _merge(res.get(name), run_nixl_phase(args.nixl_python, cfg, backend, plane,
+                                                                         phase=name))
                     else:
                         out = run_phase(name, roles, cfg, queues=nq)
                         res[name] = _merge(res.get(name), out[main_role])
@@ -1347,7 +1473,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(cfg, res)
     targets = evaluate_targets(cfg, rows)
     total = time.monotonic() - t_start
-    nixl_run = nixl_section(args.nixl_python, res.get("nixl"), rows) if args.nixl_python else None
+    nixl_run = (nixl_section(args.nixl_python, res.get("nixl"), rows,
+                             {name: res.get(name) for name in TORCH_API_PHASES if name != "nixl"})
+                if args.nixl_python else None)
     report = format_report(cfg, env, rows, targets, errors, nixl, nixl_run)
     print()
     print(report)
