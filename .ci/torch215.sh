@@ -2,7 +2,8 @@
 # CI for the torch.distributed._transport backend ("transport_rl"): from a fresh clone, make a venv
 # with torch 2.15 (the first torch that ships torch.distributed._transport), install this project
 # into it (so that the torch.distributed.transports entry point is installed) and run
-# tests/test_torch_transport.py there. Fails loudly if the module skips (a torch without
+# tests/test_torch_transport.py (and tests/test_torch_transport_bench.py: bench/_nixl_peer.py --backend
+# transport_rl) there. Fails loudly if the module skips (a torch without
 # _transport, or a missing entry point), so a green run means the tests ran.
 #   bash .ci/torch215.sh            (venv: .venv-torch215; VENV=... picks another, PYTHON=... the interpreter)
 # .ci/run calls it after the main suite (which runs on the default venv's torch, without _transport).
@@ -31,7 +32,7 @@ EOF
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-"$VENV/bin/python" -m pytest tests/test_torch_transport.py -q -rs -p no:cacheprovider 2>&1 | tee "$log"
+"$VENV/bin/python" -m pytest tests/test_torch_transport.py tests/test_torch_transport_bench.py -q -rs -p no:cacheprovider 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then

@@ -1,17 +1,28 @@
 #!/usr/bin/env python
-"""PyTorch's ``torch.distributed._transport`` with its NIXL backend, timed between two processes.
+"""PyTorch's ``torch.distributed._transport``, one backend (NIXL or ``transport_rl``), timed between two processes.
 
 Run by ``bench_transport.py --nixl-python PATH`` with the python of another virtual environment
-(torch >= 2.15 and ``nixl``; see bench/README.md); it imports neither ``transport`` nor anything of
-this repository, and prints ONE json line of results to stdout (NIXL's own log lines go to stderr)::
+(torch >= 2.15 and ``nixl``; see bench/README.md), once per backend; it prints ONE json line of
+results to stdout (NIXL's own log lines go to stderr)::
 
     PATH bench/_nixl_peer.py --sizes 1048576,4194304 --reps 3,3 --warmup 1,1 --lat-iters 200 \
-        --lat-warmup 20 --threads 1 --timeout 90
+        --lat-warmup 20 --threads 1 --timeout 90                        # NIXL (--backend nixl)
+    PYTHONPATH=. PATH bench/_nixl_peer.py --backend transport_rl --plane shm --sizes ...
+
+``--backend nixl`` (default) imports nothing of this repository. ``--backend transport_rl``
+(``--plane tcp``, the backend's default, or ``shm``: ``new_transport``'s ``plane`` option) imports
+this repository's ``transport`` package, so it needs it importable: installed in the venv (then
+its ``torch.distributed.transports`` entry point names the backend), or this checkout on
+``PYTHONPATH`` (as ``bench_transport.py`` runs it), in which case the entry point is missing and
+both processes register ``transport.torch_backend.TransportRL`` themselves with
+``torch.distributed._transport.register_transport``; the json's ``registration`` says which.
+The measurement below is the same for either backend.
 
 The measurement mirrors the ``shm`` phase of ``bench_transport.py``: this process is the
 initiator; it starts a target process (``multiprocessing`` spawn) and talks to it over a pipe,
 which is the "trusted control plane" the API asks for. Both create a transport with
-``new_transport("nixl", "cpu")``, exchange their ``bind()`` bytes and ``connect()`` to each other.
+``new_transport(backend, "cpu", **options)``, exchange their ``bind()`` bytes and ``connect()`` to
+each other.
 Per size, the target registers a pre-touched buffer (``register_memory``) and sends the
 ``serialize()`` bytes of its remote buffer; the initiator registers a source and a destination
 tensor of its own and times, per repetition, a ``write`` of the source's whole view into the
@@ -22,8 +33,11 @@ and checks the bytes it read against what it wrote. Then 4 KiB writes and reads 
 Completion: every op is submitted with ``async_op=True`` and its ``Work`` polled with
 ``is_completed()`` until done (then ``wait()`` to raise a transfer error): the earliest moment the
 API can tell that the transfer finished. ``--completion wait`` uses the blocking call instead,
-whose ``Work.wait`` sleeps 1 ms between polls (adds up to 1 ms per op that does not finish at its
-first poll). Times are seconds per op, from submission to completion, per timed repetition.
+whose ``Work.wait`` sleeps 1 ms between polls with NIXL (adds up to 1 ms per op that does not
+finish at its first poll) and blocks on an event with ``transport_rl``. ``transport_rl`` moves the
+bytes on an event loop thread of this process, which needs the GIL that a busy poll holds (NIXL's
+progress runs in native threads): the poll measures that too. Times are seconds per op, from
+submission to completion, per timed repetition.
 """
 
 from __future__ import annotations

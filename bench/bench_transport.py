@@ -8,8 +8,9 @@ Usage::
 
 ``--only raw,tcp`` runs just those phases (copy, raw, gloo, shm, tcp), e.g. to repeat the
 ``tcp`` against raw-socket comparison many times; ratios whose reference did not run are left out.
-``--nixl-python PATH`` adds the NIXL phase (below) whatever ``--only`` says: PATH is the python of
-another virtual environment with torch >= 2.15 and ``nixl`` (bench/README.md has the recipe).
+``--nixl-python PATH`` adds the torch-API phases (below: NIXL, and this repository's ``transport_rl``
+backend per plane) whatever ``--only`` says: PATH is the python of another virtual environment
+with torch >= 2.15 and ``nixl`` (bench/README.md has the recipe).
 
 This is a benchmark, not a test: it never asserts on a number. It prints a
 table and a "targets" section (PASS/MISS) and writes everything as JSON
@@ -63,10 +64,16 @@ drift of a shared machine spreads over every case instead of biasing one):
   with the put's extra CPU time against the raw socket: an upper bound on
   the part of the ``tcp`` gap that overlap with the copies has to hide (the
   wall column shows how much did not).
-* ``torch.distributed._transport`` with NIXL (PyTorch >= 2.15), with
-  ``--nixl-python PATH``: ``PATH bench/_nixl_peer.py`` runs as a subprocess
-  (under the phase deadline; it imports nothing of this repository) with the
-  sizes, repetitions, warm-ups and 4 KiB iterations of the ``shm`` phase. It
+* ``torch.distributed._transport`` (PyTorch >= 2.15), with ``--nixl-python
+  PATH``: three phases, ``nixl``, ``torchapi_shm`` and ``torchapi_tcp``, each
+  ``PATH bench/_nixl_peer.py --backend B`` as a subprocess under the phase
+  deadline: ``new_transport("nixl", "cpu")``, and ``new_transport("transport_rl",
+  "cpu", plane=P)`` (this repository's backend, ``P`` = shm, tcp; the
+  subprocess gets ``PYTHONPATH`` = this checkout, and the peer registers the
+  backend with ``register_transport`` when the venv has no entry point for it;
+  the NIXL run gets no ``PYTHONPATH`` and imports nothing of this repository),
+  all three with the sizes, repetitions, warm-ups and 4 KiB iterations of the
+  ``shm`` phase and the same measurement. It
   starts a target process that registers a pre-touched buffer per size and
   sends its serialized ``RemoteBuffer`` over a pipe, after both exchanged
   ``bind()`` bytes and connected; the initiator times ``write`` (put) and
@@ -76,7 +83,13 @@ drift of a shared machine spreads over every case instead of biasing one):
   are checked byte for byte. The report prints the rows "NIXL write"/"NIXL
   read" and a table "ours / NIXL": shm put's GB/s over NIXL write's, shm
   get's over NIXL read's per size, and the 4 KiB p50s (ours / NIXL, lower is
-  better). Both run on the same CPUs, in separate phases seconds apart.
+  better). Then rows "torch API transport_rl shm|tcp write|read" (ratio: over
+  our native put/get of the same plane, measured in this run; the note: over
+  NIXL) and a table "torch API side by side": per size and op NIXL,
+  transport_rl shm and tcp through torch's API, our native shm and tcp, and
+  the ratios transport_rl / NIXL and transport_rl / native per plane (the
+  cost of the torch API layer). All run on the same CPUs, in separate phases
+  seconds apart.
   Without the flag, only whether this process's torch can import
   ``torch.distributed._transport`` and ``nixl`` is reported.
 

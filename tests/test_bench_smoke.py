@@ -76,32 +76,43 @@ def test_bench_only_rejects_an_unknown_phase(tmp_path):
 
 
 FAKE_NIXL_PEER = r'''
-import argparse, json
+import argparse, json, os
 ap = argparse.ArgumentParser()
-for a in ("--sizes", "--reps", "--warmup", "--lat-iters", "--lat-warmup", "--threads", "--timeout"):
+for a in ("--sizes", "--reps", "--warmup", "--lat-iters", "--lat-warmup", "--threads", "--timeout", "--plane"):
     ap.add_argument(a)
+ap.add_argument("--backend", default="nixl")
 a = ap.parse_args()
 sizes, reps = [int(s) for s in a.sizes.split(",")], [int(r) for r in a.reps.split(",")]
+# GB/s of write and read, us of a 4 KiB write and read, per backend (and plane)
+speed = {("nixl", None): (2.0, 1.0, 20, 40), ("transport_rl", "shm"): (1.0, 0.5, 50, 60),
+         ("transport_rl", "tcp"): (0.25, 0.125, 300, 320)}[(a.backend, a.plane)]
 print("NIXL INFO a log line on stdout, before the json")
-print(json.dumps({"ok": True, "torch": "2.15.0", "nixl": "1.5.1", "plugin": "UCX", "completion": "poll",
-                  "torch_threads": int(a.threads), "setup_s": 0.1,
-                  "sizes": {str(s): {"write": [s / 2e9] * r, "read": [s / 1e9] * r, "verified": True}
-                            for s, r in zip(sizes, reps)},
-                  "latency": {"write": [20e-6] * int(a.lat_iters), "read": [40e-6] * int(a.lat_iters),
-                              "verified": True}}))
+doc = {"ok": True, "torch": "2.15.0", "completion": "poll", "backend": a.backend,
+       "torch_threads": int(a.threads), "setup_s": 0.1,
+       "sizes": {str(s): {"write": [s / speed[0] / 1e9] * r, "read": [s / speed[1] / 1e9] * r, "verified": True}
+                 for s, r in zip(sizes, reps)},
+       "latency": {"write": [speed[2] * 1e-6] * int(a.lat_iters), "read": [speed[3] * 1e-6] * int(a.lat_iters),
+                   "verified": True}}
+if a.backend == "nixl":
+    doc.update(nixl="1.5.1", plugin="UCX", options={}, registration="built into torch")
+else:  # what bench_transport.py gives this backend's peer: this checkout on PYTHONPATH
+    doc.update(options={"plane": a.plane}, registration="register_transport (stand-in)",
+               transport_path=os.environ.get("PYTHONPATH"))
+print(json.dumps(doc))
 '''
 
 
 def test_bench_nixl_phase_with_a_stand_in_peer(tmp_path):
-    """--nixl-python: the peer's json becomes NIXL rows and ours / NIXL ratios (a stand-in peer:
-    the real one needs torch 2.15 and nixl in another venv, see bench/README.md)."""
+    """--nixl-python: the peer's json becomes NIXL rows and ours / NIXL ratios, and its
+    transport_rl runs (per plane) rows against NIXL and against our native API, side by side (a
+    stand-in peer: the real one needs torch 2.15 and nixl in another venv, see bench/README.md)."""
     fake = tmp_path / "fake_peer.py"
     fake.write_text(FAKE_NIXL_PEER)
     py = tmp_path / "python"  # an "interpreter" that runs the stand-in instead of bench/_nixl_peer.py
     py.write_text(f'#!/bin/sh\nshift\nexec "{sys.executable}" "{fake}" "$@"\n')
     py.chmod(0o755)
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--max-mib", "1", "--only", "shm",
+    r = subprocess.run([sys.executable, "bench/bench_transport.py", "--quick", "--max-mib", "1", "--only", "shm,tcp",
                         "--nixl-python", str(py), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -119,6 +130,28 @@ def test_bench_nixl_phase_with_a_stand_in_peer(tmp_path):
     put = next(e for e in lat if e["nixl"] == "4 KiB NIXL write")
     assert put["ratio"] == pytest.approx(rows["4 KiB transport shm put"]["p50_us"] / 20.0)
     assert "ours / NIXL" in r.stdout and "not available" not in r.stdout
+    # transport_rl through torch's API, per plane: against its native put/get and against NIXL
+    for plane, (w, rd) in (("shm", (1.0, 0.5)), ("tcp", (0.25, 0.125))):
+        api = sec["torch_api"][f"torchapi_{plane}"]
+        assert api["ran"] and api["options"] == {"plane": plane} and api["transport_path"] == str(ROOT), api
+        for op, nop, gbps, nixl_gbps in (("put", "write", w, 2.0), ("get", "read", rd, 1.0)):
+            row = rows[f"torch API transport_rl {plane} {nop}"]
+            native = rows[f"transport {plane} {op}"]
+            assert row["gbps"] == pytest.approx(gbps) and row["reps"] == native["reps"], row
+            assert row["ratio"] == pytest.approx(gbps / native["gbps"]) and row["ratio_vs"].endswith("(native API)")
+            assert row["ratio_vs_nixl"] == pytest.approx(gbps / nixl_gbps)
+        lat_row = rows[f"4 KiB torch API transport_rl {plane} write"]
+        assert lat_row["ratio"] == pytest.approx(lat_row["p50_us"] / rows[f"4 KiB transport {plane} put"]["p50_us"])
+    side = {(e["size_bytes"], e["op"]): e for e in sec["torch_api_side_by_side"]}
+    assert set(side) == {(s, op) for s in (1 << 20, 4096) for op in ("write", "read")}, sorted(side)
+    e = side[(1 << 20, "read")]
+    assert (e["nixl"], e["api_shm"], e["api_tcp"]) == pytest.approx((1.0, 0.5, 0.125))
+    assert e["native_tcp"] == rows["transport tcp get"]["gbps"] and e["api_tcp_vs_nixl"] == pytest.approx(0.125)
+    assert e["api_shm_vs_native"] == pytest.approx(0.5 / rows["transport shm get"]["gbps"])
+    e = side[(4096, "write")]
+    assert e["latency"] and (e["nixl"], e["api_shm"], e["api_tcp"]) == pytest.approx((20.0, 50.0, 300.0))
+    assert e["api_shm_vs_nixl"] == pytest.approx(2.5)
+    assert "torch API side by side" in r.stdout
 
 
 def test_bench_nixl_phase_failure_is_an_error_row(tmp_path):
@@ -128,7 +161,11 @@ def test_bench_nixl_phase_failure_is_an_error_row(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
     doc = json.loads(out.read_text())
-    assert [e["phase"] for e in doc["errors"]] == ["nixl"] and doc["nixl"]["ran"] is False
+    # the NIXL phase and both transport_rl-through-torch phases need that python: three error rows
+    assert sorted(e["phase"] for e in doc["errors"]) == ["nixl", "torchapi_shm", "torchapi_tcp"]
+    assert doc["nixl"]["ran"] is False
+    assert {k: v["ran"] for k, v in doc["nixl"]["torch_api"].items()} == {"torchapi_shm": False,
+                                                                          "torchapi_tcp": False}
     assert "transport shm put" in {row["case"] for row in doc["rows"]}
 
 
