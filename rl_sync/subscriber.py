@@ -153,14 +153,14 @@ class WeightSubscriber(Holding):
         self._live = live_tensors(model_or_state_dict, keep_vars=self._strategy.repoints)
         if not self._live:
             raise ValueError("the model has no tensors to receive")
+        self.device = one_device(self._live)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the model is on {self.device}: rl_sync receives into CPU or CUDA tensors")
         if self._strategy.repoints and (aliased := shared_memory(self._live)):
             raise ValueError(f"mode={mode!r} re-points each tensor into an arena (Tensor.set_), which would leave "
                              f"the tensors sharing its memory behind: {'; '.join(', '.join(g) for g in aliased)} "
                              f"share memory (views); pass one tensor per memory, or use mode='staged', which "
                              f"copies into the tensors (views included)")
-        self.device = one_device(self._live)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"the model is on {self.device}: rl_sync receives into CPU or CUDA tensors")
         self._copier = Copier(self.device)  # the staged commit's copies and direct mode's first move (GPU: a stream)
         self._readers = ReaderMarks(self.device)  # GPU: where readers left hold(), waited for before weights change
         self.manifest: Manifest = build_manifest(self._live, arena_bytes, host_key(), shared=self._strategy.shared)

@@ -39,7 +39,8 @@ def shared_memory(live: Mapping[str, torch.Tensor]) -> list[list[str]]:
     objects that are not one object (views of one tensor, a view and its base), or is one view of a
     tensor not in ``live``. Re-pointing one of them (``Tensor.set_``) would leave the others behind.
     One tensor object under several names (a tied weight in a state dict) is fine: it moves once
-    for all its names."""
+    for all its names; so are several objects that cover exactly the same memory (parameters tied
+    through ``.data``): each is re-pointed whole."""
     by_memory: dict[tuple[str, int], dict[int, list[str]]] = {}
     groups: list[list[str]] = []
     for name, t in live.items():
@@ -48,6 +49,11 @@ def shared_memory(live: Mapping[str, torch.Tensor]) -> list[list[str]]:
         by_memory.setdefault((str(t.device), t.untyped_storage().data_ptr()), {}).setdefault(id(t), []).append(name)
     for objects in by_memory.values():
         if len(objects) > 1:
+            ts = [live[names[0]] for names in objects.values()]
+            first = ts[0]
+            if all((t.storage_offset(), t.shape, t.stride(), t.dtype) ==
+                   (first.storage_offset(), first.shape, first.stride(), first.dtype) for t in ts):
+                continue  # several objects over exactly the same memory (tied through .data): each moves whole
             groups.append(sorted(n for names in objects.values() for n in names))
         else:
             (names,) = objects.values()

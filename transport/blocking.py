@@ -50,6 +50,7 @@ class BlockingEndpoint:
         self._thread.start()
         self.timeout = self._ep.timeout
         self._submitted: set[concurrent.futures.Future[None]] = set()  # submit_put/get futures not yet resolved
+        self._running: set[asyncio.Task[None]] = set()  # their ops' tasks (the loop thread's only)
         try:
             self._call(self._ep.open(), None)
         except BaseException:
@@ -203,7 +204,10 @@ class BlockingEndpoint:
             if out.done():  # (failed by close() before the loop ran this)
                 coro.close()
                 return
-            self._loop.create_task(coro).add_done_callback(settle)
+            task = self._loop.create_task(coro)
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            task.add_done_callback(settle)
 
         try:
             self._loop.call_soon_threadsafe(start)
@@ -232,13 +236,22 @@ class BlockingEndpoint:
         return self._call(_as_coro(self._ep.dump_flight_recorder, path), None)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close the endpoint and stop the loop thread (bounded by ``timeout``). Idempotent."""
+        """Close the endpoint and stop the loop thread. Idempotent. Bounded by ``timeout``, plus
+        up to the settle bound (30 s) for submitted ops still ending: their futures resolve with
+        their own outcome (closing fails them with :class:`EndpointClosedError` once nothing of
+        them writes any more) before the loop stops."""
         if not self._thread.is_alive():
             return
         try:
-            self._call(self._ep.close(timeout), timeout)
+            self._call(self._close_settled(timeout), timeout + _SETTLE)
         finally:
             self._stop_loop()
+
+    async def _close_settled(self, timeout: float) -> None:
+        await self._ep.close(timeout)
+        running = [t for t in self._running if not t.done()]
+        if running:
+            await asyncio.wait(running, timeout=_SETTLE)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -9,6 +9,7 @@ without the application posting any receive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -61,6 +62,7 @@ _Tensors = Mapping[str, "torch.Tensor | At"]
 _MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
 _ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
 _DUMP_INTERVAL = 5.0  # at most one automatic flight-recorder dump per this many seconds
+_WITHDRAW_S = 2.0  # how long an open() that failed while publishing waits to take its record back
 
 
 def _current_cuda_device() -> int | None:
@@ -242,6 +244,7 @@ class Endpoint:
         self.loop = asyncio.get_running_loop()
         self._notes = asyncio.Queue()
         self._notes_room = threading.Semaphore(self._max_notes)
+        publishing = False
         try:
             stored = await self._rdv.open(want_secret=self._secret is None)
             if self._secret is None:
@@ -267,16 +270,24 @@ class Endpoint:
             self._exports.start()  # export the buffers registered before open, and every later one at once
             self._spawn(self._accept_loop())
             self._spawn(self._monitor())
+            publishing = True
             await self._rdv.publish(self._record, time.monotonic() + self.timeout)
         except BaseException as exc:
             self._state = "closed"
             for task in list(self._tasks):  # (the accept loop and the monitor, if they were started)
                 task.cancel()
+            cut = self._cut_open and isinstance(exc, asyncio.CancelledError)
+            me = asyncio.current_task()
+            if cut and me is not None and me.uncancel() > 0:
+                cut = False  # (the caller cancelled it too: its cancellation stands)
+            if publishing and self._record is not None:
+                # the store's thread may still write the record after the publish was given up on: withdraw
+                # it behind that write (its calls run in order), bounded, so no peer finds a closed endpoint
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(
+                        self._rdv.withdraw(self._record, time.monotonic() + _WITHDRAW_S)), _WITHDRAW_S + 0.5)
             self._teardown_sync()
-            if self._cut_open and isinstance(exc, asyncio.CancelledError):
-                me = asyncio.current_task()
-                if me is not None:
-                    me.uncancel()  # (close()'s cancellation, not the caller's)
+            if cut:
                 raise EndpointClosedError(f"endpoint {self.name!r} was closed while it was opening") from None
             raise
         finally:
@@ -990,7 +1001,7 @@ class Endpoint:
         re-registered a buffer, and staged if a ``cuda_ipc`` mapping could not be opened here
         (logged)."""
         for retry in (False, True):
-            pairs = await self._plan(ch, tensors, deadline)
+            pairs = await self._plan(ch, tensors, deadline, into=kind is OpKind.GET)
             plane = await self._plane(ch, pairs, deadline)
             if here and ch.in_order_now():
                 try:
@@ -1025,15 +1036,16 @@ class Endpoint:
             plane = ch.plane_for(pairs)
         return plane
 
-    async def _plan(self, ch: Channel, tensors: _Tensors, deadline: float) -> list[Any]:
-        """Check the call against the peer's registry; on a miss, refresh the cache once and check again."""
+    async def _plan(self, ch: Channel, tensors: _Tensors, deadline: float, into: bool = False) -> list[Any]:
+        """Check the call against the peer's registry (``into``: a get, which writes the tensors); on
+        a miss, refresh the cache once and check again."""
         try:
-            return plan_items(ch.peer_specs, tensors, peer=ch.peer_name)
+            return plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=into)
         except (UnknownBufferError, BufferMismatchError):
             if not isinstance(tensors, Mapping):
                 raise
             await ch.sync_registry(deadline)
-            return plan_items(ch.peer_specs, tensors, peer=ch.peer_name)
+            return plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=into)
 
     async def notify(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
         """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications; returns once it is queued there.

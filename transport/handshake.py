@@ -87,6 +87,9 @@ def _spec_from_wire(b: WireBuffer) -> BufferSpec:
     if numel * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
         raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}"
                             f"{b.shape[:8]}")
+    if b.shm is not None and (b.shm.offset < 0 or b.shm.offset + b.nbytes > b.shm.size):
+        raise ProtocolError(f"peer registry: buffer {b.name!r} lies at bytes [{b.shm.offset}, "
+                            f"{b.shm.offset + b.nbytes}) of a {b.shm.size}-byte segment")
     return BufferSpec(b.name, dtype, torch.Size(b.shape), b.device, b.nbytes)
 
 

@@ -39,10 +39,13 @@ class At:
 
 
 def plan_items(
-    specs: Mapping[str, BufferSpec], tensors: Mapping[str, torch.Tensor | At], *, peer: str
+    specs: Mapping[str, BufferSpec], tensors: Mapping[str, torch.Tensor | At], *, peer: str, into: bool = False
 ) -> list[tuple[Item, torch.Tensor]]:
     """Check a put/get call against the peer's registry; return the wire items.
 
+    ``into``: the op writes into the tensors (a get): one that requires grad is refused (autograd
+    forbids writing into a leaf that requires grad, and a get into a tensor a graph saved would
+    change what backward reads: get into ``tensor.detach()``, the same memory, instead).
     Raises :class:`UnknownBufferError`, :class:`BufferMismatchError` or
     :class:`InvalidTensorError` naming expected vs got. Nothing is sent.
     """
@@ -67,6 +70,9 @@ def plan_items(
             t = check_tensor(name, value)
             off = 0
             shape = list(t.shape)
+        if into and t.requires_grad:
+            raise InvalidTensorError(f"{name!r}: a get writes into the tensor, which requires grad; get into "
+                                     "tensor.detach() (the same memory) instead")
         if t.dtype != spec.dtype:
             raise BufferMismatchError(f"buffer {name!r} on {peer!r} holds {spec.dtype}, the tensor is {t.dtype}")
         if shape is not None and t.shape != spec.shape:

@@ -47,8 +47,9 @@ class PeerAddress:
 
     ``name`` is what :meth:`Endpoint.add_peer <transport.Endpoint.add_peer>` returns for the
     record; ``incarnation`` tells this run of the endpoint from a later one of the same name
-    (a :class:`RemoteBuffer` carries it, so memory of a restarted peer is not mistaken for
-    the old one's); ``host``/``port`` is where it accepts channels."""
+    (a :class:`RemoteBuffer` carries it, so its holder can tell a restarted peer from the old one:
+    compare it with the connected peer's :attr:`~transport.Peer.incarnation`; put and get do not
+    check it); ``host``/``port`` is where it accepts channels."""
 
     name: str
     incarnation: int
@@ -177,9 +178,12 @@ def describe_buffer(endpoint: Endpoint, name: str, *, offset: int = 0, length: i
     buffer ``endpoint`` registered as ``name``. Non-blocking.
 
     :class:`~transport.UnknownBufferError` if no such buffer is registered, ``ValueError`` for
-    a range outside it or not on element boundaries. The descriptor stays valid while the
-    buffer stays registered and the endpoint keeps its incarnation; after that, peers' ops on
-    it fail (:class:`~transport.UnknownBufferError`, or the peer is gone)."""
+    a range outside it or not on element boundaries. The descriptor names the buffer: an op
+    through it reaches the buffer the endpoint has under ``name`` at that op. Once the buffer is
+    unregistered, ops fail (:class:`~transport.UnknownBufferError`); a buffer registered again
+    under the same name is reached too (if its dtype and size still fit the range), and so is a
+    restarted endpoint of the same name: compare :attr:`RemoteBuffer.incarnation` with the
+    connected :attr:`~transport.Peer.incarnation` to refuse those."""
     from .errors import UnknownBufferError
 
     spec = endpoint.buffers.get(name)

@@ -39,8 +39,9 @@ from collections.abc import Callable
 from ctypes import memmove
 
 import torch
+from torch.autograd.graph import increment_version
 
-from ..errors import PeerLostError, PlaneUnavailableError, StaleBufferError
+from ..errors import PeerLostError, PlaneUnavailableError, ProtocolError, StaleBufferError
 from ..flight_recorder import OpKind
 from ..hostinfo import same_host
 from ..staging import stage_out
@@ -91,7 +92,11 @@ class ShmPlane(DataPlane):
         if seg is None:
             seg = self._maps[h.inode] = map_segment(h)
         start = h.offset + item.offset * itemsize
-        return seg[start : start + item.count * itemsize]
+        end = start + item.count * itemsize
+        if h.offset < 0 or start < 0 or end > seg.numel():  # (a hostile handle: specs_from_wire refuses these)
+            raise ProtocolError(f"shm: peer {self.channel.peer_name!r} exports {item.name!r} at bytes "
+                                f"[{start}, {end}) of a {seg.numel()}-byte segment")
+        return seg[start:end]
 
     async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
                     header: Callable[[list[int]], Message]) -> None:
@@ -262,7 +267,7 @@ class ShmPlane(DataPlane):
             table = view
             n = it.count * t.element_size()
             start = h.offset + it.offset * t.element_size()
-            if start < 0 or start + n > seg.numel():  # (a hostile handle: the header's path reports it)
+            if h.offset < 0 or start < 0 or start + n > seg.numel():  # (a hostile handle: _view raises)
                 return False
             total += n
             jobs.append((h.slot, h.export_id, it.name, seg, start, t, n))
@@ -280,6 +285,7 @@ class ShmPlane(DataPlane):
                             memmove(remote, t.data_ptr(), n)
                         else:
                             memmove(t.data_ptr(), remote, n)
+                            increment_version(t)  # (as copy_ would: autograd sees the write)
                         table.check1(slot, export_id)
                     finally:
                         table.leave1(slot)
@@ -294,6 +300,7 @@ class ShmPlane(DataPlane):
                                 memmove(remote, t.data_ptr(), n)
                             else:
                                 memmove(t.data_ptr(), remote, n)
+                                increment_version(t)
                         table.check(slots)
                     finally:
                         table.leave([s for s, _ in slots])
