@@ -1,7 +1,9 @@
 """Flight recorder: a ring buffer of the most recent ops, dumped as JSON.
 
 Both sides of a channel record every op they take part in: the initiator
-when it posts the op, the target when the op's header arrives. A record is
+when it posts the op (an op it does synchronously, a one-sided shm put or get
+done on the event loop, once it is over, with its start time: no dump can be
+taken while it runs), the target when the op's header arrives. A record is
 keyed by ``(channel, initiator, seq)``, the same on both sides, so that
 ``python -m transport fr A.json B.json`` can pair the two views and name the
 op (and the peer) that stalled. Records are updated in place as the op moves

@@ -304,6 +304,8 @@ class ShmPlane(DataPlane):
                         table.check(slots)
                     finally:
                         table.leave([s for s, _ in slots])
+            if not ch.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere
+                raise PeerLostError(f"channel to {ch.peer_name!r} was lost during the copy")
         except BaseException as exc:
             ch.record_here(kind, [it.name for it, _ in pairs], total, self.name, t_posted, exc)
             raise

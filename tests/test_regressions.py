@@ -1,4 +1,5 @@
-"""Reproductions of review findings on b86493f..e953fc2 (each test fails on the reviewed code).
+"""Regressions: each test reproduces a defect a hostile review found (on b86493f..e953fc2) and
+failed on that code; they pass since 11abccb.
 
 Real endpoints, real shared memory, real sockets. A hostile peer is simulated by editing the
 shm handle in the initiator's cached copy of the peer's registry (``Channel.remote_wire``).
