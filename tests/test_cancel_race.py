@@ -36,6 +36,7 @@ import torch
 import transport
 from tests._race_remote import RaceTarget, describe
 from tests._remote import op_records
+from tests.test_conformance import delays, stopped
 from transport.staging import StagingConfig, ThreadCopyEngine
 
 MiB = 1 << 20
@@ -65,24 +66,6 @@ def case(request, store_url):
 
 async def call(target: RaceTarget, *args: Any) -> Any:
     return await asyncio.to_thread(target.call, *args)
-
-
-def delays(duration: float) -> list[float]:
-    """Where to cancel: tiny timeouts, then points spread over an uncancelled op's duration."""
-    return [0.0005, 0.001, 0.002] + [duration * f for f in (0.05, 0.15, 0.3, 0.5, 0.7, 0.9)]
-
-
-async def stopped(op: Any, mode: str, delay: float) -> bool:
-    """Run ``op(timeout)``, stopped after ``delay`` (``wait_for``) or by its own ``timeout=``;
-    True if it raised (it was cancelled or timed out), False if it completed first."""
-    try:
-        if mode == "wait_for":
-            await asyncio.wait_for(op(None), delay)
-        else:
-            await op(delay)
-    except (TimeoutError, transport.TransportTimeoutError):
-        return True
-    return False
 
 
 class Figures:

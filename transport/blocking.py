@@ -57,13 +57,17 @@ class BlockingEndpoint:
             self._stop_loop()
             raise
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, *, settle: bool = False) -> T:
+    def _may_call(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Raise (closing ``coro``) if the loop is gone or this is the loop's own thread."""
         if not self._thread.is_alive():
             coro.close()
             raise EndpointClosedError("the blocking endpoint's loop has stopped")
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread")
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, *, settle: bool = False) -> T:
+        self._may_call(coro)
         over = None
         if settle:  # a put/get given up on below is cancelled, and waited for until it ended (bounded)
             over = threading.Event()
@@ -179,12 +183,7 @@ class BlockingEndpoint:
         return self._submit(self._ep.get(peer, tensors, timeout=timeout))
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
-        if not self._thread.is_alive():
-            coro.close()
-            raise EndpointClosedError("the blocking endpoint's loop has stopped")
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread")
+        self._may_call(coro)
         out: concurrent.futures.Future[None] = concurrent.futures.Future()
         out.set_running_or_notify_cancel()  # running from here on: cancel() returns False
         self._submitted.add(out)

@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["FlightRecorder", "OpKind", "OpState", "Record", "default_dump_dir"]
 
@@ -134,36 +135,18 @@ class FlightRecorder:
             self._ring.append(rec)
         return rec
 
-    def record_done(
-        self,
-        *,
-        op_id: int,
-        channel: str,
-        seq: int,
-        role: str,
-        initiator: str,
-        peer: str,
-        kind: OpKind,
-        names: list[str],
-        nbytes: int,
-        plane: str,
-        t_posted: float,
-        error: BaseException | None = None,
-    ) -> Record:
-        """Record an op that began at ``t_posted`` (``time.time()``) and is over now, in one step:
-        done, or failed with ``error``. For an op done synchronously (a one-sided shm put or get),
-        which no other thread can see halfway."""
+    def record_done(self, *, t_posted: float, error: BaseException | None = None, **op: Any) -> Record:
+        """Record an op that began at ``t_posted`` (``time.time()``) and is over now: done, or failed
+        with ``error``; ``op``: :meth:`record`'s other arguments. For an op done synchronously (a
+        one-sided shm put or get on the event loop), which no dump can catch halfway."""
+        rec = self.record(state=OpState.POSTED, **op)
         now = time.time()
         state = "done" if error is None else "failed"
         with self._lock:
-            rec = Record(
-                record_id=next(self._ids), op_id=op_id, channel=channel, seq=seq, role=role,
-                initiator=initiator, peer=peer, kind=kind._value_, names=names, nbytes=nbytes,
-                plane=plane, state=state, t_posted=t_posted, t_updated=now,
-                history=[("posted", t_posted), (state, now)],
-                error=None if error is None else f"{type(error).__name__}: {error}",
-            )
-            self._ring.append(rec)
+            rec.state, rec.t_posted, rec.t_updated = state, t_posted, now
+            rec.history = [("posted", t_posted), (state, now)]
+            if error is not None:
+                rec.error = f"{type(error).__name__}: {error}"
         return rec
 
     def update(self, rec: Record, state: OpState, error: BaseException | str | None = None) -> None:
