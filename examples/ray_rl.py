@@ -1,7 +1,8 @@
 """The RL loop on a local Ray cluster: a trainer actor and generator actors, weights pushed with rl_sync.
 
     python examples/ray_rl.py [--generators 2] [--steps 5] [--mode staged|swap|direct|shared]
-                              [--kill-at STEP] [--num-cpus 4] [--ray-temp-dir DIR] [-v]
+                              [--kill-at STEP] [--step-timeout 60] [--fault GEN@STEP:SIG]
+                              [--num-cpus 4] [--ray-temp-dir DIR] [-v]
 
 Needs Ray (``pip install -e ".[ray]"``). ``ray.init`` starts a Ray instance on
 this machine only (``--num-cpus`` logical CPUs, no dashboard), and the driver
@@ -38,12 +39,27 @@ Each step (synchronous, on-policy, as verl's and OpenRLHF's default loops):
 about the time a push takes), the trainer drops it from its subscribers,
 and the loop goes on with the others.
 
+A generator that dies or freezes by itself, at any point of a step, is
+dropped the same way: the driver waits for the step's rollouts with
+``ray.wait`` bounded by ``--step-timeout``, and passes the trainer only the
+rollouts that came; a generator whose call failed with ``RayActorError``
+(it died) or did not answer in time (frozen, or too slow) is unsubscribed
+(``remove_subscriber``) before the push and killed (``ray.kill``). One that
+fails after its rollouts came fails only its own entry of the push (rl_sync
+bounds each subscriber by the push's timeout, ``--step-timeout`` too); the
+driver then pings it: dead or silent for 5 s, it is dropped; still answering,
+the run fails (a live generator missed a version). The summary's ``lost``
+lists each one with its step, phase (rollouts, push, digest) and why.
+``--fault GEN@STEP:SIG`` (for tests) sends SIGKILL or SIGSTOP to a
+generator's worker just before step STEP's push.
+
 At the end every live generator reports a sha256 of the weights it holds,
 and the driver checks that each holds exactly the trainer's final weights.
 The last line printed is ``summary: {json}`` (who sampled which versions,
-each push's outcome, the placement). Exits non-zero if a generator samples
-with a version other than the newest, a push misses a live generator, or
-the final weights differ. Ray is shut down, the actors killed and the
+each push's outcome, the placement, the generators lost). Exits non-zero if
+a generator samples with a version other than the newest, a push misses a
+generator that still answers, no generator is left, or the final weights
+differ; every failure is one ``FAILED:`` line on stderr. Ray is shut down, the actors killed and the
 placement group removed on every way out (SIGTERM and SIGINT included).
 """
 
@@ -79,7 +95,9 @@ TRAINER = "trainer"
 EXAMPLES = Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
 START_TIMEOUT = 120.0  # an actor process imports torch first: slow on a busy 2-core machine
-STEP_TIMEOUT = 60.0
+STEP_TIMEOUT = 60.0  # --step-timeout's default
+PUSH_SLACK = 30.0  # a push returns within its timeout plus planning (connect_timeout, 5 s): the driver waits this more
+PROBE_TIMEOUT = 5.0  # a generator whose push failed: how long it has to answer a ping before it counts as frozen
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -124,6 +142,9 @@ class Generator:
     async def add_peer(self, record: bytes) -> str:
         assert self.ep is not None
         return self.ep.add_peer(record)
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     async def generate(self, batch: int, min_version: int, timeout: float) -> dict[str, Any]:
         """Sample ``batch`` rollouts with the newest committed version (at least ``min_version``)."""
@@ -209,6 +230,9 @@ class Trainer:
     async def digest(self) -> str:
         return weights_digest(self.policy)
 
+    async def pid(self) -> int:
+        return os.getpid()
+
     async def close(self) -> None:
         async with self.opening:
             if self.pub is not None:
@@ -224,6 +248,40 @@ def _get(refs: Any, what: str, timeout: float = STEP_TIMEOUT) -> Any:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         raise SystemExit(f"FAILED: {what}: no answer within {timeout} s") from None
+
+
+def _collect(refs: dict[str, Any], timeout: float, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """Wait (at most ``timeout`` s in all) for one call per generator; return the refs that succeeded, their
+    values, and why each of the others failed: its actor died (``RayActorError``) or it did not answer in time
+    (frozen, or too slow). Any other error is a bug in the generator, not a lost one: the run fails."""
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout, fetch_local=True)
+    done = set(ready)
+    ok: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for name, ref in refs.items():
+        if ref not in done:
+            failed[name] = f"no answer within the step timeout ({timeout:g} s): frozen or too slow"
+            continue
+        try:
+            values[name] = ray.get(ref, timeout=timeout)
+            ok[name] = ref
+        except ray.exceptions.RayActorError as exc:
+            failed[name] = f"its actor died ({type(exc).__name__})"
+        except ray.exceptions.RayTaskError as exc:
+            raise SystemExit(f"FAILED: step {step}: {name} raised {exc}") from None
+    return ok, values, failed
+
+
+def _probe(actor: Any, timeout: float) -> str | None:
+    """None if ``actor`` answers within ``timeout`` s, else what it is: dead, or not answering (frozen)."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=timeout)
+        return None
+    except ray.exceptions.RayActorError as exc:
+        return f"its actor died ({type(exc).__name__})"
+    except ray.exceptions.GetTimeoutError:
+        return f"no answer to a ping within {timeout:g} s: frozen"
 
 
 def _wait_dead(actor: Any, name: str, timeout: float = 30.0) -> None:
@@ -263,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert _get(trainer.add_generators.remote(gen_recs), "trainer adds the generators") == names
         started_s = time.monotonic() - t_start
 
-        pushes = [_get(trainer.push.remote(1, STEP_TIMEOUT), "first push", STEP_TIMEOUT + 10)]
+        pushes = [_get(trainer.push.remote(1, args.step_timeout), "first push", args.step_timeout + PUSH_SLACK)]
         if not pushes[0]["ok"]:
             raise SystemExit(f"FAILED: first push: {pushes[0]['summary']}")
         info = _get(trainer.describe.remote(), "trainer describe")
@@ -271,37 +329,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"({', '.join(f'{n} over {p}' for n, p in sorted(info['planes'].items()))}, mode {args.mode}); "
               f"actors up and wired in {started_s:.1f} s; placement group of {1 + len(names)} CPU bundles (PACK)",
               flush=True)
+        pids = dict(zip([TRAINER, *names], _get([trainer.pid.remote()] + [actors[n].pid.remote() for n in names],
+                                                    "actor pids"), strict=True))
+        print("pids: " + ", ".join(f"{n} {p}" for n, p in pids.items()), flush=True)
         print(f"{'step':>4} {'version':>7} {'sampled':>9} {'reward':>6} {'push ms':>8}  committed", flush=True)
         live = list(names)
         sampled: dict[str, list[int]] = {n: [] for n in names}
         nodes = {TRAINER: info["node"]}
         killed = None
+        lost: list[dict[str, Any]] = []  # generators that died or froze by themselves, in order
+
+        def drop(name: str, step: int, phase: str, why: str) -> None:
+            """Give up on a generator that died or froze: unsubscribe it, kill it (a frozen process must not
+            outlive the run), go on without it."""
+            live.remove(name)
+            victim = actors.pop(name)
+            lost.append({"name": name, "step": step, "phase": phase, "why": why})
+            print(f"  lost {name} at step {step} ({phase}): {why}; dropped (unsubscribed, ray.kill)", flush=True)
+            _get(trainer.remove_generator.remote(name), f"trainer drops {name}")
+            with contextlib.suppress(Exception):
+                ray.kill(victim, no_restart=True)
+
         per_gen = max(1, args.batch // len(names))
         for step in range(1, args.steps + 1):
-            refs = [actors[n].generate.remote(per_gen, step, STEP_TIMEOUT) for n in live]
-            # the trainer gets the rollouts straight from the object store (Ray resolves the refs before the
-            # call runs); the driver reads them too, to check which version each was sampled with
-            pushed = trainer.train_and_push.remote(step + 1, STEP_TIMEOUT, *refs)
-            got = _get(refs, f"rollouts of step {step}", STEP_TIMEOUT + 10)
-            for r in got:
+            refs = {n: actors[n].generate.remote(per_gen, step, args.step_timeout) for n in live}
+            ok_refs, got, failed = _collect(refs, args.step_timeout, step)
+            for n, why in failed.items():  # before the push: it must not wait for a generator known to be gone
+                drop(n, step, "rollouts", why)
+            if not live:
+                raise SystemExit(f"FAILED: step {step}: no generator left ({lost})")
+            for r in got.values():
                 sampled[r["name"]].append(r["version"])
                 nodes[r["name"]] = r["node"]
-            wrong = {r["name"]: r["version"] for r in got if r["version"] != step}
+            wrong = {n: r["version"] for n, r in got.items() if r["version"] != step}
             if wrong:  # on-policy: the trainer pushed `step` and nothing newer, so that is the newest
                 raise SystemExit(f"FAILED: step {step}: sampled with versions {wrong}, not {step}")
-            report = _get(pushed, f"push of version {step + 1}", STEP_TIMEOUT + 10)
+            for n, sig in args.fault.get(step, []):  # fault injection (tests): n dies or freezes mid-step
+                if n in live:
+                    os.kill(pids[n], sig)
+                    print(f"  sent {sig.name} to {n} (pid {pids[n]}) before the push of version {step + 1}",
+                          flush=True)
+            # only the rollouts that came: the trainer resolves these refs from the object store
+            report = _get(trainer.train_and_push.remote(step + 1, args.step_timeout, *ok_refs.values()),
+                          f"push of version {step + 1}", args.step_timeout + PUSH_SLACK)
             pushes.append(report)
             committed = sorted(n for n, r in report["results"].items() if r["ok"])
-            print(f"{step:4d} {step + 1:7d} {'/'.join(map(str, sorted({r['version'] for r in got}))):>9} "
+            print(f"{step:4d} {step + 1:7d} {'/'.join(map(str, sorted({r['version'] for r in got.values()}))):>9} "
                   f"{report['mean_reward']:6.3f} {report['seconds'] * 1e3:8.2f}  {','.join(committed)}", flush=True)
             missed = [n for n in live if n != killed and not report["results"].get(n, {}).get("ok")]
-            if missed:
-                raise SystemExit(f"FAILED: version {step + 1} did not reach {missed}: {report['summary']}")
+            for n in missed:  # lost only if it died or stopped answering; a live one that missed it is a bug
+                r = report["results"].get(n, {})
+                state = _probe(actors[n], min(PROBE_TIMEOUT, args.step_timeout))
+                if state is None:
+                    raise SystemExit(f"FAILED: version {step + 1} did not reach {n}, which still answers: "
+                                     f"{report['summary']}")
+                drop(n, step, "push", f"push of version {step + 1} failed (stage {r.get('stage')}: "
+                                      f"{r.get('error')}); {state}")
+            if not live:
+                raise SystemExit(f"FAILED: step {step}: no generator left ({lost})")
             if killed is not None and killed in report["results"]:
                 r = report["results"][killed]
                 print(f"  {killed} (killed): stage {r['stage']}, {r['error']}; the trainer drops it", flush=True)
                 _get(trainer.remove_generator.remote(killed), "trainer drops the killed generator")
-            if step == args.kill_at:
+            if step == args.kill_at and len(live) >= 2:
                 killed = live.pop()
                 victim = actors.pop(killed)
                 ray.kill(victim, no_restart=True)
@@ -309,14 +399,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  killed {killed} (ray.kill) after step {step}", flush=True)
         final = args.steps + 1
         want = _get(trainer.digest.remote(), "trainer digest")
-        held = dict(zip(live, _get([actors[n].digest.remote() for n in live], "generator digests"), strict=True))
+        refs = {n: actors[n].digest.remote() for n in live}
+        _, held, failed = _collect(refs, args.step_timeout, args.steps)
+        for n, why in failed.items():
+            drop(n, args.steps, "digest", why)
+        if not live:
+            raise SystemExit(f"FAILED: no generator left to verify ({lost})")
         differ = {n: v for n, (v, d) in held.items() if (v, d) != (final, want)}
         if differ:
             raise SystemExit(f"FAILED: weights differ from the trainer's version {final} ({want[:16]}): {differ}")
-        print(f"verified: {', '.join(live)} hold{'s' if len(live) == 1 else ''} exactly the trainer's final weights (version {final}, "
-              f"sha256 {want[:16]})", flush=True)
+        print(f"verified: {', '.join(live)} hold{'s' if len(live) == 1 else ''} exactly the trainer's final weights "
+              f"(version {final}, sha256 {want[:16]})", flush=True)
+        for e in lost:
+            print(f"lost: {e['name']} at step {e['step']} ({e['phase']}): {e['why']}", flush=True)
         return {"generators": names, "steps": args.steps, "mode": args.mode, "final_version": final,
-                "sampled": sampled, "killed": killed, "kill_at": args.kill_at, "verified": live,
+                "sampled": sampled, "killed": killed, "kill_at": args.kill_at, "verified": live, "lost": lost,
+                "held": {n: list(held[n]) for n in live},
+                "digest": want, "pids": pids, "step_timeout": args.step_timeout,
                 "pushes": [{k: p[k] for k in ("version", "ok", "seconds", "results")} for p in pushes],
                 "nodes": nodes, "bundles": 1 + len(names), "strategy": "PACK", "startup_s": round(started_s, 2)}
     finally:
@@ -346,14 +445,31 @@ def main() -> int:
     ap.add_argument("--planes", help="comma-separated transport planes to allow, e.g. tcp (default: the best one)")
     ap.add_argument("--kill-at", type=int, default=0, metavar="STEP",
                     help="ray.kill the last generator after this step (0: never)")
+    ap.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT, metavar="S",
+                    help="how long a step waits for rollouts and a push for each generator; one that misses it "
+                         "(frozen) is dropped (default %(default)g)")
+    ap.add_argument("--fault", action="append", default=[], metavar="GEN@STEP:SIG",
+                    help="fault injection, for tests: send SIG (KILL or STOP) to generator GEN's worker process "
+                         "once step STEP's rollouts are in, just before the push (the driver's node only); repeatable")
     ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray instance")
     ap.add_argument("--ray-temp-dir", help="Ray's session folder (default: a new one under /tmp, removed at exit)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO (planes, plans, pushes)")
     args = ap.parse_args()
     if args.steps < 1 or args.generators < 1 or args.batch < args.generators:
         ap.error("--steps and --generators must be >= 1 and --batch >= --generators")
+    if not args.step_timeout > 0:
+        ap.error("--step-timeout must be > 0")
     if args.kill_at and (args.generators < 2 or not 1 <= args.kill_at < args.steps):
         ap.error("--kill-at needs --generators >= 2 and 1 <= STEP < --steps")
+    faults: dict[int, list[tuple[str, signal.Signals]]] = {}
+    for f in args.fault:
+        try:
+            gen, rest = f.split("@")
+            step, sig = rest.split(":")
+            faults.setdefault(int(step), []).append((gen, signal.Signals[f"SIG{sig.upper()}"]))
+        except (ValueError, KeyError):
+            ap.error(f"--fault {f!r}: want GEN@STEP:SIG, e.g. gen-1@2:KILL")
+    args.fault = faults
     args.planes = tuple(args.planes.split(",")) if args.planes else None
     args.log_level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=args.log_level, format="[driver] %(name)s: %(message)s")
@@ -370,6 +486,9 @@ def main() -> int:
         summary = run(args)
     except SystemExit as exc:  # ours carry a message; Ray's SIGTERM handler during ray.init() a number
         print(exc.code if isinstance(exc.code, str) else f"FAILED: exit {exc.code}", file=sys.stderr, flush=True)
+        return 1
+    except ray.exceptions.RayError as exc:  # e.g. the trainer died: no generator can go on without it
+        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         ray.shutdown()
