@@ -47,7 +47,7 @@ rollouts that came; a generator whose call failed with ``RayActorError``
 (``remove_subscriber``) before the push and killed (``ray.kill``). One that
 fails after its rollouts came fails only its own entry of the push (rl_sync
 bounds each subscriber by the push's timeout, ``--step-timeout`` too); the
-driver then pings it: dead or silent for 5 s, it is dropped; still answering,
+driver then pings it: dead or silent for 3 s, it is dropped; still answering,
 the run fails (a live generator missed a version). The summary's ``lost``
 lists each one with its step, phase (rollouts, push, digest) and why.
 ``--fault GEN@STEP:SIG`` (for tests) sends SIGKILL or SIGSTOP to a
@@ -97,7 +97,7 @@ ROOT = EXAMPLES.parent
 START_TIMEOUT = 120.0  # an actor process imports torch first: slow on a busy 2-core machine
 STEP_TIMEOUT = 60.0  # --step-timeout's default
 PUSH_SLACK = 30.0  # a push returns within its timeout plus planning (connect_timeout, 5 s): the driver waits this more
-PROBE_TIMEOUT = 5.0  # a generator whose push failed: how long it has to answer a ping before it counts as frozen
+PROBE_TIMEOUT = 3.0  # a generator whose push failed: how long it has to answer a ping (milliseconds when alive)
 
 
 def weights_digest(module: torch.nn.Module) -> str:

@@ -261,7 +261,7 @@ def test_ray_example_drops_a_frozen_generator_within_the_step_timeout(faulty_run
     push = s["pushes"][4]  # version 5: only the frozen one's entry failed, bounded by the push's timeout
     assert not push["results"][FREEZES_IN_PUSH]["ok"] and push["seconds"] < STEP_TIMEOUT + 5, out
     _dropped_after(s, FREEZES_IN_PUSH, 4, out)
-    # bounded: each freeze costs at most a step timeout for rollouts, or a push timeout then a 5 s ping
+    # bounded: each freeze costs at most a step timeout for rollouts, or a push timeout then a 3 s ping
     assert events["end"] - events[FREEZES] < 2 * STEP_TIMEOUT + 5 + 30, (events, out)
     # the frozen processes themselves are gone (ray.kill; _run also checked no process of the run is left)
     for name in (FREEZES, FREEZES_IN_PUSH):
