@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import time
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 __all__ = [
     "K", "NUM_DIGITS", "SEP", "VOCAB", "BATCH", "LR", "TaskPolicy", "build_policy", "make_prompts",
-    "sample", "reward", "Trainer", "main",
+    "sample", "reward", "Trainer", "main", "weights_digest",
 ]
 
 K = 4               # prompt length == number of generated tokens
@@ -60,6 +61,16 @@ class TaskPolicy(nn.Module):
         for layer in self.layers:
             x = layer(x, src_mask=mask, is_causal=True)
         return self.head(self.norm(x))
+
+
+def weights_digest(module: nn.Module) -> str:
+    """sha256 over every tensor's name and bytes, in state-dict order (the examples compare trainer and
+    generators with it)."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def build_policy(seed: int = 0) -> TaskPolicy:

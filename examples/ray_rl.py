@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -98,15 +97,6 @@ START_TIMEOUT = 120.0  # an actor process imports torch first: slow on a busy 2-
 STEP_TIMEOUT = 60.0  # --step-timeout's default
 PUSH_SLACK = 30.0  # a push returns within its timeout plus planning (connect_timeout, 5 s): the driver waits this more
 PROBE_TIMEOUT = 3.0  # a generator whose push failed: how long it has to answer a ping (milliseconds when alive)
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    """sha256 over every tensor's name and bytes, in state-dict order."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _endpoint(name: str, planes: tuple[str, ...] | None) -> transport.Endpoint:
@@ -159,7 +149,7 @@ class Generator:
     async def digest(self) -> tuple[int, str]:
         assert self.sub is not None
         async with self.sub.hold(timeout=STEP_TIMEOUT) as version:
-            return version, weights_digest(self.policy)
+            return version, toy.weights_digest(self.policy)
 
     async def close(self) -> None:
         async with self.opening:
@@ -228,7 +218,7 @@ class Trainer:
                 "planes": {n: p.plane for n, p in self.ep.peers.items()}}
 
     async def digest(self) -> str:
-        return weights_digest(self.policy)
+        return toy.weights_digest(self.policy)
 
     async def pid(self) -> int:
         return os.getpid()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import logging
 import multiprocessing as mp
 import sys
@@ -59,15 +58,6 @@ MODELS = {"toy": "policy", "hf-llama": "LlamaForCausalLM policy (transformers, t
 # no learned ones) learns the copy task slower than the toy (one run: from 0.17 to 0.48 in 30 steps)
 MIN_RISE = {"toy": 0.2, "hf-llama": 0.1}
 JUDGE_STEPS = 10  # fewer steps: no verdict on learning (the weights are still verified)
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    """sha256 over every tensor's name and bytes, in state-dict order."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def build_policy(model: str, seed: int) -> torch.nn.Module:
@@ -110,7 +100,7 @@ async def _generator(name: str, index: int, store: str, args: argparse.Namespace
                     return
                 if note.payload == b"digest":
                     async with sub.hold() as held:
-                        digest = weights_digest(policy)
+                        digest = toy.weights_digest(policy)
                     await ep.notify(TRAINER, f"digest {held} {digest}".encode())
 
         ctl = asyncio.ensure_future(control())
@@ -189,7 +179,7 @@ async def trainer(args: argparse.Namespace) -> int:
                 if not report.ok:
                     raise SystemExit(f"FAILED: push did not reach every generator: {report.summary()}")
             final = args.steps + 1
-            want = weights_digest(policy)
+            want = toy.weights_digest(policy)
             for n in names:
                 await ep.notify(n, b"digest")
             digests = await collect(ep, "digest", names, procs, STEP_TIMEOUT, role="generator")
