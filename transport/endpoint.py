@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import secrets
 import socket
@@ -25,42 +24,37 @@ import torch
 from . import auth
 from .address import AddressBook, encode_address
 from .channel import Channel
+from .connector import Connector
 from .errors import (
-    AuthenticationError,
     BufferMismatchError,
     EndpointClosedError,
     InvalidTensorError,
     PeerLostError,
-    PeerNotFoundError,
     Phase,
     PlaneUnavailableError,
     ProtocolError,
     StaleBufferError,
-    TransportError,
     TransportTimeoutError,
     UnknownBufferError,
 )
 from .exports import Exports
 from .flight_recorder import FlightRecorder, OpKind
-from .handshake import handshake, hang_up
-from .hostinfo import local_host, same_host
+from .hostinfo import local_host
 from .ipc import IpcEngine
 from .p2p import LinkEngine, link_engine_probe
 from .peer import Notification, Peer, Route
-from .planes import choose_cpu_plane, make_exporters, validate_planes
+from .planes import make_exporters, validate_planes
 from .ranges import At, plan_items
 from .registry import BufferSpec
 from .rendezvous import EndpointRecord, Rendezvous
 from .staging import Staging, StagingConfig
-from .wire import MAX_NOTIFY, PROTOCOL_VERSION, Hello, Notify, Registry, WireBuffer
+from .wire import MAX_NOTIFY, Notify, Registry, WireBuffer
 
 __all__ = ["Endpoint"]
 
 log = logging.getLogger(__name__)
 
 _Tensors = Mapping[str, "torch.Tensor | At"]
-_MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
-_ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
 _DUMP_INTERVAL = 5.0  # at most one automatic flight-recorder dump per this many seconds
 _WITHDRAW_S = 2.0  # how long an open() that failed while publishing waits to take its record back
 
@@ -72,10 +66,6 @@ def _current_cuda_device() -> int | None:
         return torch.cuda.current_device() if torch.cuda.is_initialized() else None
     except Exception:  # noqa: BLE001 - e.g. a forked child of a CUDA process: no nccl here
         return None
-
-
-class _Retry(Exception):
-    """A dial attempt that should look the peer up again."""
 
 
 class Endpoint:
@@ -181,7 +171,6 @@ class Endpoint:
         # the registry, and each plane's exports of its buffers (shm's segments, cuda_ipc's handles)
         self._exports = Exports(make_exporters(name, self.planes, [], ipc_engine))
         self._registry = self._exports.registry
-        self._holder_ids = itertools.count(1)
         if nccl_engine is not None and not callable(nccl_engine):
             raise ValueError(f"nccl_engine must be a zero-argument factory of a link engine, got {nccl_engine!r}")
         self._nccl_factory = nccl_engine
@@ -201,9 +190,9 @@ class Endpoint:
         self._rdv = Rendezvous(store, host_store=host_store, timeout=timeout)
         self._book = AddressBook()  # peers added from their address records (add_peer)
         self.recorder = FlightRecorder(name, self.incarnation, flight_recorder_size)
-        self._channels: dict[str, Channel] = {}
-        self._all: set[Channel] = set()
-        self._dial_locks: dict[str, asyncio.Lock] = {}
+        self._connector = Connector(self)  # accepting, dialling, and which channel carries each peer's ops
+        self._channels = self._connector.channels
+        self._all = self._connector.all
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
         self._record: EndpointRecord | None = None
@@ -216,7 +205,6 @@ class Endpoint:
         self._on_note: Callable[[Notification], Any] | None = None
         self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
         self._registry_dirty = False
-        self._handshaking = 0
         self._last_auto_dump = -_DUMP_INTERVAL
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
@@ -268,7 +256,7 @@ class Endpoint:
             else:
                 self.nccl_reason = f"not allowed here (planes={self.planes})"
             self._exports.start()  # export the buffers registered before open, and every later one at once
-            self._spawn(self._accept_loop())
+            self._spawn(self._connector.accept_loop())
             self._spawn(self._monitor())
             publishing = True
             await self._rdv.publish(self._record, time.monotonic() + self.timeout)
@@ -540,226 +528,13 @@ class Endpoint:
                 log.info("endpoint %r offers the nccl plane from now on (CUDA came into use after it was "
                          "created): %s", self.name, reason)
 
-    def _hello(self, channel_id: str) -> Hello:
-        epoch, bufs = self.wire_registry()
-        return Hello(PROTOCOL_VERSION, self.name, self.incarnation, local_host(), self._offered(), epoch, bufs,
-                     channel_id)
-
-    def _wants_link(self, remote: Hello, offered: list[str]) -> bool:
-        """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos
-        (``offered``: the planes our Hello offered): both offer nccl, and they are not two same-host
-        endpoints that both allow cuda_ipc."""
-        if self.nccl_engine is None or "nccl" not in offered or "nccl" not in remote.planes:
-            return False
-        both_ipc = "cuda_ipc" in self.planes and "cuda_ipc" in remote.planes
-        return not (both_ipc and same_host(local_host(), remote.host)[0])
-
-    def _adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
-               dialer: bool, offered: list[str]) -> Channel:
-        plane, reason = choose_cpu_plane(local_host(), remote.host, self.planes, tuple(remote.planes))
-        ch = Channel(self, sock, remote, channel_id, plane, reason, registry=self._registry, recorder=self.recorder)
-        if self._wants_link(remote, offered):
-            from .link import Link
-
-            assert self.nccl_engine is not None
-            ch.link = Link(ch, self.nccl_engine, dialer=dialer, timeout=self.timeout)
-        old = self._channels.get(remote.name)
-        if old is not None and old.incarnation != remote.incarnation:
-            old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
-        if old is None or not old.is_open or old.incarnation != remote.incarnation:
-            self._channels[remote.name] = ch
-        elif ch.id < old.id:
-            # Both sides dialled at once: both keep serving, but both route new ops over the
-            # channel with the smaller id, so that ops between the pair stay in one order.
-            self._channels[remote.name] = ch
-        self._all.add(ch)
-        ch.start()
-        if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
-            ch.holder = f"channel-{next(self._holder_ids)}"
-            self._exports.watch(ch.holder, sent_epoch, remote.host.pid)
-        if ch.link is not None and dialer:
-            ch.link.start()
-        log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, self.name, remote.name,
-                 remote.incarnation, plane.name, reason)
-        if self._registry.epoch != sent_epoch:  # registry changed during the handshake
-            epoch, bufs = self.wire_registry()
-            ch.send(Registry(epoch, bufs))
-        return ch
-
-    async def _accept_loop(self) -> None:
-        listener = self._listener
-        if listener is None:  # (open() failed, or close() cut it short, before this task first ran)
-            return
-        while True:
-            sock, addr = await self.loop.sock_accept(listener)
-            self._spawn(self._accept_one(sock, addr))
-
-    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
-        if self._handshaking >= _MAX_HANDSHAKES:
-            log.warning("refusing a connection from %s: %d handshakes already in progress", addr, self._handshaking)
-            sock.close()
-            return
-        self._handshaking += 1
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await self._late_nccl()
-            hello = self._hello("")
-        except BaseException:
-            self._handshaking -= 1
-            sock.close()
-            raise
-        pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
-        self._exports.watch(pending, hello.epoch, None)
-        adopted = False
-        try:
-            assert self._secret is not None and self._record is not None
-            remote = await handshake(sock, hello, time.monotonic() + min(self.timeout, _ACCEPT_HANDSHAKE_S), dialer=False,
-                                     secret=self._secret, address=(self._record.host, self._record.port))
-            self._exports.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
-                                      else None)
-            if self._state != "open":
-                raise EndpointClosedError("endpoint is closing")
-            sock.setblocking(True)
-            self._adopt(sock, remote, remote.channel_id or f"{remote.name}->{self.name}", hello.epoch, dialer=False,
-                        offered=hello.planes)
-            adopted = True
-        except AuthenticationError as exc:
-            log.error("refused a connection from %s: %s; connection closed", addr, exc)
-            await hang_up(sock)
-        except ProtocolError as exc:
-            log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
-            sock.close()
-        except (OSError, EOFError, TimeoutError, TransportError) as exc:
-            log.warning("handshake with %s failed: %s", addr, exc or type(exc).__name__)
-            sock.close()
-        except Exception:  # a bug (peer bytes are ProtocolErrors): logged here, never an unretrieved task error
-            log.exception("handshake with %s failed unexpectedly; connection closed", addr)
-            sock.close()
-        finally:
-            self._handshaking -= 1
-            if adopted:  # tracked as its channel from here
-                self._exports.forget(pending)
-            else:  # it had our Hello and may have adopted its side: as a channel closed without a Bye
-                self._exports.closed(pending, orderly=False)
-                sock.close()  # (cancelled by close(), or an unexpected error: never left to the GC)
-
     async def _channel(self, peer: str, deadline: float) -> Channel:
-        self._check_open()
-        if not isinstance(peer, str) or not peer:
-            raise PeerNotFoundError(f"peer names are non-empty strings, got {peer!r}")
-        ch = self._channels.get(peer)
-        if ch is not None and ch.is_open:
-            return ch
-        lock = self._dial_locks.setdefault(peer, asyncio.Lock())
-        try:  # another op may be dialling this peer with a later deadline: wait for it only until ours
-            async with asyncio.timeout_at(deadline):
-                await lock.acquire()
-        except TimeoutError:
-            raise TransportTimeoutError(f"connecting to {peer!r}: the connect already in progress did not finish "
-                                        "before this op's deadline", Phase.CONNECT) from None
-        try:
-            ch = self._channels.get(peer)
-            if ch is not None and ch.is_open:
-                return ch
-            return await self._dial(peer, deadline)
-        finally:
-            lock.release()
-
-    async def _dial(self, peer: str, deadline: float) -> Channel:
-        skip: set[int] = set()
-        while True:
-            rec = self._book.lookup(peer, skip)  # a peer added from its record is not looked for in the store
-            if rec is None:
-                rec = await self._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
-            channel_id = f"{self.name}#{self.incarnation:x}->{peer}#{rec.incarnation:x}/{secrets.token_hex(3)}"
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await self.loop.sock_connect(sock, (rec.host, rec.port))
-            except TimeoutError:
-                sock.close()
-                raise TransportTimeoutError(f"connecting to {peer!r} at {rec.host}:{rec.port} timed out",
-                                            Phase.CONNECT) from None
-            except OSError as exc:
-                sock.close()
-                log.info("endpoint %r (incarnation %#x) at %s:%d refused: %s; waiting for a new incarnation",
-                         peer, rec.incarnation, rec.host, rec.port, exc)
-                skip.add(rec.incarnation)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
-            adopted = False
-            try:
-                ch = await self._dial_once(sock, peer, rec, channel_id, pending, deadline, skip)
-                adopted = True
-                return ch
-            except _Retry:
-                continue
-            finally:
-                if adopted:
-                    self._exports.forget(pending)
-                else:  # it may have had our Hello and adopted its side: as a channel closed without a Bye
-                    self._exports.closed(pending, orderly=False)
-
-    async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
-                         deadline: float, skip: set[int]) -> Channel:
-        """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
-        try:
-            await self._late_nccl()
-            hello = self._hello(channel_id)
-            self._exports.watch(pending, hello.epoch,
-                                      rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
-            assert self._secret is not None
-            remote = await handshake(sock, hello, deadline, dialer=True,
-                                     secret=self._book.secret_for(peer) or self._secret, address=(rec.host, rec.port))
-            sock.setblocking(True)
-        except TimeoutError:
-            sock.close()
-            raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
-        except AuthenticationError as exc:
-            sock.close()
-            log.error("endpoint %r could not connect to %r at %s:%d: %s", self.name, peer, rec.host, rec.port, exc)
-            raise AuthenticationError(
-                f"connecting to {peer!r} at {rec.host}:{rec.port}: {exc} (this endpoint's secret comes from "
-                f"{self.secret_source}; every endpoint of a job needs the same one)") from None
-        except (OSError, EOFError) as exc:
-            # hung up before its hello: busy (too many handshakes) or dying. Try the same
-            # incarnation again shortly; a dead one refuses the next connect and is skipped.
-            sock.close()
-            log.info("handshake with %r failed (%s); retrying", peer, exc)
-            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-            if time.monotonic() >= deadline:
-                raise TransportTimeoutError(f"handshake with {peer!r} kept failing: {exc}", Phase.HANDSHAKE) from exc
-            raise _Retry from None
-        except BaseException:
-            sock.close()
-            raise
-        if remote.name != peer or remote.incarnation != rec.incarnation:
-            sock.close()
-            skip.add(rec.incarnation)
-            raise _Retry
-        try:
-            ch = self._adopt(sock, remote, channel_id, hello.epoch, dialer=True, offered=hello.planes)
-        except PlaneUnavailableError:
-            sock.close()
-            raise
-        return self._channels.get(peer) or ch
+        """The channel that carries ops to ``peer``, dialled if there is none (bounded by ``deadline``)."""
+        return await self._connector.channel(peer, deadline)
 
     def channel_closed(self, ch: Channel, exc: BaseException) -> None:
         """Called on the loop when a channel breaks or closes."""
-        self._all.discard(ch)
-        # its process may still have copies in flight into our exports: held until it exits
-        # (a Bye promised that nothing of its writes into our memory any more)
-        if ch.holder is not None:
-            self._exports.closed(ch.holder, ch.orderly)
-        if self._channels.get(ch.peer_name) is ch:
-            del self._channels[ch.peer_name]
-            # another open channel to the same peer (accepted while we dialled) takes over
-            for other in self._all:
-                if other.peer_name == ch.peer_name and other.is_open:
-                    self._channels[ch.peer_name] = other
-                    break
+        self._connector.closed(ch)
         threading.Thread(target=ch.join, args=(2.0,), name="transport-join", daemon=True).start()
         if ch.orderly:
             log.info("channel %s closed by %r", ch.id, ch.peer_name)

@@ -1,0 +1,322 @@
+"""An endpoint's channels: accepting connections, dialling peers, the handshake, and which
+channel carries a peer's ops.
+
+A peer is dialled on the first op that names it (:meth:`Connector.channel`): its record comes from
+the endpoint's address book (:meth:`Endpoint.add_peer <transport.Endpoint.add_peer>`) or the
+rendezvous store; a refused connect skips that incarnation and looks again. Both sides run the
+authenticated handshake (:mod:`transport.handshake`) and adopt the socket as a
+:class:`~transport.channel.Channel` (:meth:`Connector.adopt`), with an NCCL link when both offer
+nccl. While a handshake runs, the peer may map what our Hello announced: the endpoint's exports
+track it as a *holder* (:meth:`~transport.exports.Exports.watch`) until the channel takes over.
+
+Runs on the endpoint's event loop. Every wait is bounded by the op's deadline (dialling) or
+:data:`_ACCEPT_HANDSHAKE_S` (an accepted connection's handshake); at most
+:data:`_MAX_HANDSHAKES` accepted connections may be in their handshake at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from .channel import Channel
+from .errors import (
+    AuthenticationError,
+    EndpointClosedError,
+    PeerLostError,
+    PeerNotFoundError,
+    Phase,
+    PlaneUnavailableError,
+    ProtocolError,
+    TransportError,
+    TransportTimeoutError,
+)
+from .handshake import handshake, hang_up
+from .hostinfo import local_host, same_host
+from .planes import choose_cpu_plane
+from .wire import PROTOCOL_VERSION, Hello, Registry
+
+__all__ = ["Connector"]
+
+log = logging.getLogger("transport.endpoint")
+
+_MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
+_ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
+
+
+class Owner(Protocol):
+    """What the connector uses of its endpoint (:class:`transport.Endpoint`)."""
+
+    name: str
+    incarnation: int
+    planes: tuple[str, ...]
+    timeout: float
+    nccl_engine: Any
+    secret_source: str
+    recorder: Any
+    loop: asyncio.AbstractEventLoop
+    _book: Any  # AddressBook: peers added from their address records
+    _exports: Any  # Exports: the holders of a handshake in progress
+    _listener: socket.socket | None
+    _rdv: Any  # Rendezvous
+    _record: Any  # our EndpointRecord
+    _registry: Any  # LocalRegistry
+    _secret: bytes | None
+    _state: str
+
+    def wire_registry(self) -> tuple[int, list[Any]]: ...
+    def _check_open(self) -> None: ...
+    def _offered(self) -> list[str]: ...
+    async def _late_nccl(self) -> None: ...
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+
+class _Retry(Exception):
+    """A dial attempt that should look the peer up again."""
+
+
+class Connector:
+    """The channels of one endpoint (see the module docstring). ``channels``: the one that carries
+    each peer's ops; ``all``: every open channel (both dialled and accepted ones)."""
+
+    def __init__(self, ep: Owner) -> None:
+        self.ep = ep
+        self.channels: dict[str, Channel] = {}
+        self.all: set[Channel] = set()
+        self._dial_locks: dict[str, asyncio.Lock] = {}
+        self._handshaking = 0
+        self._holder_ids = itertools.count(1)
+
+    def hello(self, channel_id: str) -> Hello:
+        ep = self.ep
+        epoch, bufs = ep.wire_registry()
+        return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._offered(), epoch, bufs,
+                     channel_id)
+
+    def wants_link(self, remote: Hello, offered: list[str]) -> bool:
+        """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos
+        (``offered``: the planes our Hello offered): both offer nccl, and they are not two same-host
+        endpoints that both allow cuda_ipc."""
+        ep = self.ep
+        if ep.nccl_engine is None or "nccl" not in offered or "nccl" not in remote.planes:
+            return False
+        both_ipc = "cuda_ipc" in ep.planes and "cuda_ipc" in remote.planes
+        return not (both_ipc and same_host(local_host(), remote.host)[0])
+
+    def adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
+               dialer: bool, offered: list[str]) -> Channel:
+        ep = self.ep
+        plane, reason = choose_cpu_plane(local_host(), remote.host, ep.planes, tuple(remote.planes))
+        ch = Channel(ep, sock, remote, channel_id, plane, reason, registry=ep._registry, recorder=ep.recorder)
+        if self.wants_link(remote, offered):
+            from .link import Link
+
+            assert ep.nccl_engine is not None
+            ch.link = Link(ch, ep.nccl_engine, dialer=dialer, timeout=ep.timeout)
+        old = self.channels.get(remote.name)
+        if old is not None and old.incarnation != remote.incarnation:
+            old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
+        if old is None or not old.is_open or old.incarnation != remote.incarnation:
+            self.channels[remote.name] = ch
+        elif ch.id < old.id:
+            # Both sides dialled at once: both keep serving, but both route new ops over the
+            # channel with the smaller id, so that ops between the pair stay in one order.
+            self.channels[remote.name] = ch
+        self.all.add(ch)
+        ch.start()
+        if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
+            ch.holder = f"channel-{next(self._holder_ids)}"
+            ep._exports.watch(ch.holder, sent_epoch, remote.host.pid)
+        if ch.link is not None and dialer:
+            ch.link.start()
+        log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, ep.name, remote.name,
+                 remote.incarnation, plane.name, reason)
+        if ep._registry.epoch != sent_epoch:  # registry changed during the handshake
+            epoch, bufs = ep.wire_registry()
+            ch.send(Registry(epoch, bufs))
+        return ch
+
+    async def accept_loop(self) -> None:
+        ep = self.ep
+        listener = ep._listener
+        if listener is None:  # (open() failed, or close() cut it short, before this task first ran)
+            return
+        while True:
+            sock, addr = await ep.loop.sock_accept(listener)
+            ep._spawn(self._accept_one(sock, addr))
+
+    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
+        ep = self.ep
+        if self._handshaking >= _MAX_HANDSHAKES:
+            log.warning("refusing a connection from %s: %d handshakes already in progress", addr, self._handshaking)
+            sock.close()
+            return
+        self._handshaking += 1
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await ep._late_nccl()
+            hello = self.hello("")
+        except BaseException:
+            self._handshaking -= 1
+            sock.close()
+            raise
+        pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
+        ep._exports.watch(pending, hello.epoch, None)
+        adopted = False
+        try:
+            assert ep._secret is not None and ep._record is not None
+            remote = await handshake(sock, hello, time.monotonic() + min(ep.timeout, _ACCEPT_HANDSHAKE_S), dialer=False,
+                                     secret=ep._secret, address=(ep._record.host, ep._record.port))
+            ep._exports.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
+                                      else None)
+            if ep._state != "open":
+                raise EndpointClosedError("endpoint is closing")
+            sock.setblocking(True)
+            self.adopt(sock, remote, remote.channel_id or f"{remote.name}->{ep.name}", hello.epoch, dialer=False,
+                        offered=hello.planes)
+            adopted = True
+        except AuthenticationError as exc:
+            log.error("refused a connection from %s: %s; connection closed", addr, exc)
+            await hang_up(sock)
+        except ProtocolError as exc:
+            log.error("protocol error from %s during handshake: %s; connection closed", addr, exc)
+            sock.close()
+        except (OSError, EOFError, TimeoutError, TransportError) as exc:
+            log.warning("handshake with %s failed: %s", addr, exc or type(exc).__name__)
+            sock.close()
+        except Exception:  # a bug (peer bytes are ProtocolErrors): logged here, never an unretrieved task error
+            log.exception("handshake with %s failed unexpectedly; connection closed", addr)
+            sock.close()
+        finally:
+            self._handshaking -= 1
+            if adopted:  # tracked as its channel from here
+                ep._exports.forget(pending)
+            else:  # it had our Hello and may have adopted its side: as a channel closed without a Bye
+                ep._exports.closed(pending, orderly=False)
+                sock.close()  # (cancelled by close(), or an unexpected error: never left to the GC)
+
+    async def channel(self, peer: str, deadline: float) -> Channel:
+        ep = self.ep
+        ep._check_open()
+        if not isinstance(peer, str) or not peer:
+            raise PeerNotFoundError(f"peer names are non-empty strings, got {peer!r}")
+        ch = self.channels.get(peer)
+        if ch is not None and ch.is_open:
+            return ch
+        lock = self._dial_locks.setdefault(peer, asyncio.Lock())
+        try:  # another op may be dialling this peer with a later deadline: wait for it only until ours
+            async with asyncio.timeout_at(deadline):
+                await lock.acquire()
+        except TimeoutError:
+            raise TransportTimeoutError(f"connecting to {peer!r}: the connect already in progress did not finish "
+                                        "before this op's deadline", Phase.CONNECT) from None
+        try:
+            ch = self.channels.get(peer)
+            if ch is not None and ch.is_open:
+                return ch
+            return await self._dial(peer, deadline)
+        finally:
+            lock.release()
+
+    async def _dial(self, peer: str, deadline: float) -> Channel:
+        ep = self.ep
+        skip: set[int] = set()
+        while True:
+            rec = ep._book.lookup(peer, skip)  # a peer added from its record is not looked for in the store
+            if rec is None:
+                rec = await ep._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
+            channel_id = f"{ep.name}#{ep.incarnation:x}->{peer}#{rec.incarnation:x}/{secrets.token_hex(3)}"
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await ep.loop.sock_connect(sock, (rec.host, rec.port))
+            except TimeoutError:
+                sock.close()
+                raise TransportTimeoutError(f"connecting to {peer!r} at {rec.host}:{rec.port} timed out",
+                                            Phase.CONNECT) from None
+            except OSError as exc:
+                sock.close()
+                log.info("endpoint %r (incarnation %#x) at %s:%d refused: %s; waiting for a new incarnation",
+                         peer, rec.incarnation, rec.host, rec.port, exc)
+                skip.add(rec.incarnation)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
+            adopted = False
+            try:
+                ch = await self._dial_once(sock, peer, rec, channel_id, pending, deadline, skip)
+                adopted = True
+                return ch
+            except _Retry:
+                continue
+            finally:
+                if adopted:
+                    ep._exports.forget(pending)
+                else:  # it may have had our Hello and adopted its side: as a channel closed without a Bye
+                    ep._exports.closed(pending, orderly=False)
+
+    async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
+                         deadline: float, skip: set[int]) -> Channel:
+        """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
+        ep = self.ep
+        try:
+            await ep._late_nccl()
+            hello = self.hello(channel_id)
+            ep._exports.watch(pending, hello.epoch,
+                                      rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
+            assert ep._secret is not None
+            remote = await handshake(sock, hello, deadline, dialer=True,
+                                     secret=ep._book.secret_for(peer) or ep._secret, address=(rec.host, rec.port))
+            sock.setblocking(True)
+        except TimeoutError:
+            sock.close()
+            raise TransportTimeoutError(f"handshake with {peer!r} timed out", Phase.HANDSHAKE) from None
+        except AuthenticationError as exc:
+            sock.close()
+            log.error("endpoint %r could not connect to %r at %s:%d: %s", ep.name, peer, rec.host, rec.port, exc)
+            raise AuthenticationError(
+                f"connecting to {peer!r} at {rec.host}:{rec.port}: {exc} (this endpoint's secret comes from "
+                f"{ep.secret_source}; every endpoint of a job needs the same one)") from None
+        except (OSError, EOFError) as exc:
+            # hung up before its hello: busy (too many handshakes) or dying. Try the same
+            # incarnation again shortly; a dead one refuses the next connect and is skipped.
+            sock.close()
+            log.info("handshake with %r failed (%s); retrying", peer, exc)
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise TransportTimeoutError(f"handshake with {peer!r} kept failing: {exc}", Phase.HANDSHAKE) from exc
+            raise _Retry from None
+        except BaseException:
+            sock.close()
+            raise
+        if remote.name != peer or remote.incarnation != rec.incarnation:
+            sock.close()
+            skip.add(rec.incarnation)
+            raise _Retry
+        try:
+            ch = self.adopt(sock, remote, channel_id, hello.epoch, dialer=True, offered=hello.planes)
+        except PlaneUnavailableError:
+            sock.close()
+            raise
+        return self.channels.get(peer) or ch
+
+    def closed(self, ch: Channel) -> None:
+        """``ch`` broke or closed (event loop): it carries no more ops; another open channel to the
+        same peer (accepted while we dialled) takes over; the exports stop counting on it once its
+        process is done with them (a Bye promised so; else held until that process exits)."""
+        self.all.discard(ch)
+        if ch.holder is not None:
+            self.ep._exports.closed(ch.holder, ch.orderly)
+        if self.channels.get(ch.peer_name) is ch:
+            del self.channels[ch.peer_name]
+            for other in self.all:
+                if other.peer_name == ch.peer_name and other.is_open:
+                    self.channels[ch.peer_name] = other
+                    break
