@@ -333,6 +333,24 @@ def pipe_reply(conn: Any, name: str, timeout: float) -> Any:
     return value
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait (bounded) until every thread of ``pid`` is in the stopped state ('T' in /proc)."""
+    end = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"process {pid} did not stop within {timeout} s (thread states {states})")
+        time.sleep(0.005)
+
+
 class RemoteEndpoint:
     """Handle on an Endpoint in a spawned child process."""
 
@@ -361,7 +379,11 @@ class RemoteEndpoint:
         return self._reply(timeout)
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; for SIGSTOP, return only once every thread of the process is stopped (a signal
+        is delivered asynchronously: on a loaded VM a thread may run on for a while after kill())."""
         os.kill(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            wait_stopped(self.proc.pid)
 
     def kill(self) -> None:
         if self.proc.is_alive():
