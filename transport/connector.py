@@ -25,7 +25,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from .channel import Channel
+from .channel import Channel, CoreProtocol
 from .errors import (
     AuthenticationError,
     EndpointClosedError,
@@ -50,8 +50,9 @@ _MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are re
 _ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
 
 
-class Owner(Protocol):
-    """What the connector uses of its endpoint (:class:`transport.Endpoint`)."""
+class Owner(CoreProtocol, Protocol):
+    """What the connector uses of its endpoint (:class:`transport.Endpoint`), beyond what its
+    channels use (:class:`~transport.channel.CoreProtocol`)."""
 
     name: str
     incarnation: int
