@@ -62,6 +62,17 @@ _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
 _ABANDON_S = 10.0
 
 
+def _move(into_peer: bool, remote: int, t: torch.Tensor, n: int) -> None:
+    """Copy ``n`` bytes between the contiguous CPU tensor ``t`` and address ``remote`` in a peer's
+    mapped segment (the range checked by the caller); a write into ``t`` bumps its version
+    counter, as ``copy_`` would, so autograd sees it."""
+    if into_peer:
+        memmove(remote, t.data_ptr(), n)
+    else:
+        memmove(t.data_ptr(), remote, n)
+        increment_version(t)
+
+
 class ShmPlane(DataPlane):
     name = "shm"
     inline_payload = False
@@ -280,12 +291,7 @@ class ShmPlane(DataPlane):
                     slot, export_id, name, seg, start, t, n = jobs[0]
                     table.enter1(slot, export_id, name)
                     try:
-                        remote = seg.data_ptr() + start
-                        if kind is OpKind.PUT:
-                            memmove(remote, t.data_ptr(), n)
-                        else:
-                            memmove(t.data_ptr(), remote, n)
-                            increment_version(t)  # (as copy_ would: autograd sees the write)
+                        _move(kind is OpKind.PUT, seg.data_ptr() + start, t, n)
                         table.check1(slot, export_id)
                     finally:
                         table.leave1(slot)
@@ -295,12 +301,7 @@ class ShmPlane(DataPlane):
                     try:
                         into_peer = kind is OpKind.PUT
                         for _, _, _, seg, start, t, n in jobs:
-                            remote = seg.data_ptr() + start
-                            if into_peer:
-                                memmove(remote, t.data_ptr(), n)
-                            else:
-                                memmove(t.data_ptr(), remote, n)
-                                increment_version(t)
+                            _move(into_peer, seg.data_ptr() + start, t, n)
                         table.check(slots)
                     finally:
                         table.leave([s for s, _ in slots])
