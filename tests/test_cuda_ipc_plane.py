@@ -28,8 +28,8 @@ from tests._remote import op_records as _ops
 from tests._remote import until as _until
 from transport.errors import PlaneUnavailableError, TransportTimeoutError, UnknownBufferError
 from transport.ipc import MappingCache
-from transport.ipc_memfd import MemfdIpcEngine
 from transport.planes import choose_gpu_plane, validate_planes
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 from transport.retention import Retention
 from transport.wire import HostInfo, IpcHandle
 

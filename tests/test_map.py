@@ -10,7 +10,7 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, backing, make_tensor, same_bytes, until
-from transport.ipc_memfd import MemfdIpcEngine
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 
 @pytest.fixture

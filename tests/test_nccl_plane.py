@@ -396,10 +396,10 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
     """An endpoint whose process did not use CUDA yet when it was created offers no nccl on its first
     channels; once CUDA is in use, the next channel it sets up offers nccl and gets a link. (On CPU:
     CUDA "comes into use" by patching the check, and the engine found then is the socket engine.)"""
-    import transport.endpoint as E
+    import transport.nccl_offer as E
 
     state = {"device": None}
-    monkeypatch.setattr(E, "_current_cuda_device", lambda: state["device"])
+    monkeypatch.setattr(E, "current_cuda_device", lambda: state["device"])
     monkeypatch.setattr(E, "link_engine_probe",
                         lambda factory, device=None: (SocketLinkEngine(), f"socket engine on device {device}"))
     early = RemoteEndpoint(uname("nccl-early"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)

@@ -32,8 +32,8 @@ import rl_sync
 import transport
 from tests._rl_remote import seeded
 from tests.test_rl_faults import BUCKET, SPEC, TIMEOUT, TRAIN, _check_all, _Gens, _Trap, warm_up
-from transport.ipc_memfd import MemfdIpcEngine
 from transport.p2p import SocketLinkEngine
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {

@@ -18,7 +18,7 @@ from rl_sync.fanout import assign_sources
 from rl_sync.plan import build_manifest, check_sources, make_buckets, plan_hash
 from tests._remote import RemoteEndpoint, backing, same_bytes
 from tests._rl_remote import blocking_generator, seeded, stamped
-from transport.ipc_memfd import MemfdIpcEngine
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 # the subscriber's layout: several dtypes, a 0-d and an empty tensor, one tensor larger than a bucket
 GEN = {

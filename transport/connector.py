@@ -21,6 +21,7 @@ import itertools
 import logging
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -40,7 +41,7 @@ from .errors import (
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
 from .planes import choose_cpu_plane
-from .wire import PROTOCOL_VERSION, Hello, Registry
+from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
 __all__ = ["Connector"]
 
@@ -58,7 +59,7 @@ class Owner(CoreProtocol, Protocol):
     incarnation: int
     planes: tuple[str, ...]
     timeout: float
-    nccl_engine: Any
+    _nccl: Any  # NcclOffer: whether (and with which engine) this endpoint offers nccl
     secret_source: str
     recorder: Any
     loop: asyncio.AbstractEventLoop
@@ -73,8 +74,6 @@ class Owner(CoreProtocol, Protocol):
 
     def wire_registry(self) -> tuple[int, list[Any]]: ...
     def _check_open(self) -> None: ...
-    def _offered(self) -> list[str]: ...
-    async def _late_nccl(self) -> None: ...
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
 
 
@@ -97,7 +96,7 @@ class Connector:
     def hello(self, channel_id: str) -> Hello:
         ep = self.ep
         epoch, bufs = ep.wire_registry()
-        return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._offered(), epoch, bufs,
+        return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._nccl.offered(), epoch, bufs,
                      channel_id)
 
     def wants_link(self, remote: Hello, offered: list[str]) -> bool:
@@ -105,7 +104,7 @@ class Connector:
         (``offered``: the planes our Hello offered): both offer nccl, and they are not two same-host
         endpoints that both allow cuda_ipc."""
         ep = self.ep
-        if ep.nccl_engine is None or "nccl" not in offered or "nccl" not in remote.planes:
+        if ep._nccl.engine is None or "nccl" not in offered or "nccl" not in remote.planes:
             return False
         both_ipc = "cuda_ipc" in ep.planes and "cuda_ipc" in remote.planes
         return not (both_ipc and same_host(local_host(), remote.host)[0])
@@ -118,8 +117,8 @@ class Connector:
         if self.wants_link(remote, offered):
             from .link import Link
 
-            assert ep.nccl_engine is not None
-            ch.link = Link(ch, ep.nccl_engine, dialer=dialer, timeout=ep.timeout)
+            assert ep._nccl.engine is not None
+            ch.link = Link(ch, ep._nccl.engine, dialer=dialer, timeout=ep.timeout)
         old = self.channels.get(remote.name)
         if old is not None and old.incarnation != remote.incarnation:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
@@ -161,7 +160,7 @@ class Connector:
         self._handshaking += 1
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await ep._late_nccl()
+            await ep._nccl.late(ep._state == "open")
             hello = self.hello("")
         except BaseException:
             self._handshaking -= 1
@@ -268,7 +267,7 @@ class Connector:
         """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
         ep = self.ep
         try:
-            await ep._late_nccl()
+            await ep._nccl.late(ep._state == "open")
             hello = self.hello(channel_id)
             ep._exports.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
@@ -321,3 +320,59 @@ class Connector:
                 if other.peer_name == ch.peer_name and other.is_open:
                     self.channels[ch.peer_name] = other
                     break
+        threading.Thread(target=ch.join, args=(2.0,), name="transport-join", daemon=True).start()
+
+    # ---------------------------------------------------------------- every channel
+    def listen(self, host: str | None) -> socket.socket:
+        """A non-blocking socket listening on ``host`` (None: the local address that reaches the
+        store's host, 127.0.0.1 for a loopback store) and a port the OS picks."""
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((host or self._guess_listen_host(), 0))
+            lsock.listen(128)
+            lsock.setblocking(False)
+        except BaseException:
+            lsock.close()
+            raise
+        return lsock
+
+    def _guess_listen_host(self) -> str:
+        host = self.ep._rdv.host
+        if host is None:
+            return "127.0.0.1"
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, self.ep._rdv.port or 1))
+                return s.getsockname()[0]  # type: ignore[no-any-return]
+        except OSError:
+            return "127.0.0.1"
+
+    def broadcast(self, msg: Message) -> None:
+        """Send ``msg`` on every open channel (event loop; a channel lost meanwhile is skipped)."""
+        for ch in list(self.all):
+            if ch.is_open:
+                try:
+                    ch.send(msg)
+                except PeerLostError:
+                    pass
+
+    def tick(self, now: float, interval: float, timeout: float) -> None:
+        """The heartbeat of every channel (event loop): pings idle ones, loses silent ones."""
+        for ch in list(self.all):
+            try:
+                ch.tick(now, interval, timeout)
+            except PeerLostError:
+                pass
+
+    @staticmethod
+    def close_all(chans: list[Channel], timeout: float) -> None:
+        """Say Bye on ``chans`` and close them, bounded by ``timeout`` in all (blocking: call it on
+        a worker thread)."""
+        end = time.monotonic() + timeout
+        for ch in chans:
+            ch.say_bye("endpoint closed")
+        for ch in chans:  # the Byes go out in parallel; this waits for all of them, bounded
+            ch.close("endpoint closed", max(0.0, min(1.0, end - time.monotonic())))
+        for ch in chans:
+            ch.join(max(0.0, end - time.monotonic()))

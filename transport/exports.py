@@ -66,9 +66,20 @@ class Exports:
             raise
         return buf.spec, True
 
-    def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
         """Register a new zero-filled tensor, in memory an exporter can share without a copy if one
-        offers it (else ``torch.zeros``), and return it. Same errors as :meth:`register`."""
+        offers it (else ``torch.zeros``), and return it. ``device``: a CPU or CUDA device (None: the
+        CPU). Same errors as :meth:`register`, and :class:`~transport.errors.InvalidTensorError`
+        for a bad shape, dtype or device."""
+        if not isinstance(dtype, torch.dtype) or any(not isinstance(d, int) or d < 0 for d in shape):
+            raise InvalidTensorError(f"{name!r}: new_buffer needs a torch.dtype and a shape of ints >= 0, "
+                                     f"got {dtype!r} and {shape!r}")
+        try:
+            device = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidTensorError(f"{name!r}: new_buffer: bad device {device!r}: {exc}") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidTensorError(f"{name!r}: new_buffer makes CPU or CUDA buffers, not {device.type}")
         for exporter in self.exporters:
             tensor = exporter.new_buffer(name, shape, dtype, device)
             if tensor is not None:

@@ -8,7 +8,7 @@ caller's stream, run copies on an ordered queue (a CUDA stream) and report their
 CUDA engine is :class:`transport.cuda.ipc.CudaIpcEngine`. Everything else lives here and in the
 plane and is the same for every engine, so the CPU tests run the whole protocol (export ids,
 stale exports, mapping cache, retention, completion through a bridge, header after the copy) with
-:class:`~transport.ipc_memfd.MemfdIpcEngine`, whose "device memory" is CPU memory in ``memfd`` segments
+:class:`~transport.planes.cuda_ipc_memfd.MemfdIpcEngine`, whose "device memory" is CPU memory in ``memfd`` segments
 (``Endpoint(ipc_engine=MemfdIpcEngine)``, both sides).
 
 Lifetime of peer memory, the trap of this plane: a registered GPU tensor is a block inside a

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class IpcExporter(Exporter):
     """``cuda_ipc``'s :class:`~transport.planes.base.Exporter`. The engine is made at first use
     (:attr:`engine`): ``factory()`` if given (a CPU stand-in such as
-    :class:`~transport.ipc_memfd.MemfdIpcEngine`), else CUDA's; :attr:`reason` says which, or
+    :class:`~transport.planes.cuda_ipc_memfd.MemfdIpcEngine`), else CUDA's; :attr:`reason` says which, or
     why there is none. ``segments``: the endpoint's memfd segments (a stand-in engine exports CPU
     tensors through them)."""
 

@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 import torch
 
-from .completion import ThreadDone
-from .errors import PlaneUnavailableError
-from .ipc import IpcMapping, IpcQueue
-from .wire import IpcHandle, ShmHandle
+from ..completion import ThreadDone
+from ..errors import PlaneUnavailableError
+from ..ipc import IpcMapping, IpcQueue
+from ..wire import IpcHandle, ShmHandle
 
 __all__ = ["MemfdIpcEngine"]
 
@@ -99,7 +99,7 @@ class MemfdIpcEngine:
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
-        from .planes.shm_export import memfd_probe
+        from .shm_export import memfd_probe
 
         ok, why = memfd_probe()
         return ok, f"memfd test engine: {why}"
@@ -108,8 +108,8 @@ class MemfdIpcEngine:
         return tensor.device.type == "cpu"
 
     def export(self, tensor: torch.Tensor, segments: list[Any]) -> tuple[str, bytes, int, int, Any]:
-        from .planes.shm_export import export_buffer
-        from .registry import BufferSpec, LocalBuffer
+        from ..registry import BufferSpec, LocalBuffer
+        from .shm_export import export_buffer
 
         exp = export_buffer(LocalBuffer(BufferSpec.of("ipc", tensor), tensor), segments)
         if exp is None:
@@ -125,7 +125,7 @@ class MemfdIpcEngine:
         return None if handle.engine == self.name else f"exported by engine {handle.engine!r}, this side runs memfd"
 
     def open(self, handle: IpcHandle) -> IpcMapping:
-        from .planes.shm_export import map_segment
+        from .shm_export import map_segment
 
         h = msgspec.msgpack.decode(handle.handle, type=ShmHandle)
         return _MemfdMapping(map_segment(h))

@@ -1,0 +1,235 @@
+"""The one-sided operations of an endpoint: ``connect``, ``put``, ``get``, ``route``, ``map``,
+``map_route`` and ``notify``, each a coroutine on the endpoint's event loop, bounded by its
+``timeout`` (or the endpoint's) and cancellable as each docstring says.
+
+:class:`Operations` is the base class of :class:`transport.Endpoint`, which supplies its channels
+(``_connector``) and default ``timeout``; the work of an op is in :mod:`transport.transfer`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .address import AddressBook, encode_address
+from .errors import EndpointClosedError, InvalidTensorError
+from .flight_recorder import OpKind
+from .peer import Peer, Route
+from .transfer import Tensors, map_buffer, map_plane, pick_plane, plan, transfer
+from .wire import MAX_NOTIFY, Notify
+
+if TYPE_CHECKING:
+    from .channel import Channel
+    from .connector import Connector
+    from .rendezvous import EndpointRecord
+
+__all__ = ["Operations"]
+
+_Tensors = Tensors
+
+
+class Operations:
+    """The one-sided operations of :class:`transport.Endpoint` (see the module docstring)."""
+
+    name: str
+    timeout: float
+    _book: AddressBook
+    _connector: Connector
+    _record: EndpointRecord | None
+    _secret: bytes | None
+    _state: str
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise EndpointClosedError(f"endpoint {self.name!r} is {self._state}; use 'async with Endpoint(...)'")
+
+    def address_record(self) -> bytes:
+        """This open endpoint as opaque bytes a peer passes to :meth:`add_peer`. Non-blocking.
+
+        They carry the address it accepts channels on, its incarnation, its host identity and
+        its secret: a credential (see :mod:`transport.address`). Raises
+        :class:`EndpointClosedError` unless the endpoint is open."""
+        self._check_open()
+        assert self._record is not None and self._secret is not None
+        return encode_address(self._record, self._secret)
+
+    def add_peer(self, record: bytes) -> str:
+        """Make the endpoint that ``record`` (its :meth:`address_record`) describes reachable by
+        the name returned, with no store in common. Non-blocking; nothing is dialled yet.
+
+        Dialling it then uses the record, not the store, and proves the record's secret. Adding
+        a record of a name again replaces the earlier one (a channel already open stays).
+        ``ValueError`` for bytes that are not such a record (:func:`transport.address.decode_address`)."""
+        self._check_open()
+        return self._book.add(record, own_name=self.name)
+
+    def _deadline(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else timeout
+        if t <= 0:
+            raise ValueError(f"timeout must be > 0, got {t}")
+        return time.monotonic() + t
+
+    async def _channel(self, peer: str, deadline: float) -> Channel:
+        """The channel that carries ops to ``peer``, dialled if there is none (bounded by ``deadline``)."""
+        return await self._connector.channel(peer, deadline)
+
+    async def connect(self, peer: str, timeout: float | None = None) -> Peer:
+        """Open (or reuse) the channel to ``peer``; return its :class:`Peer`.
+
+        Waits until ``peer`` appears in the store. Raises
+        :class:`PeerNotFoundError` if it does not before the deadline,
+        :class:`TransportTimeoutError` (phase connect/handshake) if it does not
+        answer, :class:`PlaneUnavailableError` if no allowed plane reaches it.
+        Cancelling it abandons the dial and leaves the endpoint usable.
+        """
+        ch = await self._channel(peer, self._deadline(timeout))
+        return ch.peer
+
+    async def put(self, peer: str, tensors: _Tensors, *, notify: bytes | None = None,
+                  timeout: float | None = None) -> None:
+        """Write ``tensors`` into ``peer``'s registered buffers of the same names.
+
+        Each value is a tensor of exactly the buffer's dtype and shape, or
+        :class:`transport.At` ``(tensor, offset)`` for a sub-range. Returns once
+        the target holds the bytes (remote completion). ``notify`` (bytes, at
+        most 1 MiB) is delivered to the target's notifications only after all
+        bytes have landed. Connects first if needed.
+
+        Bad input raises before any byte moves (:class:`UnknownBufferError`,
+        :class:`BufferMismatchError`, :class:`InvalidTensorError`). At the
+        deadline (``timeout`` or the endpoint's) it raises
+        :class:`TransportTimeoutError`; a lost peer gives :class:`PeerLostError`.
+
+        Timeout and cancellation (of the calling task) leave no writer behind:
+        the call raises only once nothing of the op writes into the target's
+        buffers any more, or what still does is ordered before every later op of
+        this endpoint on them. A copy into the peer's memory (``shm``) stops at
+        its next chunk and is waited for; one that cannot be stopped
+        (``cuda_ipc``) is waited for; bytes already handed to the channel
+        (``tcp``, staged) or posted on its NCCL link still land, before anything
+        sent after them (a timeout on the NCCL link closes the channel, and the
+        next one's link is set up only once the old one's transfers are over). So
+        a put that follows returns only once the target holds exactly its bytes.
+        The target's buffer may hold a mix of old and new bytes, and the source
+        tensors stay referenced, and may still be read, until the bytes are out.
+        The endpoint stays usable. The waits are bounded (seconds; staged copies:
+        the staging stall bound) and a second cancellation does not cut them
+        short; one that runs out is logged (a timeout's message says so).
+
+        CUDA tensors: the op waits for the work queued on this thread's current
+        stream of each tensor's device when it starts (at the call, unless it
+        first waits for a connection, a link or an earlier op of the channel);
+        leave the source unmodified until the call returns.
+        """
+        deadline = self._deadline(timeout)
+        if notify is not None:
+            _check_payload(notify)
+        ch = await self._channel(peer, deadline)
+        await transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify),
+                             here=notify is None)
+
+    async def get(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> None:
+        """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
+
+        Returns once every byte is in the local tensors. On timeout or
+        cancellation the tensors' contents are unspecified, but nothing of the op
+        writes into them once the call has raised, so they can be reused at once:
+        a copy still running stops at its next chunk (``shm``, a get reply
+        arriving over ``tcp``), one that cannot be stopped (``cuda_ipc``, a staged
+        copy) is waited for, and one whose bytes are still trickling in from the
+        peer, or an NCCL receive not done 0.25 s (plus its bytes at 1 GB/s) after
+        the call gave up, has its
+        channel closed (the link aborted; the other pending ops on it fail with
+        :class:`PeerLostError`). The waits are bounded as for
+        :meth:`put`.
+        """
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        await transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs),
+                             here=True)
+
+    async def route(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> Route:
+        """Which plane a put or get of ``tensors`` with ``peer`` takes now, and why; no byte moves.
+
+        ``tensors`` is what :meth:`put` or :meth:`get` would be given, and is checked the same way
+        (bad input raises the same errors). Connects first if needed, and waits for an NCCL link
+        still being set up (bounded by ``timeout``, or the endpoint's); cancellable like
+        :meth:`connect`. The answer holds until the peer's registry, the channel or its link
+        changes.
+        """
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        pairs = await plan(ch, tensors, deadline)
+        plane = await pick_plane(ch, pairs, deadline)
+        return Route(plane.name, ch.reason_for(plane))
+
+    async def map(self, peer: str, name: str, *, timeout: float | None = None) -> torch.Tensor:
+        """A tensor that *is* ``peer``'s registered buffer ``name``: no copy.
+
+        For a peer on this host: a CPU buffer is mapped over ``shm`` (the channel
+        must run it), read-only; a GPU buffer over ``cuda_ipc`` (it must be this
+        peer's GPU plane), as a CUDA tensor on the device that holds the
+        allocation. Anything else raises :class:`PlaneUnavailableError` saying
+        why (:meth:`map_route` tells which plane would map it, without mapping);
+        :class:`UnknownBufferError` if the peer has no such buffer. Connects
+        first if needed; bounded by ``timeout`` (or the endpoint's), cancellable
+        like :meth:`connect` (opening a CUDA mapping runs on a worker thread; a
+        cancelled call gives it back).
+
+        The tensor has the buffer's dtype and shape and shows the peer's bytes
+        as they are at each read: nothing orders reads with the peer's writes,
+        so the application arranges that (rl_sync's ``mode="shared"`` does it
+        with a lock per bank, and on a GPU by the publisher waiting for its
+        copies before it lets readers in). Writes: an shm mapping is read-only,
+        and writing through it kills this process with SIGSEGV rather than
+        change what the peer and other readers see; CUDA cannot map peer memory
+        read-only, so writes through a ``cuda_ipc`` mapping *do* change the
+        peer's buffer, for the peer and every other process mapping it.
+
+        Lifetime: the mapping stays valid while the tensor (or a view of it)
+        lives, even after the peer unregisters the buffer; it then shows the
+        bytes the buffer last held, not a buffer registered later under the
+        same name. An shm mapping also outlives the peer's process. A
+        ``cuda_ipc`` mapping keeps the peer's memory retained for this process
+        (the peer frees it only after the last view here died), but not past
+        the peer's process: CUDA leaves the memory of an exporting process
+        that exited undefined, so keep the peer alive while reading. Each call
+        reads the peer's registry (one round trip), so it maps the buffer
+        registered under ``name`` at the call. One mapping per peer segment or
+        allocation is kept, so mapping the same buffer again costs no new
+        mapping.
+        """
+        deadline = self._deadline(timeout)
+        return await map_buffer(await self._channel(peer, deadline), name, deadline)
+
+    async def map_route(self, peer: str, name: str, *, timeout: float | None = None) -> Route:
+        """Which plane :meth:`map` would map ``peer``'s buffer ``name`` over, and why; maps nothing.
+        Raises what :meth:`map` raises when no plane can map it. Connects first if needed and reads
+        the peer's registry (one round trip); bounded by ``timeout`` (or the endpoint's)."""
+        deadline = self._deadline(timeout)
+        return await map_plane(await self._channel(peer, deadline), name, deadline)
+
+    async def notify(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+        """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications; returns once it is queued there.
+
+        Ordered with this endpoint's puts to ``peer``: a notification sent after
+        a put arrives after that put's bytes.
+        """
+        _check_payload(payload)
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        op = ch.new_op(OpKind.NOTIFY, [], len(payload))
+
+        async def _send() -> None:
+            ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
+
+        await ch.run(op, _send, deadline)
+
+
+def _check_payload(payload: object) -> None:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise InvalidTensorError(f"notification payloads are bytes, got {type(payload).__name__}")
+    if len(payload) > MAX_NOTIFY:
+        raise InvalidTensorError(f"notification payload of {len(payload)} bytes exceeds {MAX_NOTIFY}")

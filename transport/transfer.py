@@ -1,0 +1,121 @@
+"""One put, get or mapping on a channel, from the caller's tensors to the plane that moves them.
+
+:func:`plan` checks the call against the peer's registry (refreshed once on a miss);
+:func:`pick_plane` picks the op's plane, waiting (bounded) for an NCCL link being set up;
+:func:`transfer` runs the op, synchronously when its plane can do it on the spot
+(:meth:`DataPlane.run_here <transport.planes.base.DataPlane.run_here>`), else as an op of the
+channel, retried once after a registry sync (the peer re-registered a buffer) or staged (a
+``cuda_ipc`` mapping could not be opened here). :func:`map_buffer` and :func:`map_plane` are
+:meth:`Endpoint.map <transport.Endpoint.map>`'s halves. All run on the endpoint's event loop and
+are bounded by ``deadline`` (``time.monotonic()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import torch
+
+from .channel import Channel
+from .errors import (
+    BufferMismatchError,
+    Phase,
+    PlaneUnavailableError,
+    StaleBufferError,
+    TransportTimeoutError,
+    UnknownBufferError,
+)
+from .flight_recorder import OpKind
+from .peer import Route
+from .ranges import At, plan_items
+
+__all__ = ["Tensors", "map_buffer", "map_plane", "pick_plane", "plan", "transfer"]
+
+Tensors = Mapping[str, "torch.Tensor | At"]
+
+
+async def plan(ch: Channel, tensors: Tensors, deadline: float, into: bool = False) -> list[Any]:
+    """Check the call against the peer's registry (``into``: a get, which writes the tensors); on
+    a miss, refresh the cache once and check again."""
+    try:
+        return plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=into)
+    except (UnknownBufferError, BufferMismatchError):
+        if not isinstance(tensors, Mapping):
+            raise
+        await ch.sync_registry(deadline)
+        return plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=into)
+
+
+async def pick_plane(ch: Channel, pairs: list[Any], deadline: float) -> Any:
+    """The op's plane; an op for the NCCL link while it is being set up waits for it (bounded).
+    One that was given the link as it went down (another thread; the state is read without a
+    lock) picks again, so it is never posted on a dead link."""
+    plane = ch.plane_for(pairs)
+    link = ch.link
+    if plane.name == "nccl" and link is not None and link.state != "ready":
+        await link.wait(deadline)  # (at once unless pending)
+        plane = ch.plane_for(pairs)
+    return plane
+
+
+async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
+                   start: Callable[[Any, Any, list[Any]], Awaitable[None]], here: bool = False) -> None:
+    """Plan, pick the plane and run one put or get (``start(plane, op, pairs)`` sends it).
+    ``here``: the op may be done synchronously by its plane (a put without a notification, or a
+    get). Retried once: after a registry sync if the peer re-registered a buffer, and staged if a
+    ``cuda_ipc`` mapping could not be opened here (logged)."""
+    for retry in (False, True):
+        pairs = await plan(ch, tensors, deadline, into=kind is OpKind.GET)
+        plane = await pick_plane(ch, pairs, deadline)
+        if here and ch.in_order_now():
+            try:
+                if plane.run_here(kind, pairs):
+                    return
+            except StaleBufferError:
+                if retry:
+                    raise
+                await ch.sync_registry(deadline)
+                continue
+        op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
+        try:
+            await ch.run(op, lambda: start(plane, op, pairs), deadline)  # noqa: B023
+            return
+        except PlaneUnavailableError:
+            if retry or plane.name != "cuda_ipc":
+                raise
+        except StaleBufferError:
+            if retry:
+                raise
+            await ch.sync_registry(deadline)
+
+
+async def map_buffer(ch: Channel, name: str, deadline: float) -> torch.Tensor:
+    """The peer's buffer ``name`` mapped here (see :meth:`transport.Endpoint.map`): the peer's
+    registry is read first, and once more if the buffer was replaced meanwhile."""
+    await ch.sync_registry(deadline)  # the peer's registry as of now: never a buffer it has replaced
+    for retry in (False, True):
+        if name not in ch.peer_specs:
+            raise UnknownBufferError(f"peer {ch.peer_name!r} has no buffer {name!r}")
+        plane, _ = ch.map_plane(name)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await plane.map(name)  # type: ignore[no-any-return]
+        except TimeoutError:
+            raise TransportTimeoutError(f"map({ch.peer_name!r}, {name!r}): opening the mapping timed out",
+                                        Phase.CONNECT) from None
+        except StaleBufferError:  # re-registered or unregistered since the registry was read
+            if retry:
+                raise
+            await ch.sync_registry(deadline)
+    raise AssertionError("unreachable")
+
+
+async def map_plane(ch: Channel, name: str, deadline: float) -> Route:
+    """Which plane :func:`map_buffer` would map the peer's buffer ``name`` over, and why."""
+    await ch.sync_registry(deadline)
+    if name not in ch.peer_specs:
+        raise UnknownBufferError(f"peer {ch.peer_name!r} has no buffer {name!r}")
+    plane, why = ch.map_plane(name)
+    return Route(plane.name, why)
