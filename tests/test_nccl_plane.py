@@ -361,7 +361,7 @@ async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_liv
             if at == "before the op":
                 going_down("gone down just now")
                 assert ch.gpu_plane == "nccl"  # the loop has not heard of it yet
-            else:  # the op was given the link, which went down right after (Endpoint._plane picks again)
+            else:  # the op was given the link, which went down right after (transfer.pick_plane picks again)
                 refusal = ch.planes._nccl_refusal
 
                 def refused_then_down(pairs):

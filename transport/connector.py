@@ -40,6 +40,7 @@ from .errors import (
 )
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
+from .nccl_offer import NcclOffer
 from .planes import choose_cpu_plane
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
@@ -59,7 +60,7 @@ class Owner(CoreProtocol, Protocol):
     incarnation: int
     planes: tuple[str, ...]
     timeout: float
-    _nccl: Any  # NcclOffer: whether (and with which engine) this endpoint offers nccl
+    _nccl: NcclOffer  # whether (and with which engine) this endpoint offers nccl
     secret_source: str
     recorder: Any
     loop: asyncio.AbstractEventLoop
@@ -323,13 +324,12 @@ class Connector:
         threading.Thread(target=ch.join, args=(2.0,), name="transport-join", daemon=True).start()
 
     # ---------------------------------------------------------------- every channel
-    def listen(self, host: str | None) -> socket.socket:
-        """A non-blocking socket listening on ``host`` (None: the local address that reaches the
-        store's host, 127.0.0.1 for a loopback store) and a port the OS picks."""
+    def listen(self, host: str) -> socket.socket:
+        """A non-blocking socket listening on ``host`` and a port the OS picks."""
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lsock.bind((host or self._guess_listen_host(), 0))
+            lsock.bind((host, 0))
             lsock.listen(128)
             lsock.setblocking(False)
         except BaseException:
@@ -337,7 +337,9 @@ class Connector:
             raise
         return lsock
 
-    def _guess_listen_host(self) -> str:
+    def guess_listen_host(self) -> str:
+        """The local address that reaches the store's host (127.0.0.1 for a loopback store, or
+        when there is no store host)."""
         host = self.ep._rdv.host
         if host is None:
             return "127.0.0.1"

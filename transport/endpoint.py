@@ -32,7 +32,7 @@ from .errors import (
 )
 from .exports import Exports
 from .flight_recorder import FlightRecorder
-from .fr_dumps import Dumps
+from .fr_autodump import Dumps
 from .hostinfo import local_host
 from .inbox import Inbox
 from .ipc import IpcEngine
@@ -212,9 +212,9 @@ class Endpoint(Operations):
             stored = await self._rdv.open(want_secret=self._secret is None)
             if self._secret is None:
                 self._secret = stored
-            self._listener = lsock = self._connector.listen(self._listen_host)
-            host, port = lsock.getsockname()[:2]
-            self._record = EndpointRecord(self.name, host, port, self.incarnation, local_host())
+            host = self._listen_host or self._connector.guess_listen_host()
+            self._listener = lsock = self._connector.listen(host)
+            self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host())
             self._nccl.at_open()
             self._exports.start()  # export the buffers registered before open, and every later one at once
             self._spawn(self._connector.accept_loop())
@@ -479,8 +479,9 @@ class Endpoint(Operations):
     async def notifications(self) -> AsyncIterator[Notification]:
         """Iterate over notifications as they arrive (ends when the endpoint closes)."""
         self._check_open()
-        async for note in self._inbox.iterate():
-            yield note
+        async with contextlib.aclosing(self._inbox.iterate()) as notes:
+            async for note in notes:
+                yield note
 
     # ------------------------------------------------------------------ introspection
     @property

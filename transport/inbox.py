@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from .errors import Phase, TransportTimeoutError
@@ -114,7 +114,7 @@ class Inbox:
         self._room.release()
         return note
 
-    async def iterate(self) -> AsyncIterator[Notification]:
+    async def iterate(self) -> AsyncGenerator[Notification, None]:
         """Queued notifications as they arrive, until ``is_open()`` turns false (checked at least
         every 0.5 s)."""
         while self._is_open():

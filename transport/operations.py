@@ -2,8 +2,9 @@
 ``map_route`` and ``notify``, each a coroutine on the endpoint's event loop, bounded by its
 ``timeout`` (or the endpoint's) and cancellable as each docstring says.
 
-:class:`Operations` is the base class of :class:`transport.Endpoint`, which supplies its channels
-(``_connector``) and default ``timeout``; the work of an op is in :mod:`transport.transfer`.
+:class:`Operations` is the base class of :class:`transport.Endpoint`, which supplies the state it
+declares (its name, default ``timeout``, channels, address book, record, secret and state); the
+work of an op is in :mod:`transport.transfer`.
 """
 
 from __future__ import annotations
