@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
+from transport.bounce import stage_in, stage_out
 from transport.errors import StagingError
-from transport.staging import Staging, StagingConfig, ThreadCopyEngine, stage_in, stage_out
+from transport.staging import Staging, StagingConfig, ThreadCopyEngine
 
 POISON = 0xA5
 

@@ -19,7 +19,8 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_behind_side_stream, same_bytes
-from transport.staging import Staging, StagingConfig, stage_in, stage_out
+from transport.bounce import stage_in, stage_out
+from transport.staging import Staging, StagingConfig
 
 MiB = 1 << 20
 DEV = "cuda:0"

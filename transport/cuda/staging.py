@@ -4,7 +4,8 @@ payloads can use both copy engines at once), pinned bounce buffers, completion o
 CUDA events.
 
 Only this module touches CUDA for staging; the pipeline's logic (chunking, ordering, bounded
-memory, errors) is :mod:`transport.staging`'s and is tested on CPU with a thread engine.
+memory, errors) is :mod:`transport.bounce`'s (the engine interface: :mod:`transport.copy_engine`)
+and is tested on CPU with a thread engine.
 
 Ordering: :meth:`CudaCopyEngine.mark` records a blocking-sync event on the *caller's* current
 stream when the op is issued (in the caller's thread); the staged plane awaits it on the event loop

@@ -41,10 +41,10 @@ from ctypes import memmove
 import torch
 from torch.autograd.graph import increment_version
 
+from ..bounce import stage_out
 from ..errors import PeerLostError, PlaneUnavailableError, ProtocolError, StaleBufferError
 from ..flight_recorder import OpKind
 from ..hostinfo import same_host
-from ..staging import stage_out
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
 from .base import DataPlane
 from .shm_export import map_segment, memfd_probe
