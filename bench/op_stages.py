@@ -45,11 +45,15 @@ _pc = time.perf_counter_ns
 
 def _instrument(stamps: list[tuple[str, int]]) -> None:
     from transport import channel as channel_mod
+    from transport import dispatch as dispatch_mod
+    from transport import op_table as op_table_mod
     from transport import receiver as receiver_mod
 
     chan: Any = channel_mod.Channel
+    reader: Any = dispatch_mod.Dispatcher
+    ops: Any = op_table_mod.OpTable
     recv: Any = receiver_mod.Receiver
-    send, dispatch, settle, fill = chan.send, chan._dispatch, chan._settle, recv._fill
+    send, dispatch, settle, fill = chan.send, reader.dispatch, ops.settle, recv._fill
 
     def send_w(self: Any, msg: Any, *a: Any, **k: Any) -> None:
         stamps.append(("send:" + type(msg).__name__, _pc()))
@@ -69,7 +73,7 @@ def _instrument(stamps: list[tuple[str, int]]) -> None:
         fill(self, want)
         stamps.append(("woke", _pc()))
 
-    chan.send, chan._dispatch, chan._settle, recv._fill = send_w, dispatch_w, settle_w, fill_w
+    chan.send, reader.dispatch, ops.settle, recv._fill = send_w, dispatch_w, settle_w, fill_w
 
 
 def _target(store: str, plane: str, size: int, q: Any, stop: Any) -> None:

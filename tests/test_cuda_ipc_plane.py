@@ -76,8 +76,8 @@ async def test_stale_export_is_retried_and_old_export_released(init, target, una
     target.call("register", name, "float32", (512,))
     await init.put(target.name, {name: make_tensor("float32", (512,), seed())})
     ch = init._channels[target.name]
-    real = ch._take_registry
-    monkeypatch.setattr(ch, "_take_registry", lambda msg: (time.sleep(1.0), real(msg)))  # our reader lags
+    real = ch.take_registry
+    monkeypatch.setattr(ch, "take_registry", lambda msg: (time.sleep(1.0), real(msg)))  # our reader lags
     target.call("unregister", name)
     target.call("register", name, "float32", (512,))
     assert target.call("ipc_held"), "the old export is held while we may still copy into it"

@@ -89,8 +89,8 @@ async def test_a_rejected_op_keeps_the_link_in_step(init, target, uname, monkeyp
     target.call("register", kept, "float32", (2048,))
     await init.put(target.name, {kept: make_tensor("float32", (2048,), seed())})
     ch = init._channels[target.name]
-    real = ch._take_registry
-    monkeypatch.setattr(ch, "_take_registry", lambda msg: (time.sleep(1.0), real(msg)))
+    real = ch.take_registry
+    monkeypatch.setattr(ch, "take_registry", lambda msg: (time.sleep(1.0), real(msg)))
     target.call("unregister", gone)
     with pytest.raises(UnknownBufferError):  # two items, one of them gone: both posted into scratch
         await init.put(target.name, {kept: make_tensor("float32", (2048,), seed()),
@@ -112,7 +112,7 @@ async def test_the_dialer_rejects_a_listener_op_without_posting(init, target, un
     init.register(gone, poisoned("float32", (10,)))
     init.register(kept, poisoned("float32", (10,)))
     await _until(lambda: target.call("peer_has", init.name, gone), what="the target knows our buffers")
-    target.call("lag", init.name, "_take_registry", 2.0)  # its reader sleeps before our next update
+    target.call("lag", init.name, "take_registry", 2.0)  # its reader sleeps before our next update
     init.unregister(gone)
     await asyncio.sleep(0.2)
     t0 = time.monotonic()

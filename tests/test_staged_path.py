@@ -578,7 +578,7 @@ async def test_lazy_views_are_refused_before_any_copy(endpoints):
     with pytest.raises(transport.InvalidTensorError, match="lazy"):
         b.register("n", torch._neg_view(torch.randn(4)))
     assert ie.calls == te.calls == 0, "a refused op staged bytes"
-    assert not a._channels[b.name]._pending
+    assert not a._channels[b.name].ops.pending
     src = torch.randn(1024)
     await a.put(b.name, {"w": src})
     assert torch.equal(w, src)
@@ -600,7 +600,7 @@ async def test_a_non_staging_error_before_the_first_chunk_fails_the_put_at_once(
         await a.put(b.name, {"w": src}, timeout=10)
     assert time.monotonic() - t0 < 5, "the op waited for its deadline"
     assert isinstance(ei.value.__cause__, RuntimeError) or isinstance(ei.value.__cause__.__cause__, RuntimeError)
-    assert not a._channels[b.name]._pending, "the failed op stayed in the channel's table"
+    assert not a._channels[b.name].ops.pending, "the failed op stayed in the channel's table"
     end = time.monotonic() + 5  # the writer logs after the op was failed
     while not any("dropped" in r.getMessage() for r in caplog.records):
         assert time.monotonic() < end, "the writer did not log the dropped payload"
@@ -625,7 +625,7 @@ async def test_a_non_staging_error_before_the_first_chunk_of_a_get_reply_is_answ
         await a.get(b.name, {"w": out}, timeout=10)
     assert time.monotonic() - t0 < 5, "the op waited for its deadline"
     assert peer.connected and bool((out == 0xA5).all())
-    assert not a._channels[b.name]._pending
+    assert not a._channels[b.name].ops.pending
     await a.get(b.name, {"w": out}, timeout=10)
     assert torch.equal(out, w)
     await settle(a, b)
@@ -901,7 +901,7 @@ async def test_a_staged_op_times_out_while_the_callers_work_is_pending(endpoints
         with pytest.raises(transport.TransportTimeoutError, match="posted"):
             await a.put(b.name, {"w": torch.ones_like(w)}, timeout=0.3)
         assert ie.calls == 0 and bool((w == 0).all()) and peer.connected
-        assert not a._channels[b.name]._pending
+        assert not a._channels[b.name].ops.pending
         ie.gates[0].ev.set()  # the caller's work ends late; later marks of that device queue behind it
         await _until(lambda: all(br.pending == 0 for br in a.staging._bridges.values()))
         ie.fail_next = True

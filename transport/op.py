@@ -74,7 +74,7 @@ class Op:
         self.staged = False  # a get whose reply is staged into the caller's tensors (copies may lag the socket)
         self.keep: Any = None  # tensors referenced until the op is over
         self.inline = inline  # the op's bytes travel in the channel's stream (tcp framing)
-        self.gated = False  # its plane may wait before sending: later ops are kept behind it (Channel.run)
+        self.gated = False  # its plane may wait before sending: later ops are kept behind it (OpTable.run)
         self.abandoned = False
         self.on_wire = False  # its header was handed to the sender
         # Writing into the caller's tensors or the peer's buffer (a get's payload, a local copy, an shm or

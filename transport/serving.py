@@ -258,7 +258,7 @@ class Serving:
                 if self.ch.is_open:  # (else lose() has run: the send below raises)
                     self.replies[id(rec)] = rec
             self.ch.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
-            self.current = None  # only now: until here a failure settles the record through _fail_serving
+            self.current = None  # only now: until here a failure settles the record (Dispatcher._fail_serving)
             return
         views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
         self.ch.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent

@@ -1,0 +1,169 @@
+"""The reader thread of a channel: each frame the peer sends, read off the socket and handed on.
+
+:meth:`Dispatcher.read_loop` is the body of the channel's reader thread (``transport-rx-<peer>``):
+it reads frames through the channel's :class:`~transport.receiver.Receiver` while the channel is
+open and hands each one on (:meth:`Dispatcher.dispatch`): the peer's ops to the target's half
+(:class:`~transport.serving.Serving`), answers to our ops to the op table
+(:class:`~transport.op_table.OpTable`), a registry update to the channel, the NCCL link's set-up
+to the link. A frame that cannot be parsed, or a socket that fails, breaks the channel (the op the
+target's half was serving is recorded as failed). Everything here runs on the reader thread and
+may block it (a payload received into a tensor, a full notification queue); nothing blocks the
+event loop. It sees the channel through :class:`ReadChannel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError, StagingError
+from .flight_recorder import FlightRecorder, OpState
+from .wire import (
+    Ack,
+    Bye,
+    Data,
+    Fail,
+    Get,
+    Go,
+    Message,
+    NcclReady,
+    NcclSetup,
+    Notify,
+    Ping,
+    Put,
+    Registry,
+    Sync,
+    Unmapped,
+    decode,
+)
+
+if TYPE_CHECKING:
+    from .op import Op
+    from .op_table import OpTable
+    from .receiver import Receiver
+    from .serving import Serving
+
+__all__ = ["Dispatcher", "ReadChannel"]
+
+log = logging.getLogger("transport.channel")  # what is logged here is the channel's (as before it moved here)
+
+
+class ReadChannel(Protocol):
+    """What the reader reads and calls of its channel (:class:`transport.channel.Channel`)."""
+
+    core: Any  # the endpoint: wire_registry(), ipc_unmapped()
+    id: str
+    peer_name: str
+    recorder: FlightRecorder
+    link: Any  # the channel's NCCL link (transport.link.Link), or None
+    orderly: bool  # set when the peer closed with a Bye
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
+             op: Op | None = None, direct: bool = True,
+             early: Callable[[StagingError], None] | None = None) -> None: ...
+
+    def lose(self, exc: BaseException) -> None: ...
+
+    def take_registry(self, msg: Registry) -> None: ...
+
+
+class Dispatcher:
+    """The reader of one channel (reader thread): ``rx`` is the channel's socket's receiving half,
+    ``target`` its target's half, ``ops`` its table of pending ops."""
+
+    def __init__(self, channel: ReadChannel, rx: Receiver, target: Serving, ops: OpTable) -> None:
+        self.ch = channel
+        self.rx = rx
+        self.target = target
+        self.ops = ops
+
+    def read_loop(self) -> None:
+        """The reader thread's body: frames until the channel is no longer open or its socket fails."""
+        try:
+            ch, rx = self.ch, self.rx
+            rx.start()
+            while ch.is_open:
+                self.dispatch(decode(rx.read_frame()))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
+            self._fail_serving(exc)
+            if self.ch.is_open:
+                log.error("protocol error on channel %s from %r: %s; closing the channel", self.ch.id,
+                          self.ch.peer_name, exc)
+            self.ch.lose(exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc)))
+        except (EOFError, OSError) as exc:
+            self._fail_serving(exc)
+            self.ch.lose(PeerLostError(f"connection to {self.ch.peer_name!r} lost: {exc}"))
+        except PeerLostError as exc:  # an answer could not be sent: the channel is already lost
+            self._fail_serving(exc)
+            self.ch.lose(exc)
+        except BaseException as exc:  # a bug: never leave the peer hanging
+            self._fail_serving(exc)
+            log.exception("channel %s reader crashed", self.ch.id)
+            self.ch.lose(PeerLostError(f"channel reader crashed: {exc!r}"))
+
+    def _fail_serving(self, exc: BaseException) -> None:
+        rec, self.target.current = self.target.current, None
+        if rec is not None:
+            self.ch.recorder.update(rec, OpState.FAILED, exc)
+
+    def dispatch(self, msg: Message) -> None:
+        """Hand one frame of the peer's to whoever handles it (reader thread)."""
+        if isinstance(msg, Put):
+            self.target.serve_put(msg)
+        elif isinstance(msg, Get):
+            self.target.serve_get(msg)
+        elif isinstance(msg, Ack):
+            op = self.ops.pop(msg.op_id)
+            if op is not None:
+                self.ops.settle_from_thread(op, None)
+        elif isinstance(msg, Fail):
+            if self.ch.link is not None:
+                self.ch.link.not_posted(msg.op_id)  # a listener's nccl op the dialer rejected before its Go
+            op = self.ops.pop(msg.op_id)
+            if op is not None:
+                cls = ERROR_KINDS.get(msg.kind, RemoteError)
+                self.ops.settle_from_thread(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
+        elif isinstance(msg, Data):
+            self._take_data(msg)
+        elif isinstance(msg, Notify):
+            self.target.serve_notify(msg)
+        elif isinstance(msg, Registry):
+            self.ch.take_registry(msg)
+        elif isinstance(msg, Sync):
+            epoch, bufs = self.ch.core.wire_registry()
+            self.ch.send(Registry(epoch, bufs))
+            self.ch.send(Ack(msg.op_id))
+        elif isinstance(msg, Unmapped):
+            self.ch.core.ipc_unmapped(self.ch, msg.epoch)
+        elif isinstance(msg, Go):
+            self.target.take_go(msg)
+        elif isinstance(msg, NcclSetup):
+            if self.ch.link is None:
+                self.ch.send(NcclReady(False, "", "this endpoint does not offer the nccl plane to this peer"))
+            else:
+                self.ch.link.on_setup(msg)
+        elif isinstance(msg, NcclReady):
+            if self.ch.link is not None:
+                self.ch.link.on_ready(msg)
+        elif isinstance(msg, Ping):
+            pass
+        elif isinstance(msg, Bye):
+            self.ch.orderly = True
+            self.ch.lose(PeerLostError(f"{self.ch.peer_name!r} closed the channel: {msg.reason or 'bye'}"))
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} frame after the handshake")
+
+    def _take_data(self, msg: Data) -> None:
+        with self.ops.lock:
+            op = self.ops.pending.get(msg.op_id)
+        if op is None or op.dests is None:
+            raise ProtocolError(f"data for unknown get #{msg.op_id}")
+        error = self.target.receive(op.dests, op)
+        self.ops.pop(msg.op_id)
+        self.ops.settle_from_thread(op, error)

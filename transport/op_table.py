@@ -1,0 +1,325 @@
+"""The initiator's ops of one channel: the table of pending ops and each op's life, from posted to settled.
+
+:class:`OpTable` numbers an op and records it (:meth:`OpTable.new_op`), runs it to its deadline in
+call order (:meth:`OpTable.run`: an op that had to wait before sending is handed over behind the
+one called before it), abandons it when its caller stops waiting (an op whose header went out stays
+in the table until its late reply was consumed) and settles its future when it ends. Each
+:class:`~transport.channel.Channel` owns one, and the table sees its channel through
+:class:`OpChannel`. ``run``, ``settle`` and ``finish_here`` run on the event loop; ``pop``,
+``fail_op``, ``settle_from_thread`` and ``record_here`` may be called from any thread (the table is
+guarded by the channel's lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import PeerLostError, Phase, TransportTimeoutError
+from .flight_recorder import FlightRecorder, OpKind, OpState, Record
+from .op import Op
+from .receiver import RX_POLL_S
+from .staging import Staging
+
+if TYPE_CHECKING:
+    from .planes.base import DataPlane
+
+__all__ = ["OpChannel", "OpTable"]
+
+log = logging.getLogger("transport.channel")  # what is logged here is the channel's (as before it moved here)
+
+_P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to complete before the link is aborted,
+_P2P_ABANDON_RATE = 1e9  # ... plus its bytes at this rate (bytes/s): a healthy slow link is not cut off
+
+_STATE_HINT = {
+    "posted": "not yet sent, queued behind earlier traffic or still copying",
+    "sent": "sent, no answer from the target",
+}
+
+
+class OpChannel(Protocol):
+    """What the op table reads and calls of its channel (:class:`transport.channel.Channel`)."""
+
+    loop: asyncio.AbstractEventLoop
+    core: Any  # the endpoint: name, on_timeout()
+    id: str
+    peer_name: str
+    recorder: FlightRecorder
+    staging: Staging
+
+    def lose(self, exc: BaseException) -> None: ...
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    """An op's deadline passed (event loop): its wait ends with ``TimeoutError``."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class OpTable:
+    """The pending ops of one channel (initiator side) and their lifecycle; ``lock`` is the
+    channel's lock (``pending`` is read and cleared by the channel's ``lose`` under it)."""
+
+    _op_ids = itertools.count(1)
+
+    def __init__(self, channel: OpChannel, lock: threading.Lock) -> None:
+        self.ch = channel
+        self.loop = channel.loop
+        self.lock = lock
+        self._seq = itertools.count(1)
+        self.pending: dict[int, Op] = {}
+        # the hand-over to the sender of the latest op that had to be ordered behind, or could wait
+        # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
+        self._order_tail: asyncio.Future[None] | None = None
+
+    def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane) -> Op:
+        """Allocate an op (event loop) that moves its bytes over ``plane``, recorded as posted."""
+        op_id = next(OpTable._op_ids)
+        seq = next(self._seq)
+        rec = self.ch.recorder.record(
+            op_id=op_id,
+            channel=self.ch.id,
+            seq=seq,
+            role="initiator",
+            initiator=self.ch.core.name,
+            peer=self.ch.peer_name,
+            kind=kind,
+            names=names,
+            nbytes=nbytes,
+            plane=plane.name,
+            state=OpState.POSTED,
+        )
+        op = Op(self.loop, op_id, seq, kind, rec, plane.inline_payload)
+        op.gated = not plane.sends_at_once
+        with self.lock:
+            self.pending[op_id] = op
+        return op
+
+    async def run(self, op: Op, start: Callable[[], Any], deadline: float) -> None:
+        """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``.
+
+        Raises :class:`TransportTimeoutError` at the deadline,
+        :class:`PeerLostError` if the channel breaks, the target's error if it
+        rejects. Cancellation stops the wait only: bytes already handed to the
+        writer or to a copy thread still go out, and the channel stays usable.
+        """
+        try:
+            prev = self._order_tail
+            if not op.gated and (prev is None or prev.done()):
+                # the common case: the op is handed to the sender at once, in call order, and only its
+                # future is awaited: a timer fails it at the deadline (cheaper than a timeout scope)
+                timer = self.loop.call_at(deadline, _expire, op.future)
+                try:
+                    await start()
+                    await op.future
+                finally:
+                    timer.cancel()
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await self._in_order(prev, start)
+                    await op.future
+        except TimeoutError:
+            was = op.record.state
+            if op.p2p:  # its NCCL operations cannot be called back: abort the link (and the channel)
+                self.ch.lose(PeerLostError(f"{op.kind.value} #{op.op_id} over the NCCL link with {self.ch.peer_name!r} "
+                                           "timed out: the channel's communicator was aborted and the channel closed"))
+            try:
+                note = await self._abandon(op)
+            finally:  # (even if cancelled again meanwhile: the record always ends)
+                self.ch.recorder.update(op.record, OpState.TIMED_OUT)
+            exc = TransportTimeoutError(
+                f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.ch.peer_name!r} did not complete before "
+                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else ""),
+                Phase.NOTIFY if op.kind is OpKind.NOTIFY else Phase.TRANSFER,
+            )
+            self.ch.core.on_timeout(self.ch, op, exc)
+            raise exc from None
+        except asyncio.CancelledError:
+            try:
+                await self._abandon(op)
+            finally:
+                self.ch.recorder.update(op.record, OpState.CANCELLED)
+            raise
+        except Exception as exc:
+            try:
+                await self._abandon(op)
+            finally:
+                self.ch.recorder.update(op.record, OpState.FAILED, exc)
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, GeneratorExit...: no await here
+            bound = self._abandon_now(op)
+            if bound:
+                op.quiet.wait(min(bound, 1.0))
+            self._forget(op)
+            self.ch.recorder.update(op.record, OpState.FAILED, exc)
+            raise
+
+    async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any]) -> None:
+        """Hand an op to the sender only after ``prev`` (the op called before it that could wait)
+        did, whatever became of it: a notify, put or get called after a staged op that still
+        awaits the caller's CUDA work reaches the peer after it, as on every other plane."""
+        mine: asyncio.Future[None] = self.loop.create_future()
+        self._order_tail = mine
+        try:
+            if prev is not None and not prev.done():
+                await asyncio.shield(prev)
+            await start()
+        finally:
+            mine.set_result(None)
+            if self._order_tail is mine:
+                self._order_tail = None
+
+    async def _abandon(self, op: Op) -> str | None:
+        """The caller stopped waiting (event loop). An op whose header went out stays in the table
+        until its reply arrives (a get's payload must still be consumed); one that never reached
+        the wire is forgotten now. No byte is written into the caller's tensors (or, by a copy of ours, the peer's buffer) after this
+        returns: a writer that is busy stops at its next chunk (a local copy, or bytes arriving
+        fast); bytes that trickle in are cut off by closing the channel.
+
+        A staged get's copies into the caller's tensor cannot be called back: they are waited
+        for until the op is quiet, up to the staging stall bound (``stall_timeout`` plus the
+        time to give up on the copies behind a stuck one and on the socket), off the event
+        loop (this coroutine awaits a worker thread; cancelling it again does not cut that
+        wait short, the cancellation is re-raised after it). Returns None once nothing more
+        will be written, else a sentence saying what may still be (also logged): a copy stuck
+        past its bound (its tensor is then held until it ends, see :func:`~transport.bounce.stage_in`)."""
+        try:
+            bound = self._abandon_now(op)
+            grace = _P2P_ABANDON_GRACE + op.record.nbytes / _P2P_ABANDON_RATE  # (a big receive on a slow link)
+            if bound and op.p2p and not await self._wait_quiet(op, grace):
+                # an NCCL receive cannot be called back: one still pending after the grace (a frozen or
+                # slow peer) is stopped by aborting the link, which closes the channel
+                self.ch.lose(PeerLostError(
+                    f"{op.kind.value} #{op.op_id} was abandoned with its NCCL receive still pending after "
+                    f"{grace:.2f} s: the link with {self.ch.peer_name!r} was aborted and the channel closed "
+                    "so that it cannot land in the caller's tensors later"))
+            if bound and not await self._wait_quiet(op, bound):
+                note = (f"{op.kind.value} #{op.op_id}: writes into the caller's tensors (or the peer's buffer) were still pending {bound:.1f} s "
+                        "after the op was abandoned; they may still land there")
+                log.error("channel %s: %s", self.ch.id, note)
+                return note
+            if op.stuck:
+                note = (f"{op.kind.value} #{op.op_id}: a staged copy into the caller's tensor outlived its bound "
+                        f"({self.ch.staging.config.stall_timeout:g} s) and may still write into it (the tensor is held "
+                        "until it ends)")
+                log.error("channel %s: %s", self.ch.id, note)
+                return note
+            return None
+        finally:
+            self._forget(op)
+
+    def _abandon_now(self, op: Op) -> float:
+        """The non-blocking part of :meth:`_abandon` (event loop); returns how long to wait for
+        ``op.quiet`` (0: nothing is being written)."""
+        with op.lock:
+            op.abandoned = True
+            busy = op.busy
+        if not op.future.done():  # nobody will retrieve what the op ends with
+            op.future.cancel()
+        if not busy or op.quiet.wait(0.05):
+            return 0.0
+        if op.inline:  # bytes trickling in from the socket: cut them off
+            self.ch.lose(PeerLostError(
+                f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
+                f"to {self.ch.peer_name!r} was closed so that they cannot land in the caller's tensors"))
+        if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted (_abandon)
+            return 20.0  # (ncclCommAbort is bounded: NCCL's abort flag ends its waits; then the completions are reported)
+        if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
+            cfg = self.ch.staging.config
+            return cfg.stall_timeout + 0.1 * cfg.buffers + RX_POLL_S + 1.0
+        return op.abandon_bound  # a local copy stops at its next chunk; the reader at its next poll
+
+    def _forget(self, op: Op) -> None:
+        if not op.on_wire:
+            self.pop(op.op_id)
+
+    @staticmethod
+    async def _wait_quiet(op: Op, bound: float) -> bool:
+        """Wait (bounded, off the event loop) until ``op`` writes no more; True if it is quiet."""
+        try:
+            fut = asyncio.ensure_future(asyncio.to_thread(op.quiet.wait, bound))
+        except RuntimeError:  # no executor (the loop is shutting down): a short wait here
+            return op.quiet.wait(min(bound, 1.0))
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if fut.cancelled():
+                    break
+                cancelled = True  # the wait protects the caller's memory: finish it first
+            except Exception:
+                break
+        if cancelled:
+            raise asyncio.CancelledError
+        return op.quiet.is_set()
+
+    def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:
+        """Any thread: fail ``op`` with ``exc``; with ``lost``, break the channel first (its other
+        pending ops fail with ``lost``), so the caller that sees ``exc`` finds the channel closed."""
+        popped = self.pop(op.op_id)
+        if lost is not None:
+            self.ch.lose(lost)
+        if popped is not None:
+            self.settle_from_thread(op, exc)
+
+    def pop(self, op_id: int) -> Op | None:
+        """Any thread: take op ``op_id`` out of the table (None if it is no longer there)."""
+        with self.lock:
+            return self.pending.pop(op_id, None)
+
+    def settle(self, op: Op, exc: BaseException | None) -> None:
+        """Event loop: finish ``op`` unless its waiter already left (an op with posted work of its
+        own, ``op.after``, finishes once that work completed too)."""
+        after = op.after
+        if after is not None:
+            if not after.done():
+                after.add_done_callback(lambda f: self.settle(op, exc))
+                return
+            own = None if after.cancelled() else after.exception()  # (retrieved either way)
+            if exc is None:
+                exc = own
+        if exc is None:
+            self.ch.recorder.update(op.record, OpState.DONE)
+        else:
+            self.ch.recorder.update(op.record, OpState.FAILED, exc)
+        op.keep = None
+        if op.future.done():
+            return
+        if exc is None:
+            op.future.set_result(None)
+        else:
+            op.future.set_exception(exc)
+
+    def record_here(self, kind: OpKind, names: list[str], nbytes: int, plane: str, t_posted: float,
+                    error: BaseException | None = None) -> Record:
+        """The flight recorder's record of an op a plane did right here, with no op object
+        (:meth:`~transport.planes.base.DataPlane.run_here`), from ``t_posted`` to now: done, or
+        failed with ``error``. Any thread (one step under the recorder's lock)."""
+        return self.ch.recorder.record_done(
+            op_id=next(OpTable._op_ids), channel=self.ch.id, seq=next(self._seq), role="initiator",
+            initiator=self.ch.core.name, peer=self.ch.peer_name, kind=kind, names=names, nbytes=nbytes, plane=plane,
+            t_posted=t_posted, error=error)
+
+    def in_order_now(self) -> bool:
+        """Whether an op started now goes out at once (no earlier op of the channel is still held
+        back, waiting before it is handed over: see :meth:`run`)."""
+        prev = self._order_tail
+        return prev is None or prev.done()
+
+    def finish_here(self, op: Op) -> None:
+        """Event loop: ``op`` completed on this side alone (a plane that needs no answer: a
+        one-sided shm put or get): it leaves the table of pending ops and succeeds."""
+        if self.pop(op.op_id) is not None:  # (else the channel was lost meanwhile: lose() failed the op)
+            self.settle(op, None)
+
+    def settle_from_thread(self, op: Op, exc: BaseException | None) -> None:
+        """Any thread: :meth:`settle` ``op`` on the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.settle, op, exc)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            pass
