@@ -85,8 +85,6 @@ __all__ = ["Channel", "ChannelState", "Notification", "Op"]
 
 log = logging.getLogger(__name__)
 
-_RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
-_MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
 
 
 class ChannelState(enum.Enum):
