@@ -14,7 +14,9 @@ reading its own notifications (one process may even be both). One push, seen fro
                            pull (its get leaves nothing behind), then pulls again; only the newest
                            attempt is answered
     Commit ─────────────▶  subscriber applies staging -> live weights under the writer lock
-                           (mode="shared": no Pulls; it re-points its weights into the bank named)
+                           (mode="shared": no Pulls; it re-points its weights into the bank named;
+                           sent once the bank is sealed, right behind the Begin if that is not
+                           answered yet: the subscriber serves it once it has served the Begin)
           ◀──────────────  Reply(stage="commit")
     Abort ──────────────▶  (instead of Commit, on failure or cancellation) nothing is applied
 

@@ -30,7 +30,11 @@ Theory of operation, one :meth:`WeightPublisher.push`:
    subscriber what it misses (a late Begin, a superseded pull, a failed
    relay) from the publisher.
 4. **Commit**: a subscriber holding every bucket is told to commit, and
-   applies the version atomically with respect to its readers.
+   applies the version atomically with respect to its readers. A
+   ``mode="shared"`` subscriber pulls nothing: a group of them only is
+   packed into a bank without waiting for the Begin answers, and each is
+   told to commit once the bank is sealed, answered or not (the Commit
+   follows the Begin on the channel; see :mod:`rl_sync.banks`).
 
 Failures are per subscriber: a lost peer (its channel closed, or another
 incarnation answers), an error reply, or the push's deadline fail that

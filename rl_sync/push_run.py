@@ -73,11 +73,14 @@ class PushRun(PushTracker):
     async def _run_group(self, group: Group) -> None:
         n = len(group.buckets)
         # the first Begin answer starts the group; the others are given as long again to be in the main
-        # pass from its first bucket (later ones get what they missed in the repair pass)
-        t0 = time.monotonic()
-        await self._until(lambda: any(t.begun for t in group.targets) or not any(t.alive for t in group.targets))
-        grace = time.monotonic() + max(0.02, time.monotonic() - t0)
-        await self._until(lambda: all(t.begun or not t.alive for t in group.targets) or time.monotonic() >= grace)
+        # pass from its first bucket (later ones get what they missed in the repair pass). A group of
+        # shared subscribers only does not wait: its bank is packed while the Begins are answered, and each
+        # one's Commit goes out once it has begun and the bank is sealed (_maybe_commit)
+        if not all(t.shared for t in group.targets) or group.banks is None:
+            t0 = time.monotonic()
+            await self._until(lambda: any(t.begun for t in group.targets) or not any(t.alive for t in group.targets))
+            grace = time.monotonic() + max(0.02, time.monotonic() - t0)
+            await self._until(lambda: all(t.begun or not t.alive for t in group.targets) or time.monotonic() >= grace)
         for t in group.targets:  # a relay that has not begun yet would hold its dependents up
             self._check_source(t)
         self._take_bank(group)
@@ -195,7 +198,8 @@ class PushRun(PushTracker):
 
     async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
         # on a worker thread; with the weights on a GPU, on the copier's stream once the caller's work queued
-        # at push() is done: the pulls are sent only once the bytes are in the slot
+        # at push() is done: the pulls are sent only once the bytes are in the slot (packing on the loop, even
+        # small CPU buckets, measured slower: it then waits behind the Begins' sends instead of overlapping them)
         pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest), self.marks))
         self.pub._packing.add(pack)
         pack.add_done_callback(self.pub._packing.discard)

@@ -202,7 +202,10 @@ class PushTracker:
         self.changed.set()
 
     def _maybe_commit(self, t: Target) -> None:
-        if t.alive and t.begun and t.complete and not t.committing:
+        # a shared subscriber is told to commit as soon as the bank is sealed, begun or not: its Commit
+        # follows its Begin on the channel, and the subscriber serves it once it has served that Begin
+        # (one round trip per push, not two); its Begin's refusal still fails it
+        if t.alive and (t.begun or (t.shared and t.begin_sent)) and t.complete and not t.committing:
             g = t.group
             if not t.shared:
                 msg: m.Commit | None = m.Commit(self.push_id, self.version)

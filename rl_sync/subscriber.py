@@ -173,6 +173,9 @@ class WeightSubscriber(Holding):
         self._version_cond = threading.Condition()
         self._push: Push | None = None
         self._starting: set[Push] = set()  # pushes whose Begin is being served (waiting for a commit, pulls, readers)
+        # (publisher, push id) of each Begin being served -> the Commit that came meanwhile (shared mode: the
+        # publisher sends it right behind the Begin), served once that Begin is
+        self._beginning: dict[tuple[str, int], m.Commit | None] = {}
         # Aborts that came before their push's Begin was served (the Begin's task had not run yet): that
         # Begin is refused (a frozen subscriber, let go, reads both at once); the newest few are kept
         self._aborted: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
@@ -248,6 +251,7 @@ class WeightSubscriber(Holding):
             log.warning("subscriber %s: malformed rl_sync message from %s dropped: %s", self.endpoint.name, note.peer, exc)
             return
         if isinstance(msg, m.Begin):
+            self._beginning.setdefault((note.peer, msg.push_id), None)
             self._spawn(self._begin(note.peer, msg))
         elif isinstance(msg, m.Pull):
             push = self._current(note.peer, msg.push_id)
@@ -269,15 +273,11 @@ class WeightSubscriber(Holding):
                 task.add_done_callback(push.pulls.discard)
         elif isinstance(msg, m.Commit):
             push = self._current(note.peer, msg.push_id)
-            if push is not None:
-                push.progress = time.monotonic()
-            if push is None or push.version != msg.version:
-                self._reply(note.peer, m.Reply(msg.push_id, "commit", -1, "no such push in progress", "other"))
-            elif not self._strategy.shared and len(push.done) != len(push.buckets):  # (shared: no pulls)
-                self._reply(note.peer, m.Reply(msg.push_id, "commit", -1,
-                                               f"{len(push.buckets) - len(push.done)} buckets missing", "other"))
+            key = (note.peer, msg.push_id)
+            if push is None and self._strategy.shared and key in self._beginning and self._beginning[key] is None:
+                self._beginning[key] = msg  # sent right behind its Begin (shared mode): served once that Begin is
             else:
-                self._spawn(self._strategy.commit(push, msg))
+                self._commit(note.peer, push, msg)
         elif isinstance(msg, m.Abort):
             push = self._current(note.peer, msg.push_id)
             if push is None:  # its Begin may still be waiting (for a commit, old pulls, readers): it will not begin
@@ -290,6 +290,18 @@ class WeightSubscriber(Holding):
         else:
             log.warning("subscriber %s: unexpected %s from %s", self.endpoint.name, type(msg).__name__, note.peer)
 
+    def _commit(self, peer: str, push: Push | None, msg: m.Commit) -> None:
+        """Serve a Commit for ``push`` (None: not the push in progress: refused, answered)."""
+        if push is not None:
+            push.progress = time.monotonic()
+        if push is None or push.version != msg.version:
+            self._reply(peer, m.Reply(msg.push_id, "commit", -1, "no such push in progress", "other"))
+        elif not self._strategy.shared and len(push.done) != len(push.buckets):  # (shared: no pulls)
+            self._reply(peer, m.Reply(msg.push_id, "commit", -1,
+                                      f"{len(push.buckets) - len(push.done)} buckets missing", "other"))
+        else:
+            self._spawn(self._strategy.commit(push, msg))
+
     def _current(self, peer: str, push_id: int) -> Push | None:
         push = self._push
         if push is None or push.publisher != peer or push.push_id != push_id:
@@ -297,6 +309,14 @@ class WeightSubscriber(Holding):
         return push
 
     async def _begin(self, peer: str, msg: m.Begin) -> None:
+        try:
+            await self._begin_checked(peer, msg)
+        finally:  # a Commit that came while this Begin was served is served now (refused unless it began)
+            early = self._beginning.pop((peer, msg.push_id), None)
+            if early is not None:
+                self._commit(peer, self._current(peer, msg.push_id), early)
+
+    async def _begin_checked(self, peer: str, msg: m.Begin) -> None:
         if (peer, msg.push_id) in self._aborted:
             self._reply(peer, m.Reply(msg.push_id, "begin", -1, "the push was aborted before it began", "other",
                                       self._version))

@@ -150,6 +150,16 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
         with torch.no_grad():
             state["model"][name].view(-1)[0] = 0
         return "written"
+    if cmd == "sub_slow_begin":  # every Begin is served `seconds` late, as by a generator whose loop is busy
+        seconds = args[0]
+        served = sub._begin_checked
+
+        async def late(peer: str, msg: Any) -> None:
+            await asyncio.sleep(seconds)
+            await served(peer, msg)
+
+        sub._begin_checked = late
+        return None
     if cmd == "sub_close":
         sub.close()
         return None

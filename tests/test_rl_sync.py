@@ -885,6 +885,66 @@ async def test_shared_mode_two_publishers_on_one_endpoint_keep_their_banks_apart
             assert not [n for n in ep.buffers if n.startswith("rl_sync/pub/")], "close unregisters every bank"
 
 
+async def test_shared_mode_commit_sent_behind_its_begin_is_served_once_the_begin_is(store_url, uname):
+    """A shared subscriber is told to commit as soon as the bank is sealed, without waiting for its
+    Begin's answer (one round trip per push). One whose Begins are served late (its loop busy) gets
+    the Commit first and serves it after the Begin: every push commits, with exactly its bytes, and
+    the other subscriber is not held up by it."""
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        gens[0].call("sub_slow_begin", 0.3)
+        async with trainer(store_url, uname) as ep:
+            events: list[rl_sync.PushEvent] = []
+            pub = cast_pub(ep, gens, observer=events.append)
+            for v in (1, 2, 3):
+                events.clear()
+                report = await pub.push(seeded(TRAIN, v), v)
+                assert report.ok, report.summary()
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+                slow = [e.kind for e in events if e.subscriber == gens[0].name]
+                assert slow.index("commit_sent") < slow.index("begun") < slow.index("committed"), slow
+                late, fast = (report.results[g.name].seconds for g in gens)
+                assert late >= 0.3 and fast < late, (fast, late)
+            pub.close()
+
+
+async def test_shared_mode_commit_behind_a_refused_begin_commits_nothing(store_url, uname):
+    """The Commit that follows a Begin the subscriber refuses (here: a version older than the one it
+    holds from another publisher) is refused too: the push fails for it with the Begin's reason and
+    its weights stay those of the version it holds."""
+    with generators(store_url, uname, 1, mode="shared") as gens:
+        gens[0].call("sub_slow_begin", 0.2)
+        async with trainer(store_url, uname) as ep:
+            ahead = cast_pub(ep, gens)
+            assert (await ahead.push(seeded(TRAIN, 50), 50)).ok
+            behind = cast_pub(ep, gens)
+            report = await behind.push(seeded(TRAIN, 7), 7)
+            r = report.results[gens[0].name]
+            assert not r.ok and r.stage in ("begin", "commit"), report.summary()
+            assert "not newer than the committed 50" in str(r.error), r.error
+            assert gens[0].call("sub_version") == 50
+            assert all(gens[0].call("sub_check", TRAIN, 50).values())
+            ahead.close()
+            behind.close()
+
+
+async def test_shared_mode_subscriber_maps_a_restarted_publishers_banks(store_url, uname):
+    """Shared subscribers keep the banks they mapped, per publisher incarnation: a publisher that
+    restarts under its name (new endpoint, new banks) is mapped afresh at its first commit, and its
+    weights are what the subscribers then hold."""
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        name = uname("trainer")
+        for life, versions in enumerate(((1, 2, 3), (4, 5))):
+            async with transport.Endpoint(name, store=store_url, timeout=20) as ep:
+                pub = cast_pub(ep, gens)
+                for v in versions:
+                    report = await pub.push(seeded(TRAIN, 100 * life + v), v)
+                    assert report.ok, report.summary()
+                    for g in gens:
+                        assert all(g.call("sub_check", TRAIN, 100 * life + v).values()), (life, v)
+                pub.close()
+
+
 async def test_shared_banks_that_cannot_be_made_fail_only_the_shared_subscribers(store_url, uname, monkeypatch):
     """Making the banks fails (here: no room for the lock directory): the shared subscriber's
     entry fails with the reason, the copying subscriber of the same layout is served."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 
 import torch
+
+import transport
 
 from .. import messages as m
 from ..banks import BankLease
@@ -16,6 +19,8 @@ from .base import CommitMode, Push, Subscriber
 __all__ = ["SharedMode"]
 
 log = logging.getLogger("rl_sync.subscriber")
+
+_MAPPED_BANKS = 3  # a publisher's banks kept mapped (it alternates between 2 by default)
 
 
 class SharedMode(CommitMode):
@@ -31,6 +36,11 @@ class SharedMode(CommitMode):
     def __init__(self, sub: Subscriber) -> None:
         super().__init__(sub)
         self._lease: BankLease | None = None  # the lock on the publisher's bank the live tensors point into
+        # the banks mapped lately: (publisher, its incarnation, the bank's buffer names) -> (route, arenas). A
+        # publisher never registers other memory under a bank's names (they carry a token of the publisher and
+        # the bank's index, never reused), so a commit naming a bank mapped before needs no registry round trip
+        self._mapped: collections.OrderedDict[tuple[str, int, tuple[str, ...]],
+                                              tuple[transport.Route | None, list[torch.Tensor]]] = collections.OrderedDict()
 
     async def commit(self, push: Push, msg: m.Commit) -> None:
         """Shared mode: map the publisher's bank, lock it shared, then (readers held off) re-point."""
@@ -44,8 +54,7 @@ class SharedMode(CommitMode):
                    "plan")
             return
         try:
-            route = await sub.endpoint.map_route(push.publisher, msg.buffers[0]) if msg.buffers else None
-            arenas = [await sub.endpoint.map(push.publisher, name) for name in msg.buffers]
+            route, arenas = await self._map(push.publisher, msg.buffers)
             short = [i for i, (a, n) in enumerate(zip(arenas, sub.manifest.arenas, strict=True)) if a.numel() < n]
             if short:
                 refuse(f"bank arenas {short} are smaller than the layout's", "plan")
@@ -89,6 +98,27 @@ class SharedMode(CommitMode):
         sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, sub._version,
                                            plane=route.plane if route else "", route=route.reason if route else ""))
 
+    async def _map(self, publisher: str, buffers: tuple[str, ...]) -> tuple[transport.Route | None,
+                                                                           list[torch.Tensor]]:
+        """The publisher's bank arenas ``buffers`` mapped here, and the plane that maps them: from the
+        banks mapped lately (the last :data:`_MAPPED_BANKS`), else mapped now (a registry round trip
+        per buffer)."""
+        ep = self.sub.endpoint
+        before = ep.peers.get(publisher)
+        key = (publisher, before.incarnation, buffers) if before is not None else None
+        hit = self._mapped.get(key) if key is not None else None
+        if key is not None and hit is not None:
+            self._mapped.move_to_end(key)
+            return hit
+        route = await ep.map_route(publisher, buffers[0]) if buffers else None
+        arenas = [await ep.map(publisher, name) for name in buffers]
+        after = ep.peers.get(publisher)
+        if key is not None and after is not None and after.incarnation == key[1]:  # (not across a restart)
+            self._mapped[key] = (route, arenas)
+            while len(self._mapped) > _MAPPED_BANKS:  # (a bank the publisher dropped is let go here)
+                self._mapped.popitem(last=False)
+        return route, arenas
+
     def _let_go_after_reads(self, lease: BankLease) -> None:
         """The weights left ``lease``'s bank: let the publisher have it once the GPU work that
         readers queued inside :meth:`hold` before now is done (they may still read it); at once on
@@ -115,6 +145,7 @@ class SharedMode(CommitMode):
         locked, so a reader's views of it stay valid. Nothing waits for the readers (no task, no
         waiting writer): new and nested holds go on as before. The copy runs on a thread of its
         own when this is called on an event loop. Any thread."""
+        self._mapped.clear()  # (the live tensors keep the mapping of the bank they point into)
         if self._lease is None:
             return
         self.sub._lock.on_idle = self._try_leave
