@@ -1,0 +1,174 @@
+"""Where the time of one small ``rl_sync`` push goes: the demo's push, stage by stage.
+
+A trainer (this process) pushes the demo's policy (``examples/_toy_rl.py``, 270 KiB of float32)
+to ``--generators`` spawned subscriber processes in ``--mode`` (default ``shared``, the demo's CPU
+mode) ``--pushes`` times, and prints the median push time and, from the publisher's observer
+(:class:`rl_sync.PushEvent`), when the last subscriber reached each stage (Begin sent, begun,
+Commit sent, committed), and when the publisher started and ended packing and sealed the bank;
+plus each subscriber's median time in its commit handler. The first 10 pushes are warm-up. It
+wraps the publisher's and subscriber's methods in this script only; the library is not changed.
+
+Usage: ``python bench/push_stages.py [--mode shared] [--generators 2] [--pushes 60]``. This is a
+diagnostic, not a benchmark with targets: compare two checkouts by alternating runs
+(``PYTHONPATH``); this machine's speed drifts between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+WARMUP = 10
+
+
+def _generator(store: str, name: str, mode: str, q: Any, stop: Any) -> None:
+    import rl_sync
+    import transport
+    from _toy_rl import build_policy
+    from rl_sync.modes import base
+
+    torch.set_num_threads(1)
+    took: list[float] = []
+    served: dict[type, Any] = {}
+
+    def timed(cls: type) -> None:
+        commit = served[cls] = cls.commit
+
+        async def run(self: Any, push: Any, msg: Any) -> None:
+            t = time.perf_counter()
+            await commit(self, push, msg)
+            took.append(time.perf_counter() - t)
+
+        cls.commit = run  # type: ignore[method-assign]
+
+    for cls in base.CommitMode.__subclasses__():
+        timed(cls)
+
+    async def run() -> None:
+        ep = transport.Endpoint(name, store=store, timeout=30)
+        rl_sync.WeightSubscriber(ep, build_policy(0), mode=mode)
+        async with ep:
+            q.put("ready")
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+        d = sorted(took[WARMUP:])
+        q.put((name, d[len(d) // 2] if d else float("nan")))
+
+    asyncio.run(run())
+
+
+async def _trainer(args: argparse.Namespace) -> None:
+    import rl_sync
+    import transport
+    from _toy_rl import build_policy
+    from rl_sync import banks, push_run
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = f"tcp://127.0.0.1:{server.port}"
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    names = [f"gen-{i}" for i in range(args.generators)]
+    procs = [ctx.Process(target=_generator, args=(store, n, args.mode, q, stop), daemon=True) for n in names]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            if q.get(timeout=120) != "ready":
+                raise RuntimeError("a generator did not start")
+        marks: dict[str, list[float]] = collections.defaultdict(list)
+        run_now: list[Any] = []
+        pack, seal, execute = push_run.PushRun._pack_into, banks.BankSet.seal, push_run.PushRun.execute
+
+        async def pack_w(self: Any, *a: Any) -> None:
+            marks["pack started"].append(time.monotonic() - self.t0)
+            await pack(self, *a)
+            marks["pack ended"].append(time.monotonic() - self.t0)
+
+        def seal_w(self: Any, *a: Any) -> None:
+            seal(self, *a)
+            marks["bank sealed"].append(time.monotonic() - run_now[0].t0)
+
+        async def execute_w(self: Any, *a: Any) -> None:
+            run_now[:] = [self]
+            marks["planned"].append(time.monotonic() - self.t0)
+            await execute(self, *a)
+
+        push_run.PushRun._pack_into = pack_w  # type: ignore[method-assign]
+        banks.BankSet.seal = seal_w  # type: ignore[method-assign]
+        push_run.PushRun.execute = execute_w  # type: ignore[method-assign]
+        policy = build_policy(1)
+        nbytes = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+        events: list[rl_sync.PushEvent] = []
+        stages: list[dict[str, float]] = []
+        times: list[float] = []
+        async with transport.Endpoint("trainer", store=store, timeout=30) as ep:
+            pub = rl_sync.WeightPublisher(ep, names, observer=events.append)
+            for v in range(1, args.pushes + 1):
+                events.clear()
+                t = time.perf_counter()
+                report = await pub.push(policy, v)
+                dt = time.perf_counter() - t
+                if not report.ok:
+                    raise RuntimeError(report.summary())
+                if v > WARMUP:
+                    times.append(dt)
+                    last: dict[str, float] = {}
+                    for e in events:
+                        last[e.kind] = max(last.get(e.kind, 0.0), e.seconds)
+                    stages.append(last)
+            pub.close()
+        stop.set()
+        handlers = dict(q.get(timeout=60) for _ in procs)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for k, v in list(marks.items()):
+        marks[k] = v[WARMUP:]
+    times.sort()
+    print(f"{args.mode} push of {nbytes / 1024:.0f} KiB to {args.generators} generators, {len(times)} pushes: "
+          f"median {times[len(times) // 2] * 1e3:.2f} ms, fastest {times[0] * 1e3:.2f} ms")
+    rows: list[tuple[str, float]] = []
+    for kind in dict.fromkeys(k for s in stages for k in s):
+        vals = sorted(s[kind] for s in stages if kind in s)
+        rows.append((f"{kind} (last subscriber)", vals[len(vals) // 2]))
+    for kind, vals in marks.items():
+        vals = sorted(vals)
+        if vals:
+            rows.append((kind, vals[len(vals) // 2]))
+    print(f"{'stage':<34} {'ms after push()':>16}")
+    for kind, at in sorted(rows, key=lambda r: r[1]):
+        print(f"{kind:<34} {at * 1e3:16.2f}")
+    for name, took in sorted(handlers.items()):
+        print(f"{name}: commit handler median {took * 1e3:.2f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="shared", choices=("staged", "swap", "direct", "shared"))
+    ap.add_argument("--generators", type=int, default=2)
+    ap.add_argument("--pushes", type=int, default=60, help=f"pushes, the first {WARMUP} of them warm-up (default 60)")
+    args = ap.parse_args()
+    if args.pushes <= WARMUP or args.generators < 1:
+        ap.error(f"--pushes must be > {WARMUP} and --generators >= 1")
+    torch.set_num_threads(1)
+    asyncio.run(_trainer(args))
+
+
+if __name__ == "__main__":
+    main()
