@@ -24,7 +24,10 @@ Theory of operation (``WeightSubscriber(..., mode="shared")``):
   adds one (logged), so a stuck subscriber never holds the others back and
   catches up at a later push; the extra banks go once they are let go. Memory
   is therefore bounded by the number of distinct versions subscribers hold,
-  plus one: never more than one copy per subscriber plus one.
+  plus one: never more than one copy per subscriber plus one. (A subscriber
+  keeps the banks it mapped while they are registered, to commit without a
+  registry round trip; one the publisher dropped is unmapped at that
+  subscriber's next commit, so its memory goes one push later.)
 * Each lock file carries a *stamp*: the version and push id the bank holds,
   cleared when the publisher takes the bank and written when it gives it up. A
   subscriber checks the stamp once it holds the shared lock, so a commit that
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import tempfile
 import threading
@@ -49,6 +53,9 @@ from .plan import Bucket
 __all__ = ["BankLease", "BankSet", "StaleBankError", "make_lock_dir", "remove_lock_dir"]
 
 _STAMP = 64  # bytes at the start of a lock file: b"<version> <push_id>\n", space padded
+# bank indices, process-wide: a bank's buffer names (and lock file) are never those of an earlier bank, even
+# of a BankSet made again for the same layout, so a subscriber may keep a bank mapped by its names
+_BANK_INDICES = itertools.count()
 
 
 class StaleBankError(Exception):
@@ -123,7 +130,6 @@ class BankSet:
         self.lock_dir = lock_dir
         self._banks: dict[int, _Bank] = {}
         self._order: list[int] = []  # least recently sealed first
-        self._next = 0
         try:
             for _ in range(keep):
                 self._add()
@@ -135,8 +141,7 @@ class BankSet:
         return len(self._banks)
 
     def _add(self) -> int:
-        index = self._next
-        self._next += 1
+        index = next(_BANK_INDICES)  # (never reused in this process: a name always means one memory)
         self._banks[index] = _Bank(self.endpoint, self.prefix, self.key, index, self.arenas, self.lock_dir,
                                    self.device)
         self._order.insert(0, index)

@@ -302,7 +302,7 @@ class PushTracker:
             await asyncio.sleep(POLL)
 
     def _overdue(self, t: Target, now: float) -> transport.TransportTimeoutError:
-        phase = Phase.COMMIT if t.committing else Phase.TRANSFER
+        phase = Phase.COMMIT if t.committing and t.begun else Phase.TRANSFER  # (a shared one may be told early)
         return transport.TransportTimeoutError(
             f"subscriber {t.name!r} did not finish version {self.version} before the deadline ({t.doing(now)})", phase)
 

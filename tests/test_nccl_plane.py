@@ -396,7 +396,7 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
     """An endpoint whose process did not use CUDA yet when it was created offers no nccl on its first
     channels; once CUDA is in use, the next channel it sets up offers nccl and gets a link. (On CPU:
     CUDA "comes into use" by patching the check, and the engine found then is the socket engine.)"""
-    import transport.nccl_offer as E
+    import transport.planes.nccl_offer as E
 
     state = {"device": None}
     monkeypatch.setattr(E, "current_cuda_device", lambda: state["device"])

@@ -254,3 +254,40 @@ async def test_close_racing_the_callers_own_cancel_keeps_the_cancel(store_url, u
     await ep.close(timeout=5)  # and close()'s, at the same time
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
+
+
+# ---------------------------------------------------------------------------- 4. a stale range (seen in CI as a flake)
+async def test_a_range_past_a_re_registered_smaller_buffer_is_refused_typed_and_the_channel_lives(store_url, uname):
+    """Our copy of the peer's registry is stale (the update is still on its way) when the peer has
+    re-registered a buffer with fewer elements: the put addresses elements past the new buffer. The
+    target treated that as a protocol violation and closed the channel (PeerLostError for this op
+    and every other pending one); an honest peer sends it, so it is a typed BufferMismatchError and
+    the channel goes on. Seen once in a full run: the conformance suite's re-registration case on tcp."""
+    t = transport.Endpoint(uname("sr-tgt"), store=store_url, planes=("tcp",), timeout=10)
+    i = transport.Endpoint(uname("sr-ini"), store=store_url, planes=("tcp",), timeout=10)
+    await t.open()
+    await i.open()
+    try:
+        t.register("w", torch.zeros(4096))
+        await i.put(t.name, {"w": torch.ones(4096)})  # our cache: (4096,)
+        ch = i._channels[t.name]
+        updates: list = []
+        real = ch.take_registry
+        ch.take_registry = updates.append  # the peer's registry updates are held back (still on the way)
+        t.unregister("w")
+        w2 = torch.zeros(64, 32)
+        t.register("w", w2)
+        await asyncio.sleep(0.2)
+        assert updates, "the target announced its new registry"
+        with pytest.raises(transport.BufferMismatchError, match="2048 elements"):
+            await i.put(t.name, {"w": torch.full((4096,), 5.0)})
+        assert ch.is_open and i._channels[t.name] is ch, "the channel was closed over a stale range"
+        assert bool((w2 == 0).all()), "the refused put wrote into the new buffer"
+        ch.take_registry = real
+        for msg in updates:
+            real(msg)
+        await i.put(t.name, {"w": torch.full((64, 32), 6.0)})  # the same channel, the new shape
+        assert i._channels[t.name] is ch
+    finally:
+        await i.close()
+        await t.close()

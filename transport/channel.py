@@ -56,7 +56,7 @@ from .hostinfo import local_host, same_host
 from .op import Op
 from .op_table import OpTable
 from .peer import Notification, Peer
-from .planes import PlaneChoice
+from .planes import PlaneChoice, needs_unmap_acks
 from .receiver import Receiver
 from .registry import BufferSpec
 from .sender import Sender
@@ -165,8 +165,8 @@ class Channel:
         # same-host peers that both offer cuda_ipc confirm each registry update (Unmapped): the
         # owner of an unregistered export holds its memory until they did (transport.retention.Retention)
         here = local_host()
-        self.ipc_acks = ("cuda_ipc" in self.remote_planes and "cuda_ipc" in core.planes
-                         and same_host(here, remote.host)[0] and here.pid != remote.host.pid)
+        self.ipc_acks = needs_unmap_acks(core.planes, self.remote_planes,
+                                         same_host(here, remote.host)[0] and here.pid != remote.host.pid)
         self.holder: str | None = None  # its key in the endpoint's Retention, if it is a holder
         self.remote_epoch = remote.epoch
         self.remote_wire: dict[str, WireBuffer] = {b.name: b for b in remote.buffers}

@@ -40,8 +40,7 @@ from .errors import (
 )
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
-from .nccl_offer import NcclOffer
-from .planes import choose_cpu_plane
+from .planes import NcclOffer, choose_cpu_plane, wants_link
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
 __all__ = ["Connector"]
@@ -104,11 +103,9 @@ class Connector:
         """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos
         (``offered``: the planes our Hello offered): both offer nccl, and they are not two same-host
         endpoints that both allow cuda_ipc."""
-        ep = self.ep
-        if ep._nccl.engine is None or "nccl" not in offered or "nccl" not in remote.planes:
+        if self.ep._nccl.engine is None:
             return False
-        both_ipc = "cuda_ipc" in ep.planes and "cuda_ipc" in remote.planes
-        return not (both_ipc and same_host(local_host(), remote.host)[0])
+        return wants_link(offered, remote.planes, same_host(local_host(), remote.host)[0])
 
     def adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
                dialer: bool, offered: list[str]) -> Channel:

@@ -36,11 +36,10 @@ from .fr_autodump import Dumps
 from .hostinfo import local_host
 from .inbox import Inbox
 from .ipc import IpcEngine
-from .nccl_offer import NcclOffer
 from .operations import Operations
 from .p2p import LinkEngine
 from .peer import Notification, Peer
-from .planes import make_exporters, validate_planes
+from .planes import NcclOffer, make_exporters, validate_planes
 from .registry import BufferSpec
 from .rendezvous import EndpointRecord, Rendezvous
 from .staging import Staging, StagingConfig
@@ -162,7 +161,7 @@ class Endpoint(Operations):
         self._registry = self._exports.registry
         if nccl_engine is not None and not callable(nccl_engine):
             raise ValueError(f"nccl_engine must be a zero-argument factory of a link engine, got {nccl_engine!r}")
-        self._nccl = NcclOffer(name, self.planes, nccl_engine)  # (its device: see transport.nccl_offer)
+        self._nccl = NcclOffer(name, self.planes, nccl_engine)  # (its device: see transport.planes.nccl_offer)
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout

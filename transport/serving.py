@@ -32,7 +32,7 @@ from .errors import (
 )
 from .flight_recorder import FlightRecorder, OpKind, OpState, Record
 from .peer import Notification
-from .planes import PLANES
+from .planes import STAGED, wire_semantics
 from .ranges import item_bytes, resolve_item
 from .registry import byte_slice
 from .staging import Staging
@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 __all__ = ["ServedChannel", "Serving"]
 
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
+
+
+def _via_link(plane: str) -> bool:
+    wire = wire_semantics(plane)
+    return wire is not None and wire.via_link
 
 
 class ServedChannel(Protocol):
@@ -100,7 +105,7 @@ class Serving:
         return self.current
 
     def _resolve(self, items: list[Item], segments: list[int] | None = None,
-                 plane: str = "shm") -> list[tuple[Any, int, int]]:
+                 plane: str = "") -> list[tuple[Any, int, int]]:
         """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise.
 
         ``segments`` (ops of a plane that copies directly: ``shm``, ``cuda_ipc``) are the export
@@ -112,11 +117,9 @@ class Serving:
         out = []
         for i, it in enumerate(items):
             buf = self.ch.registry.get(it.name)
-            if buf is not None and it.offset + it.count > buf.spec.numel:
-                raise ProtocolError(
-                    f"op addresses elements [{it.offset}, {it.offset + it.count}) of {it.name!r}, "
-                    f"which holds {buf.spec.numel}"
-                )
+            # (a range past the buffer is a typed BufferMismatchError, not a protocol error: an honest peer
+            # sends one when its copy of our registry is stale, e.g. right after a re-registration with a
+            # smaller shape; the payload of a tcp put is drained and the channel lives on)
             off, n = resolve_item(buf, it)
             why = buf.moved()
             if why is not None:
@@ -132,15 +135,15 @@ class Serving:
         return out
 
     def _check_plane(self, plane: str) -> bool:
-        """An op's plane must be this channel's, one whose bytes travel in the stream (any
-        channel can carry those), or ``cuda_ipc`` (checked per buffer against its export).
-        Returns whether the payload follows the header."""
-        if plane in ("cuda_ipc", "nccl"):
-            return False
-        cls = PLANES.get(plane)
-        if cls is None or (not cls.inline_payload and plane != self.ch.plane.name):
+        """An op's plane must be one whose bytes travel in the stream (any channel can carry
+        those), one that copies exports directly and is not bound to the channel's CPU plane
+        (``cuda_ipc``: checked per buffer against its export), the NCCL link's, or this channel's
+        own CPU plane (``shm``; :func:`transport.planes.wire_semantics`). Returns whether the
+        payload follows the header."""
+        wire = wire_semantics(plane)
+        if wire is None or (wire.own_plane and plane != self.ch.plane.name):
             raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
-        return cls.inline_payload
+        return wire.inline
 
     def _ranges(self, msg: Put | Get, what: str, *, shm: bool) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
         """The op's ranges (:meth:`_resolve`), or the error to answer it with; a malformed header
@@ -159,7 +162,7 @@ class Serving:
         if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
         inline = self._check_plane(msg.plane)
-        if msg.plane == "nccl":
+        if _via_link(msg.plane):
             self._serve_p2p(msg, rec)
             return
         ranges, error = self._ranges(msg, "put", shm=not inline)
@@ -169,7 +172,7 @@ class Serving:
             else:
                 dests = [self._dest(buf, off, n) for buf, off, n in ranges]
                 if any(not isinstance(d, memoryview) for d in dests):
-                    rec.plane = "staged"
+                    rec.plane = STAGED
                 error = self.receive(dests, None)
         if error is not None:
             self._reject(rec, msg.op_id, error)
@@ -232,7 +235,7 @@ class Serving:
     def serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
         shm = not self._check_plane(msg.plane)
-        if msg.plane == "nccl":
+        if _via_link(msg.plane):
             self._serve_p2p(msg, rec)
             return
         ranges, error = self._ranges(msg, "get", shm=shm)
@@ -244,7 +247,7 @@ class Serving:
             self.ch.send(Ack(msg.op_id))
             return
         if any(self.ch.staging.stages(buf.spec.device) for buf, _, n in ranges if n):
-            rec.plane = "staged"
+            rec.plane = STAGED
             parts = [byte_slice(buf.tensor, off, n) for buf, off, n in ranges if n]
             op_id = msg.op_id
 

@@ -54,7 +54,7 @@ async def pick_plane(ch: Channel, pairs: list[Any], deadline: float) -> Any:
     lock) picks again, so it is never posted on a dead link."""
     plane = ch.plane_for(pairs)
     link = ch.link
-    if plane.name == "nccl" and link is not None and link.state != "ready":
+    if plane.via_link and link is not None and link.state != "ready":
         await link.wait(deadline)  # (at once unless pending)
         plane = ch.plane_for(pairs)
     return plane
@@ -83,7 +83,7 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
             await ch.run(op, lambda: start(plane, op, pairs), deadline)  # noqa: B023
             return
         except PlaneUnavailableError:
-            if retry or plane.name != "cuda_ipc":
+            if retry or not plane.staged_on_unavailable:
                 raise
         except StaleBufferError:
             if retry:

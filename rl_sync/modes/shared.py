@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 
@@ -20,8 +19,6 @@ __all__ = ["SharedMode"]
 
 log = logging.getLogger("rl_sync.subscriber")
 
-_MAPPED_BANKS = 3  # a publisher's banks kept mapped (it alternates between 2 by default)
-
 
 class SharedMode(CommitMode):
     """The live tensors point into a bank of the publisher's (:mod:`rl_sync.banks`), held locked
@@ -36,11 +33,12 @@ class SharedMode(CommitMode):
     def __init__(self, sub: Subscriber) -> None:
         super().__init__(sub)
         self._lease: BankLease | None = None  # the lock on the publisher's bank the live tensors point into
-        # the banks mapped lately: (publisher, its incarnation, the bank's buffer names) -> (route, arenas). A
-        # publisher never registers other memory under a bank's names (they carry a token of the publisher and
-        # the bank's index, never reused), so a commit naming a bank mapped before needs no registry round trip
-        self._mapped: collections.OrderedDict[tuple[str, int, tuple[str, ...]],
-                                              tuple[transport.Route | None, list[torch.Tensor]]] = collections.OrderedDict()
+        # the publishers' banks mapped here: (publisher, its incarnation, the bank's buffer names) -> (route,
+        # arenas). A publisher never registers other memory under a bank's names (they carry a token of the
+        # publisher object and a bank index never reused in its process), so a commit naming a bank mapped
+        # before needs no registry round trip. An entry goes once the publisher's registry (as it last
+        # announced it) no longer names the bank, or its channel is gone (see _prune)
+        self._mapped: dict[tuple[str, int, tuple[str, ...]], tuple[transport.Route | None, list[torch.Tensor]]] = {}
 
     async def commit(self, push: Push, msg: m.Commit) -> None:
         """Shared mode: map the publisher's bank, lock it shared, then (readers held off) re-point."""
@@ -100,24 +98,37 @@ class SharedMode(CommitMode):
 
     async def _map(self, publisher: str, buffers: tuple[str, ...]) -> tuple[transport.Route | None,
                                                                            list[torch.Tensor]]:
-        """The publisher's bank arenas ``buffers`` mapped here, and the plane that maps them: from the
-        banks mapped lately (the last :data:`_MAPPED_BANKS`), else mapped now (a registry round trip
-        per buffer)."""
+        """The publisher's bank arenas ``buffers`` mapped here, and the plane that maps them: kept
+        from an earlier commit to that bank, else mapped now (a registry round trip per buffer)."""
         ep = self.sub.endpoint
+        self._prune()
         before = ep.peers.get(publisher)
-        key = (publisher, before.incarnation, buffers) if before is not None else None
+        key = (publisher, before.incarnation, buffers) if before is not None and buffers else None
         hit = self._mapped.get(key) if key is not None else None
-        if key is not None and hit is not None:
-            self._mapped.move_to_end(key)
+        if hit is not None:
             return hit
         route = await ep.map_route(publisher, buffers[0]) if buffers else None
         arenas = [await ep.map(publisher, name) for name in buffers]
         after = ep.peers.get(publisher)
         if key is not None and after is not None and after.incarnation == key[1]:  # (not across a restart)
             self._mapped[key] = (route, arenas)
-            while len(self._mapped) > _MAPPED_BANKS:  # (a bank the publisher dropped is let go here)
-                self._mapped.popitem(last=False)
         return route, arenas
+
+    def _prune(self) -> None:
+        """Let go of the banks their publisher no longer registers (dropped, or the publisher
+        closed: its last announced registry does not name them) and those of publishers whose
+        channel is gone or answered by another incarnation: their memory is then freed once the
+        live weights (if they point into one) leave it too."""
+        peers = self.sub.endpoint.peers
+        names: dict[str, tuple[int, dict[str, object]]] = {}
+        for key in list(self._mapped):
+            publisher, incarnation, buffers = key
+            if publisher not in names:
+                peer = peers.get(publisher)
+                names[publisher] = (peer.incarnation, dict(peer.buffers)) if peer is not None else (-1, {})
+            live_incarnation, registered = names[publisher]
+            if live_incarnation != incarnation or any(b not in registered for b in buffers):
+                del self._mapped[key]
 
     def _let_go_after_reads(self, lease: BankLease) -> None:
         """The weights left ``lease``'s bank: let the publisher have it once the GPU work that

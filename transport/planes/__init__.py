@@ -19,12 +19,20 @@ from .choice import (
     CPU_PLANES,
     GPU_PLANES,
     PLANES,
+    STAGED,
     PlaneChoice,
+    WireSemantics,
     choose_cpu_plane,
     choose_gpu_plane,
     make_exporters,
+    needs_unmap_acks,
     validate_planes,
+    wants_link,
+    wire_semantics,
 )
+from .nccl_offer import NcclOffer
 
-__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "ChannelPort", "DataPlane", "Exporter", "PlaneChoice",
-           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "validate_planes"]
+__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "NcclOffer",
+           "PlaneChoice",
+           "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks",
+           "validate_planes", "wants_link", "wire_semantics"]

@@ -168,6 +168,13 @@ class DataPlane(abc.ABC):
 
     #: True for a plane that can alias a peer's buffer in this process (:meth:`map`)
     maps_peer_memory: ClassVar[bool] = False
+    #: True for a plane whose ops are posted on the channel's NCCL link: an op for it while the link
+    #: is being set up waits for the link (:func:`transport.transfer.pick_plane`)
+    via_link: ClassVar[bool] = False
+    #: True for a plane whose op may find, only once it runs, that this process cannot open the
+    #: peer's memory (:class:`~transport.errors.PlaneUnavailableError`): the op is then retried once
+    #: on the staged path (:func:`transport.transfer.transfer`; logged by the plane)
+    staged_on_unavailable: ClassVar[bool] = False
 
     async def map(self, name: str) -> torch.Tensor:
         """The peer's registered buffer ``name`` as a tensor of its dtype and shape that aliases

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from .nccl import NcclPlane
     from .staged import StagedPlane
 
-__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "ChoosingChannel", "PlaneChoice", "choose_cpu_plane",
-           "choose_gpu_plane", "make_exporters", "validate_planes"]
+__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChoosingChannel", "PlaneChoice", "WireSemantics",
+           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks", "validate_planes",
+           "wants_link", "wire_semantics"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,47 @@ PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
 # For GPU buffers, in order of preference.
 GPU_PLANES: tuple[str, ...] = ("cuda_ipc", "nccl", "staged")
 _ALLOWABLE = (*PLANES, "cuda_ipc", "nccl")  # what planes= may name
+STAGED = "staged"  # the staged path's name in records and reports (GPU bytes through bounce buffers)
+
+
+class WireSemantics(NamedTuple):
+    """What the target's half (:mod:`transport.serving`) must do with an op whose header names a
+    plane, as :func:`wire_semantics` says."""
+
+    inline: bool  # the payload follows the header in the stream (tcp, and the staged path riding on it)
+    segments: bool  # the initiator copied into or out of the exports the header names (shm, cuda_ipc)
+    via_link: bool  # the bytes go over the channel's NCCL link; the link serves the op (nccl)
+    own_plane: bool  # only a channel whose CPU plane this is may carry it (shm)
+
+
+_WIRE = {
+    "tcp": WireSemantics(inline=True, segments=False, via_link=False, own_plane=False),
+    "shm": WireSemantics(inline=False, segments=True, via_link=False, own_plane=True),
+    "cuda_ipc": WireSemantics(inline=False, segments=True, via_link=False, own_plane=False),
+    "nccl": WireSemantics(inline=False, segments=False, via_link=True, own_plane=False),
+}
+
+
+def wire_semantics(plane: str) -> WireSemantics | None:
+    """How the target serves an op whose header names ``plane``; None for a name no header may
+    carry (a hostile or corrupt one)."""
+    return _WIRE.get(plane)
+
+
+def wants_link(ours: Sequence[str], theirs: Sequence[str], same_host_peer: bool) -> bool:
+    """Whether a channel gets an NCCL link, decided alike on both sides from both Hellos' planes
+    (``ours``: what our Hello offered): both offer nccl, and they are not two same-host
+    endpoints that both allow cuda_ipc (which then carries their GPU bytes)."""
+    if "nccl" not in ours or "nccl" not in theirs:
+        return False
+    return not ("cuda_ipc" in ours and "cuda_ipc" in theirs and same_host_peer)
+
+
+def needs_unmap_acks(ours: Sequence[str], theirs: Sequence[str], same_host_other_process: bool) -> bool:
+    """Whether a same-host peer in another process confirms each registry update (``Unmapped``):
+    both allow cuda_ipc, so it may map our exports, and the owner of an unregistered export holds
+    its memory until the peer confirmed (:class:`transport.retention.Retention`)."""
+    return "cuda_ipc" in ours and "cuda_ipc" in theirs and same_host_other_process
 
 
 def make_exporters(endpoint: str, planes: tuple[str, ...], segments: list[Any],

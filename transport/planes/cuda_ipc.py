@@ -119,6 +119,7 @@ class _Held:
 class CudaIpcPlane(DataPlane):
     name = "cuda_ipc"
     inline_payload = False
+    staged_on_unavailable = True
     sends_at_once = False  # the header waits for the copies: later ops stay behind it (call order)
 
     def __init__(self, channel: ChannelPort) -> None:

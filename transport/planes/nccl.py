@@ -53,6 +53,7 @@ class NcclPlane(DataPlane):
 
     name = "nccl"
     inline_payload = False
+    via_link = True
     sends_at_once = True  # posts and headers go out in the call, under the link's lock
 
     def __init__(self, channel: ChannelPort) -> None:
