@@ -34,9 +34,10 @@ WARMUP = 10
 
 
 def _generator(store: str, name: str, mode: str, q: Any, stop: Any) -> None:
+    from _toy_rl import build_policy
+
     import rl_sync
     import transport
-    from _toy_rl import build_policy
     from rl_sync.modes import base
 
     torch.set_num_threads(1)
@@ -70,11 +71,12 @@ def _generator(store: str, name: str, mode: str, q: Any, stop: Any) -> None:
 
 
 async def _trainer(args: argparse.Namespace) -> None:
+    from _toy_rl import build_policy
+    from torch.distributed import TCPStore
+
     import rl_sync
     import transport
-    from _toy_rl import build_policy
     from rl_sync import banks, push_run
-    from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = f"tcp://127.0.0.1:{server.port}"
