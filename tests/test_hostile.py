@@ -259,13 +259,7 @@ def test_a_range_past_the_end_is_rejected_typed_and_drained(target, friend, kind
             s.sendall(wire.encode_frame(wire.Put(7, 1, "tcp", [item])) + struct.pack("<10f", *[9.0] * 10))
         else:
             s.sendall(wire.encode_frame(wire.Get(7, 1, [item])))
-        s.sendall(wire.encode_frame(wire.Ping()))
-        s.settimeout(10)
-        while True:
-            (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
-            msg = wire.decode(s.recv(n, socket.MSG_WAITALL))
-            if not isinstance(msg, (wire.Ping, wire.Registry)):
-                break
+        msg = _first_answer(s)
         assert isinstance(msg, wire.Fail) and msg.op_id == 7 and msg.kind == "buffer_mismatch", msg
     finally:
         s.close()
@@ -273,6 +267,18 @@ def test_a_range_past_the_end_is_rejected_typed_and_drained(target, friend, kind
     friend.get(target.name, {"w": after})
     assert torch.equal(after, before), "the refused put wrote into the buffer"
     _assert_usable(friend, target, 4.0)
+
+
+def _first_answer(s: socket.socket) -> wire.Message:
+    """Send a Ping behind what was sent on ``s``, then read the first frame the target sends that
+    is not a Ping or a Registry (its answer to the op; bounded by a 10 s socket timeout)."""
+    s.sendall(wire.encode_frame(wire.Ping()))
+    s.settimeout(10)
+    while True:
+        (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+        msg = wire.decode(s.recv(n, socket.MSG_WAITALL))
+        if not isinstance(msg, (wire.Ping, wire.Registry)):
+            return msg
 
 
 def _assert_frame_closes_the_channel(target, friend, caplog, msg, value: float = 3.0) -> None:
@@ -294,13 +300,7 @@ def test_unknown_name_is_rejected_and_drained(target, friend):
     s = _handshaken(target)
     try:
         s.sendall(wire.encode_frame(wire.Put(7, 1, "tcp", [wire.Item("nope", "float32", 0, 4)])) + b"\0" * 16)
-        s.sendall(wire.encode_frame(wire.Ping()))
-        s.settimeout(10)
-        while True:
-            (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
-            msg = wire.decode(s.recv(n, socket.MSG_WAITALL))
-            if not isinstance(msg, (wire.Ping, wire.Registry)):
-                break
+        msg = _first_answer(s)
         assert isinstance(msg, wire.Fail) and msg.op_id == 7 and msg.kind == "unknown_buffer"
     finally:
         s.close()

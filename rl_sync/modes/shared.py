@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -120,12 +121,12 @@ class SharedMode(CommitMode):
         channel is gone or answered by another incarnation: their memory is then freed once the
         live weights (if they point into one) leave it too."""
         peers = self.sub.endpoint.peers
-        names: dict[str, tuple[int, dict[str, object]]] = {}
+        names: dict[str, tuple[int, Mapping[str, object]]] = {}
         for key in list(self._mapped):
             publisher, incarnation, buffers = key
             if publisher not in names:
                 peer = peers.get(publisher)
-                names[publisher] = (peer.incarnation, dict(peer.buffers)) if peer is not None else (-1, {})
+                names[publisher] = (peer.incarnation, peer.buffers) if peer is not None else (-1, {})  # (a copy)
             live_incarnation, registered = names[publisher]
             if live_incarnation != incarnation or any(b not in registered for b in buffers):
                 del self._mapped[key]
