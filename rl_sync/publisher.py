@@ -20,7 +20,9 @@ Theory of operation, one :meth:`WeightPublisher.push`:
    from it (see :mod:`rl_sync.fanout`). A slot is reused once every
    subscriber pulling from it answered, or, when one leaves it unanswered
    past the *stall bound* (4x the slowest answered pull of that slot, at
-   least 0.25 s; ``stall_timeout`` with nothing to compare), without it:
+   least 0.25 s; with none, 4x the median answered pull of the push, or of
+   the previous push; ``stall_timeout`` before any pull ever answered)
+   while another subscriber waits for a slot, without it:
    that subscriber is *stalled* (no new pulls until it answers anything;
    its unanswered slot pulls are superseded by a newer attempt later, since
    the slot's bytes changed under them) and its dependents pull from the
@@ -109,11 +111,13 @@ class WeightPublisher(PublisherBuffers):
             that has one; see :mod:`rl_sync.banks`). A push writes one that no
             subscriber's weights use; while subscribers stuck on older versions
             hold every bank, one more is made (logged) and later dropped.
-        stall_timeout: how long a pull of a send slot may go unanswered, when no
-            other subscriber's pull of that slot answered to compare it with,
-            before the slot is taken back from it (see :meth:`push`). With a
-            comparison, the bound is ``4x`` the slowest answered pull of the
-            slot, at least 0.25 s.
+        stall_timeout: how long a pull of a send slot may go unanswered, while
+            another subscriber waits for a slot, before the slot is taken
+            back from it, when no pull has ever been answered to compare it
+            with (see :meth:`push`). With a comparison, the bound is ``4x``
+            the slowest answered pull of the slot, or with none ``4x`` the
+            median answered pull of the push (or of the previous push), at
+            least 0.25 s.
         observer: called on the event loop with a :class:`rl_sync.PushEvent`
             at every step of every subscriber (begin, each bucket, stalls,
             commit, failure); for progress displays, tests and benchmarks. It
@@ -173,6 +177,7 @@ class WeightPublisher(PublisherBuffers):
         self.live = live
         self._live: dict[str, torch.Tensor] = {}  # buffer name -> the trainer tensor registered under it
         self.stall_timeout = float(stall_timeout)
+        self._pull_median: float | None = None  # the latest push's median answered pull (see push_track)
         self.observer = observer
         self._background: set[asyncio.Task[Any]] = set()  # best-effort Aborts of ended pushes, each bounded
         self._bank_sets: dict[str, BankSet] = {}

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping
 
@@ -153,7 +154,9 @@ class PushRun(PushTracker):
         else:
             if not group.slots:
                 group.slots, group.slot_tensors = self.pub._slot(group.layout, self.copier.device)
-            slot = await self._free_slot(group)
+            slot = await self._free_slot(group, pick)
+            if slot is None:  # nobody wants the bucket any more (failed, stalled meanwhile): a later beginner repairs it
+                return
             await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
             buffer, offset = group.slots[slot], 0
             group.slot_ready[slot] = time.monotonic()
@@ -163,13 +166,18 @@ class PushRun(PushTracker):
                 group.slot_users[slot].add(t.name)
             self._pull(t, k, None, buffer, offset, slot)
 
-    async def _free_slot(self, group: Group) -> int:
-        """A send slot nobody reads any more; while both are read, whoever leaves one unanswered past
-        the stall bound gives it up (it is stalled)."""
+    async def _free_slot(self, group: Group, pick: Callable[[], list[Target]]) -> int | None:
+        """A send slot nobody reads any more, for a bucket those ``pick`` returns want (None once
+        nobody does). While both are read, a reader that leaves one unanswered past the stall bound
+        gives it up (it is stalled), but only while someone else wants the bucket: a subscriber slow
+        on its own (a slower link) is never stalled for its own sake, and so always finishes."""
         while True:
             for i, users in enumerate(group.slot_users):
                 if not users:
                     return i
+            wanting = {t.name for t in pick()}
+            if not wanting:
+                return None
             now = time.monotonic()
             for i, users in enumerate(group.slot_users):
                 bound = self._stall_bound(group.slot_took[i])
@@ -178,9 +186,10 @@ class PushRun(PushTracker):
                     p = next((p for p in t.inflight.values() if p.slot == i), None)
                     if p is None:  # (cannot be: a user has a pull of the slot) never let it hold the slot
                         users.discard(name)
-                    elif now - p.sent >= bound:
+                    elif now - p.sent >= bound and wanting - {name}:
                         self._stall(t, f"its pull of slot {i} went unanswered for {now - p.sent:.2f} s "
-                                       f"(bound {bound:.2f} s)")
+                                       f"(bound {bound:.2f} s) while {', '.join(sorted(wanting - {name}))} "
+                                       "waited for a slot")
             if any(not users for users in group.slot_users):
                 continue
             self.changed.clear()
@@ -211,6 +220,8 @@ class PushRun(PushTracker):
     async def finish(self) -> None:
         """Abort whatever did not commit (cancellation included). Nothing waits for the Aborts: each is
         bounded on its own, and a later push's Begin supersedes an unfinished push anyway."""
+        if self.took:  # the next push's stall yardstick until it has answered pulls of its own
+            self.pub._pull_median = statistics.median(self.took)
         for t in self.targets.values():
             if t.alive:
                 self.fail(t, PushAbortedError(f"the push of version {self.version} stopped before {t.name} committed "

@@ -152,6 +152,7 @@ class Publisher(Protocol):
     endpoint: transport.Endpoint
     bucket_bytes: int
     stall_timeout: float
+    _pull_median: float | None  # the median answered pull of the latest push that had one (a stall yardstick)
     observer: Callable[[PushEvent], Any] | None
     _committed: dict[str, int]
     _background: set[asyncio.Task[Any]]

@@ -73,10 +73,23 @@ class PushTracker:
 
     def _stall_bound(self, took: float | None) -> float:
         """How long a pull may go unanswered while it holds up others: ``4x`` the slowest answered
-        pull it is compared with (at least 0.25 s), or ``stall_timeout`` with nothing to compare."""
+        pull it is compared with (at least 0.25 s); with none, ``4x`` the median answered pull of
+        this push (or of the latest push that had one: :meth:`_yardstick`); ``stall_timeout`` only
+        before any pull was ever answered."""
         if took is None:
-            return self.pub.stall_timeout
+            took = self._yardstick()
+            if took is None:
+                return self.pub.stall_timeout
         return max(_STALL_MIN, _STALL_FACTOR * took)
+
+    def _yardstick(self) -> float | None:
+        """The median answered pull of this push, else the latest earlier push's (None: none yet).
+        A bucket whose only puller froze has no answered pull of its own to compare with: without
+        this, the frozen one would keep both send slots for ``stall_timeout`` and hold up everyone
+        still to be served (a late Begin, a dropped relay's dependents)."""
+        if self.took:
+            return statistics.median(self.took)
+        return self.pub._pull_median
 
     def _pull(self, t: Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None,
               live: tuple[str, ...] = ()) -> None:
@@ -277,7 +290,7 @@ class PushTracker:
         while True:
             now = time.monotonic()
             peers = self.ep.peers
-            relay_bound = self._stall_bound(statistics.median(self.took) if self.took else None)
+            relay_bound = self._stall_bound(self._yardstick())
             for t in list(self.targets.values()):
                 if not t.alive:
                     continue
@@ -296,9 +309,9 @@ class PushTracker:
                                    f"while subscribers relay from it")
                 elif t.source is not None:
                     late = [k for k, q in t.inflight.items() if q.source is not None and now - q.sent >= relay_bound]
-                    if late:
-                        self._resource(t, f"its relay {t.source} left its pulls of buckets {late} unanswered for "
-                                          f"{relay_bound:.2f} s")
+                    if late:  # (the relay, or this subscriber itself, is frozen or slow: it is served anew)
+                        self._resource(t, f"its pulls of buckets {late} from its relay {t.source} went unanswered "
+                                          f"for {relay_bound:.2f} s")
             await asyncio.sleep(POLL)
 
     def _overdue(self, t: Target, now: float) -> transport.TransportTimeoutError:

@@ -103,9 +103,9 @@ async def test_a_frozen_or_killed_subscriber_holds_up_only_itself(store_url, una
                 lines.append(f"  {sig.name} mid-transfer: healthy committed in "
                              f"{', '.join(f'{r.seconds:.2f}' for r in healthy)} s (bound {bound:.2f}), push {wall:.2f} s, "
                              f"planes {report.planes}")
-                assert all(r.ok and r.seconds <= bound and r.plane == engine for r in healthy), (lines[-1],
-                                                                                                  report.summary())
-                assert not res.ok and res.stage == "transfer", res
+                assert all(r.ok and r.seconds <= bound and r.plane == engine for r in healthy), (
+                    f"{lines[-1]}\n{report.summary()}\n{trap.trace()}")
+                assert not res.ok and res.stage == "transfer", f"{res}\n{trap.trace()}"
                 _check_all([h for h in gens.gens if h is not g], {version})
                 if sig == signal.SIGSTOP:
                     assert isinstance(res.error, transport.TransportTimeoutError), res
