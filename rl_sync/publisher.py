@@ -22,8 +22,9 @@ Theory of operation, one :meth:`WeightPublisher.push`:
    past the *stall bound* (4x the slowest answered pull of that slot, at
    least 0.25 s; with none, 4x the median answered pull of the push, or of
    the previous push; ``stall_timeout`` before any pull ever answered)
-   while another subscriber waits for a slot, without it:
-   that subscriber is *stalled* (no new pulls until it answers anything;
+   while a subscriber that holds no slot waits for one, without it:
+   that subscriber is *stalled* (no new pulls until it answers a pull,
+   and then everything it missed meanwhile is repaired;
    its unanswered slot pulls are superseded by a newer attempt later, since
    the slot's bytes changed under them) and its dependents pull from the
    publisher. A relay that has not begun when the group starts, or that goes
@@ -177,7 +178,7 @@ class WeightPublisher(PublisherBuffers):
         self.live = live
         self._live: dict[str, torch.Tensor] = {}  # buffer name -> the trainer tensor registered under it
         self.stall_timeout = float(stall_timeout)
-        self._pull_median: float | None = None  # the latest push's median answered pull (see push_track)
+        self._pull_medians: dict[str, float] = {}  # layout digest -> its latest push's median pull (push_track)
         self.observer = observer
         self._background: set[asyncio.Task[Any]] = set()  # best-effort Aborts of ended pushes, each bounded
         self._bank_sets: dict[str, BankSet] = {}

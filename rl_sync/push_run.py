@@ -169,8 +169,9 @@ class PushRun(PushTracker):
     async def _free_slot(self, group: Group, pick: Callable[[], list[Target]]) -> int | None:
         """A send slot nobody reads any more, for a bucket those ``pick`` returns want (None once
         nobody does). While both are read, a reader that leaves one unanswered past the stall bound
-        gives it up (it is stalled), but only while someone else wants the bucket: a subscriber slow
-        on its own (a slower link) is never stalled for its own sake, and so always finishes."""
+        gives it up (it is stalled), but only while a subscriber that holds no slot wants the
+        bucket: subscribers slow on their own (a slower link) are never stalled for their own or
+        each other's sake; a stalled one gets what it missed once it answers again."""
         while True:
             for i, users in enumerate(group.slot_users):
                 if not users:
@@ -178,17 +179,18 @@ class PushRun(PushTracker):
             wanting = {t.name for t in pick()}
             if not wanting:
                 return None
+            waiting = wanting.difference(*group.slot_users)  # (holders that want it too wait on each other)
             now = time.monotonic()
             for i, users in enumerate(group.slot_users):
-                bound = self._stall_bound(group.slot_took[i])
+                bound = self._stall_bound(group.slot_took[i], group)
                 for name in list(users):
                     t = self.targets[name]
                     p = next((p for p in t.inflight.values() if p.slot == i), None)
                     if p is None:  # (cannot be: a user has a pull of the slot) never let it hold the slot
                         users.discard(name)
-                    elif now - p.sent >= bound and wanting - {name}:
+                    elif now - p.sent >= bound and waiting:
                         self._stall(t, f"its pull of slot {i} went unanswered for {now - p.sent:.2f} s "
-                                       f"(bound {bound:.2f} s) while {', '.join(sorted(wanting - {name}))} "
+                                       f"(bound {bound:.2f} s) while {', '.join(sorted(waiting))} "
                                        "waited for a slot")
             if any(not users for users in group.slot_users):
                 continue
@@ -220,8 +222,9 @@ class PushRun(PushTracker):
     async def finish(self) -> None:
         """Abort whatever did not commit (cancellation included). Nothing waits for the Aborts: each is
         bounded on its own, and a later push's Begin supersedes an unfinished push anyway."""
-        if self.took:  # the next push's stall yardstick until it has answered pulls of its own
-            self.pub._pull_median = statistics.median(self.took)
+        for g in self.groups:  # the next push's stall yardstick until it has answered pulls of its own
+            if g.took:
+                self.pub._pull_medians[g.digest] = statistics.median(g.took)
         for t in self.targets.values():
             if t.alive:
                 self.fail(t, PushAbortedError(f"the push of version {self.version} stopped before {t.name} committed "

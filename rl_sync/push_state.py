@@ -8,6 +8,7 @@ an error. Internal to :mod:`rl_sync.publisher` (see its theory of operation)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -142,6 +143,8 @@ class Group:
         self.packed: set[int] = set()  # buckets packed into the bank
         self.targets: list[Target] = []
         self.served = 0  # buckets whose pulls the main pass has sent (later beginners repair the rest)
+        # how long its answered pulls from the publisher took (the newest few: a stall yardstick)
+        self.took: collections.deque[float] = collections.deque(maxlen=64)
         self.live: dict[str, str] | None = None  # entry -> the trainer tensor's buffer, when served live
 
 
@@ -152,7 +155,7 @@ class Publisher(Protocol):
     endpoint: transport.Endpoint
     bucket_bytes: int
     stall_timeout: float
-    _pull_median: float | None  # the median answered pull of the latest push that had one (a stall yardstick)
+    _pull_medians: dict[str, float]  # layout digest -> the median pull from the publisher of its latest push
     observer: Callable[[PushEvent], Any] | None
     _committed: dict[str, int]
     _background: set[asyncio.Task[Any]]

@@ -71,25 +71,26 @@ class PushTracker:
         except Exception:
             log.exception("push %d: the observer raised on %s of %s; ignored", self.push_id, kind, t.name)
 
-    def _stall_bound(self, took: float | None) -> float:
+    def _stall_bound(self, took: float | None, group: Group | None = None) -> float:
         """How long a pull may go unanswered while it holds up others: ``4x`` the slowest answered
-        pull it is compared with (at least 0.25 s); with none, ``4x`` the median answered pull of
-        this push (or of the latest push that had one: :meth:`_yardstick`); ``stall_timeout`` only
-        before any pull was ever answered."""
+        pull it is compared with (at least 0.25 s); with none, ``4x`` the median pull from the
+        publisher of ``group`` (:meth:`_yardstick`); ``stall_timeout`` with nothing at all."""
+        if took is None and group is not None:
+            took = self._yardstick(group)
         if took is None:
-            took = self._yardstick()
-            if took is None:
-                return self.pub.stall_timeout
+            return self.pub.stall_timeout
         return max(_STALL_MIN, _STALL_FACTOR * took)
 
-    def _yardstick(self) -> float | None:
-        """The median answered pull of this push, else the latest earlier push's (None: none yet).
-        A bucket whose only puller froze has no answered pull of its own to compare with: without
-        this, the frozen one would keep both send slots for ``stall_timeout`` and hold up everyone
-        still to be served (a late Begin, a dropped relay's dependents)."""
-        if self.took:
-            return statistics.median(self.took)
-        return self.pub._pull_median
+    def _yardstick(self, group: Group) -> float | None:
+        """The median answered pull from the publisher of ``group`` in this push, else in the
+        latest push of its layout that had one (None: none yet). A bucket whose only puller froze
+        has no answered pull of its own to compare with: without this, the frozen one would keep
+        both send slots for ``stall_timeout`` and hold up everyone still to be served (a late
+        Begin, a dropped relay's dependents). Only the group's pulls from the publisher count:
+        relay pulls over shared memory are no yardstick for pulls over the network."""
+        if group.took:
+            return statistics.median(group.took)
+        return self.pub._pull_medians.get(group.digest)
 
     def _pull(self, t: Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None,
               live: tuple[str, ...] = ()) -> None:
@@ -152,9 +153,14 @@ class PushTracker:
     def on_reply(self, t: Target, r: m.Reply) -> None:
         now = time.monotonic()
         t.heard = now
-        if t.stalled and r.stage == "pull":  # it answers again: its superseded buckets are repaired
+        if t.stalled and r.stage == "pull":  # it answers again: what it missed meanwhile is repaired
             t.stalled = False
             log.info("push %d: %s answers again after %.2f s stalled", self.push_id, t.name, now - t.stalled_at)
+            g = t.group
+            if t.source is None and g is not None:  # (the main pass skipped it while it was stalled)
+                t.orphaned |= {k for k in range(g.served) if k not in t.have and k not in t.inflight}
+            else:
+                self._feed(t)
         if r.stage == "begin":
             if t.begun:
                 return
@@ -187,6 +193,8 @@ class PushTracker:
                 g.slot_took[p.slot] = max(took, g.slot_took[p.slot] or 0.0)
             if r.error is None:
                 self.took.append(now - p.sent)
+                if p.source is None and g is not None:
+                    g.took.append(now - p.sent)
                 t.have.add(r.bucket)
                 if r.plane:
                     t.planes[r.plane] = r.route
@@ -290,7 +298,7 @@ class PushTracker:
         while True:
             now = time.monotonic()
             peers = self.ep.peers
-            relay_bound = self._stall_bound(self._yardstick())
+            relay_bound = self._stall_bound(statistics.median(self.took) if self.took else None)
             for t in list(self.targets.values()):
                 if not t.alive:
                     continue
