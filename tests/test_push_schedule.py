@@ -100,7 +100,7 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None) -> 
     groups = []
     for digest, spec in zip(digests, groups_spec, strict=True):
         manifest = types.SimpleNamespace(shared=False, host="h")
-        layout = Layout(1, manifest, [_Bucket(i) for i in range(NB)], digest, False, False, False)  # type: ignore[arg-type]
+        layout = Layout(1, manifest, [_Bucket(i) for i in range(NB)], digest, False, False, False)  # type: ignore[arg-type,misc]
         g = Group(digest, layout, {})
         groups.append(g)
         for sub in spec:
