@@ -53,6 +53,8 @@ from .errors import (
 from .flight_recorder import OpKind, OpState, Record
 from .handshake import specs_from_wire
 from .hostinfo import local_host, same_host
+from .loop_reads import LoopReads
+from .loop_reads import enabled as loop_reads_enabled
 from .op import Op
 from .op_table import OpTable
 from .peer import Notification, Peer
@@ -188,7 +190,13 @@ class Channel:
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
-        self._frames = Dispatcher(self, self._rx, self._target, self.ops)  # the reader thread's frames
+        # while ops of ours wait here, the loop reads their answers itself (transport.loop_reads); only
+        # where a peer's registry update may wait for our loop: tcp, whose target checks every op against
+        # its registry as it serves it (not shm or cuda_ipc, whose copies into the peer's memory rely on
+        # the update being taken at once, by this thread)
+        loop_reads = loop_reads_enabled() and self.plane.name == "tcp" and not self.ipc_acks
+        self.reads: LoopReads | None = LoopReads(self, sock, self._rx, self.ops) if loop_reads else None
+        self._frames = Dispatcher(self, self._rx, self._target, self.ops, self.reads)  # the reader thread's frames
         self._reader = threading.Thread(target=self._frames.read_loop, name=f"transport-rx-{self.peer_name}",
                                         daemon=True)
         self.peer = Peer(self)
@@ -208,7 +216,10 @@ class Channel:
         plane = plane or self.plane
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
-        return self.ops.new_op(kind, names, nbytes, plane)
+        op = self.ops.new_op(kind, names, nbytes, plane)
+        if self.reads is not None:
+            self.reads.want_replies()
+        return op
 
     # ---------------------------------------------------------------- plane choice (planes.choice)
     def plane_for(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> DataPlane:
@@ -369,6 +380,8 @@ class Channel:
         except OSError:
             pass
         self._tx.close()
+        if self.reads is not None:
+            self.reads.wake()
         for op in pending:
             self.ops.settle_from_thread(op, exc)
         try:
@@ -377,6 +390,8 @@ class Channel:
             pass
 
     def _closed(self, exc: BaseException) -> None:
+        if self.reads is not None:
+            self.reads.close()
         self.plane.close()
         self.planes.close()
         self.core.channel_closed(self, exc)
@@ -410,6 +425,8 @@ class Channel:
         self._tx.join(timeout)
         if self._reader.is_alive() and self._reader is not threading.current_thread():
             self._reader.join(max(0.0, end - time.monotonic()))
+        if self.reads is not None and not self._reader.is_alive():
+            self.reads.release()
         try:
             self._sock.close()
         except OSError:

@@ -41,6 +41,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
+    from .loop_reads import LoopReads
     from .op import Op
     from .op_table import OpTable
     from .receiver import Receiver
@@ -77,19 +78,26 @@ class Dispatcher:
     """The reader of one channel (reader thread): ``rx`` is the channel's socket's receiving half,
     ``target`` its target's half, ``ops`` its table of pending ops."""
 
-    def __init__(self, channel: ReadChannel, rx: Receiver, target: Serving, ops: OpTable) -> None:
+    def __init__(self, channel: ReadChannel, rx: Receiver, target: Serving, ops: OpTable,
+                 reads: LoopReads | None = None) -> None:
         self.ch = channel
         self.rx = rx
         self.target = target
         self.ops = ops
+        self.reads = reads  # who reads the socket between frames (None: always this thread)
 
     def read_loop(self) -> None:
         """The reader thread's body: frames until the channel is no longer open or its socket fails."""
         try:
-            ch, rx = self.ch, self.rx
+            ch, rx, reads = self.ch, self.rx, self.reads
             rx.start()
-            while ch.is_open:
-                self.dispatch(decode(rx.read_frame()))
+            if reads is None:
+                while ch.is_open:
+                    self.dispatch(decode(rx.read_frame()))
+            else:  # the event loop may read replies itself meanwhile: the thread reads only on its turn
+                while reads.wait_turn():
+                    self.dispatch(decode(rx.read_frame()))
+                    reads.thread_read()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
             self._fail_serving(exc)
             if self.ch.is_open:
@@ -106,6 +114,9 @@ class Dispatcher:
             self._fail_serving(exc)
             log.exception("channel %s reader crashed", self.ch.id)
             self.ch.lose(PeerLostError(f"channel reader crashed: {exc!r}"))
+        finally:
+            if self.reads is not None:  # (its wake pipe: nothing waits on it any more)
+                self.reads.release()
 
     def _fail_serving(self, exc: BaseException) -> None:
         rec, self.target.current = self.target.current, None

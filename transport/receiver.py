@@ -104,6 +104,63 @@ class Receiver:
             self._end += k
             self.last_rx = time.monotonic()
 
+    # ------------------------------------------------------------------ the event loop's reads
+    # (transport.loop_reads: used only by whoever owns the socket's reading at the time, never both)
+    def buffered(self) -> bool:
+        """Whether read-ahead bytes are waiting to be parsed."""
+        return self._end > self._start
+
+    def fill_nowait(self) -> int:
+        """Take whatever the kernel holds now (up to what the buffer has room for) without
+        waiting; the bytes read. Raises ``EOFError`` once the peer closed, ``OSError`` on a
+        socket error."""
+        if self._start:  # compact: a frame must fit in one piece
+            left = self._end - self._start
+            self._buf[:left] = self._view[self._start : self._end]
+            self._start, self._end = 0, left
+        if self._end == READ_AHEAD:
+            return 0
+        try:
+            k = self._sock.recv_into(self._view[self._end :], READ_AHEAD - self._end, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        if k == 0:
+            raise EOFError("connection closed by peer")
+        self._end += k
+        self.last_rx = time.monotonic()
+        return k
+
+    def peek_frame(self) -> memoryview | None:
+        """The body of the next frame if it is buffered whole, without consuming it (valid until
+        the next read); None if it is not (yet), or if it could never be (larger than the buffer,
+        or than the limit: only :meth:`read_frame` handles those, see :meth:`whole_frame_fits`)."""
+        have = self._end - self._start
+        if have < 4:
+            return None
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        if 4 + n > READ_AHEAD or have < 4 + n:
+            return None
+        s = self._start + 4
+        return self._view[s : s + n]
+
+    def whole_frame_fits(self) -> bool:
+        """False if the next frame's length is known and it could never be buffered whole."""
+        if self._end - self._start < 4:
+            return True
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        return 4 + n <= READ_AHEAD
+
+    def consume_frame(self) -> None:
+        """Step over the frame :meth:`peek_frame` returned."""
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        self._start += 4 + n
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def reset_lowat(self) -> None:
+        """SO_RCVLOWAT back to 1 (a payload may have raised it): readiness means any byte again."""
+        self._set_lowat(1)
+
     # ------------------------------------------------------------------ payloads
     def _set_lowat(self, lowat: int) -> None:
         if lowat != self._lowat:

@@ -1,0 +1,189 @@
+"""The event loop reading its ops' answers itself (transport.loop_reads), with real processes and sockets.
+
+What must hold:
+- while the loop waits for its ops, their answers are read and settled on the loop (one wake-up
+  per op instead of two), and the reads are handed over rarely, not per op;
+- the peer's ops to us never depend on our loop: with our loop blocked (synchronous code in a
+  coroutine) while it owns the reads, the peer's puts into us are served by the reader thread,
+  which takes the reads back, and our heartbeat does not see the peer as silent;
+- ops both ways at once (each side's loop and thread trading the reads) lose and corrupt nothing;
+- closing an endpoint while its loop owns the reads leaves no descriptor behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor
+from transport.loop_reads import Owner
+
+SIZE = 4096
+
+
+def _reads(ep: transport.Endpoint, peer: str):
+    reads = ep._channels[peer].reads
+    assert reads is not None, "TRANSPORT_LOOP_READS is off in this environment"
+    return reads
+
+
+@pytest.mark.timeout(120)
+async def test_answers_are_read_on_the_loop_with_few_handovers(store_url, uname):
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            src = make_tensor("uint8", (SIZE,), 7)
+            await ep.put(b.name, {"x": src})
+            reads = _reads(ep, b.name)
+            before_frames, before_handovers = reads.loop_frames, reads.handovers
+            for _ in range(300):
+                await ep.put(b.name, {"x": src})
+            frames = reads.loop_frames - before_frames
+            handovers = reads.handovers - before_handovers
+            assert frames >= 290, (frames, handovers)  # (a Ping may be among them; an answer or two to the thread)
+            assert handovers <= 5, handovers
+            assert b.call("check", "x", 7)
+    finally:
+        b.kill()
+
+
+@pytest.mark.timeout(120)
+async def test_a_blocked_loop_never_holds_up_the_peers_ops(store_url, uname):
+    """Our put to B is held up by B (its reader sleeps 0.6 s before serving it), so our loop owns
+    the reads; then our loop blocks for 2.5 s. B's puts into us meanwhile are served by our reader
+    thread (it takes the reads back): each returns long before our loop runs again."""
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10, heartbeat_timeout=2.0)
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10,
+                                      heartbeat_timeout=2.0) as ep:
+            mine = torch.zeros(SIZE, dtype=torch.uint8)
+            ep.register("in", mine)
+            await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 1)})
+            b.call("connect", ep.name)
+            b.call("lag", ep.name, "_target.serve_put", 0.6)
+            reads = _reads(ep, b.name)
+            incarnation = ep.peers[b.name].incarnation
+            task = asyncio.ensure_future(ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 2)}))
+            ops = ep._channels[b.name].ops
+            deadline = time.monotonic() + 2.0
+            while not (reads.owner is Owner.LOOP and ops.pending) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert reads.owner is Owner.LOOP and ops.pending, "the loop never took the reads while its put waited"
+            took: list[float] = []
+            errors: list[BaseException] = []
+
+            def peer_puts() -> None:
+                try:
+                    for seed in (11, 12, 13):
+                        t0 = time.monotonic()
+                        b.call("put", ep.name, {"in": ("uint8", (SIZE,), seed)}, 5.0, timeout=10)
+                        took.append(time.monotonic() - t0)
+                except BaseException as exc:  # noqa: BLE001 (reported below)
+                    errors.append(exc)
+
+            th = threading.Thread(target=peer_puts, daemon=True)
+            blocked_at = time.monotonic()
+            th.start()
+            time.sleep(2.5)  # noqa: ASYNC251 (the point: the application blocks the event loop)
+            blocked = time.monotonic() - blocked_at
+            th.join(10)
+            assert not errors, errors
+            assert len(took) == 3 and sum(took) < blocked - 0.5, (took, blocked)
+            assert torch.equal(mine, make_tensor("uint8", (SIZE,), 13))
+            await asyncio.wait_for(task, 10)  # our own put completes too, once the loop runs
+            assert ep.peers[b.name].incarnation == incarnation and ep._channels[b.name].is_open
+            await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 3)})
+            assert b.call("check", "x", 3)
+    finally:
+        b.kill()
+
+
+@pytest.mark.timeout(180)
+async def test_ops_both_ways_at_once_lose_nothing(store_url, uname):
+    """We put and get 4 KiB to and from B while B puts into us from its own loop: every op
+    completes with exact bytes, and the reads changed hands (both sides' loops and threads)."""
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        b.call("register_data", "x", "uint8", (SIZE,), 5)
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            mine = torch.zeros(SIZE, dtype=torch.uint8)
+            ep.register("in", mine)
+            await ep.connect(b.name)
+            b.call("connect", ep.name)
+            reads = _reads(ep, b.name)
+            handovers = reads.handovers
+            stop = threading.Event()
+            errors: list[BaseException] = []
+            count = [0]
+
+            def peer_puts() -> None:
+                try:
+                    while not stop.is_set():
+                        b.call("put", ep.name, {"in": ("uint8", (SIZE,), 100 + count[0] % 7)}, 5.0, timeout=10)
+                        count[0] += 1
+                except BaseException as exc:  # noqa: BLE001 (reported below)
+                    errors.append(exc)
+
+            th = threading.Thread(target=peer_puts, daemon=True)
+            th.start()
+            try:
+                want = make_tensor("uint8", (SIZE,), 5)
+                got = torch.empty(SIZE, dtype=torch.uint8)
+                for i in range(400):
+                    if i % 2:
+                        got.zero_()
+                        await ep.get(b.name, {"x": got})
+                        assert torch.equal(got, want), i
+                    else:
+                        await ep.put(b.name, {"x": want})
+            finally:
+                stop.set()
+                th.join(15)
+            assert not errors, errors
+            assert count[0] >= 5, count[0]
+            assert reads.handovers > handovers
+            assert b.call("check", "x", 5)
+            assert any(torch.equal(mine, make_tensor("uint8", (SIZE,), 100 + k)) for k in range(7))
+    finally:
+        b.kill()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+async def test_closing_while_the_loop_owns_the_reads_leaves_no_descriptor(store_url, uname):
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        src = make_tensor("uint8", (SIZE,), 9)
+        async with transport.Endpoint(uname("a0"), store=store_url, planes=("tcp",), timeout=10) as warm:
+            await warm.put(b.name, {"x": src})  # (imports, executor threads: made once)
+        start = _fds()
+        for i in range(3):
+            ep = transport.Endpoint(uname(f"a{i + 1}"), store=store_url, planes=("tcp",), timeout=10)
+            async with ep:
+                await ep.put(b.name, {"x": src})
+                reads = _reads(ep, b.name)
+                b.call("lag", ep.name, "_target.serve_put", 0.5)
+                pending = asyncio.ensure_future(ep.put(b.name, {"x": src}))
+                ops = ep._channels[b.name].ops
+                deadline = time.monotonic() + 2.0
+                while not (reads.owner is Owner.LOOP and ops.pending) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                assert reads.owner is Owner.LOOP and ops.pending
+            with pytest.raises(transport.TransportError):
+                await asyncio.wait_for(pending, 10)
+            await asyncio.sleep(0.2)
+        assert _fds() <= start + 1, (start, _fds(), sorted(os.listdir("/proc/self/fd")))
+    finally:
+        b.kill()
