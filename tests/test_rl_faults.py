@@ -109,6 +109,15 @@ async def warm_up(pub: rl_sync.WeightPublisher, version: int = 0) -> tuple[int, 
     return version, 2 * max(normal[1:]) + 1.0
 
 
+async def next_push_reaches_everyone(pub: rl_sync.WeightPublisher, gens: list[RemoteEndpoint], version: int) -> int:
+    """Push ``version + 1``: everyone commits it, with exactly its bytes. Returns that version."""
+    version += 1
+    report = await pub.push(seeded(TRAIN, version), version, timeout=30)
+    assert report.ok, report.summary()
+    _check_all(gens, {version})
+    return version
+
+
 def _check_all(gens: list[RemoteEndpoint], versions: set[int]) -> list[int]:
     """Every subscriber's held version is in ``versions`` and its weights are exactly that version's bytes."""
     held = []
@@ -222,10 +231,7 @@ async def test_a_subscriber_frozen_while_it_alone_holds_both_slots_holds_up_only
             await asyncio.sleep(0.3)
             _check_all(gens.gens, {version - 1, version})
             assert victim.call("sub_version") == version - 1
-            version += 1
-            report = await pub.push(seeded(TRAIN, version), version, timeout=30)
-            assert report.ok, report.summary()
-            _check_all(gens.gens, {version})
+            await next_push_reaches_everyone(pub, gens.gens, version)
     finally:
         gens.close()
 

@@ -31,7 +31,17 @@ import torch
 import rl_sync
 import transport
 from tests._rl_remote import seeded
-from tests.test_rl_faults import BUCKET, SPEC, TIMEOUT, TRAIN, _check_all, _Gens, _Trap, warm_up
+from tests.test_rl_faults import (
+    BUCKET,
+    SPEC,
+    TIMEOUT,
+    TRAIN,
+    _check_all,
+    _Gens,
+    _Trap,
+    next_push_reaches_everyone,
+    warm_up,
+)
 from transport.p2p import SocketLinkEngine
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
@@ -118,10 +128,7 @@ async def test_a_frozen_or_killed_subscriber_holds_up_only_itself(store_url, una
                 else:
                     assert isinstance(res.error, transport.PeerLostError), res
                     gens.restart(1)
-                version += 1
-                report = await pub.push(seeded(TRAIN, version), version, timeout=30)
-                assert report.ok, report.summary()
-                _check_all(gens.gens, {version})
+                version = await next_push_reaches_everyone(pub, gens.gens, version)
     finally:
         gens.close()
     print(f"\n[{engine}, {mode}]\n" + "\n".join(lines))
