@@ -176,3 +176,11 @@ def test_op_stages_runs_and_names_every_stage():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     for stage in ("I call", "I send:Put", "T woke", "T send:Ack", "I settle", "I return", "whole put"):
         assert stage in r.stdout, f"{stage!r} missing:\n{r.stdout}"
+
+
+def test_tcp_fanout_runs_both_ways_and_prints_the_ratios():
+    r = subprocess.run([sys.executable, "bench/tcp_fanout.py", "--peers", "2", "--rounds", "1", "--reps", "20",
+                        "--sizes", "4096,1048576"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("one peer", "2 peers at once"))]
+    assert len(rows) == 4 and all(line.rstrip().endswith("x") for line in rows), r.stdout
