@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Operations"]
 
-_Tensors = Tensors
-
-
 class Operations:
     """The one-sided operations of :class:`transport.Endpoint` (see the module docstring)."""
 
@@ -88,7 +85,7 @@ class Operations:
         ch = await self._channel(peer, self._deadline(timeout))
         return ch.peer
 
-    async def put(self, peer: str, tensors: _Tensors, *, notify: bytes | None = None,
+    async def put(self, peer: str, tensors: Tensors, *, notify: bytes | None = None,
                   timeout: float | None = None) -> None:
         """Write ``tensors`` into ``peer``'s registered buffers of the same names.
 
@@ -131,7 +128,7 @@ class Operations:
         await transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify),
                              here=notify is None)
 
-    async def get(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> None:
+    async def get(self, peer: str, tensors: Tensors, *, timeout: float | None = None) -> None:
         """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
 
         Returns once every byte is in the local tensors. On timeout or
@@ -151,7 +148,7 @@ class Operations:
         await transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs),
                              here=True)
 
-    async def route(self, peer: str, tensors: _Tensors, *, timeout: float | None = None) -> Route:
+    async def route(self, peer: str, tensors: Tensors, *, timeout: float | None = None) -> Route:
         """Which plane a put or get of ``tensors`` with ``peer`` takes now, and why; no byte moves.
 
         ``tensors`` is what :meth:`put` or :meth:`get` would be given, and is checked the same way

@@ -32,7 +32,7 @@ from .errors import (
 )
 from .flight_recorder import FlightRecorder, OpKind, OpState, Record
 from .peer import Notification
-from .planes import STAGED, wire_semantics
+from .planes import STAGED, WireSemantics, wire_semantics
 from .ranges import item_bytes, resolve_item
 from .registry import byte_slice
 from .staging import Staging
@@ -45,11 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["ServedChannel", "Serving"]
 
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
-
-
-def _via_link(plane: str) -> bool:
-    wire = wire_semantics(plane)
-    return wire is not None and wire.via_link
 
 
 class ServedChannel(Protocol):
@@ -134,16 +129,16 @@ class Serving:
             out.append((buf, off, n))
         return out
 
-    def _check_plane(self, plane: str) -> bool:
+    def _check_plane(self, plane: str) -> WireSemantics:
         """An op's plane must be one whose bytes travel in the stream (any channel can carry
         those), one that copies exports directly and is not bound to the channel's CPU plane
         (``cuda_ipc``: checked per buffer against its export), the NCCL link's, or this channel's
-        own CPU plane (``shm``; :func:`transport.planes.wire_semantics`). Returns whether the
-        payload follows the header."""
+        own CPU plane (``shm``; :func:`transport.planes.wire_semantics`). Returns how to serve it
+        (``inline``: the payload follows the header; ``via_link``: the NCCL link moves it)."""
         wire = wire_semantics(plane)
         if wire is None or (wire.own_plane and plane != self.ch.plane.name):
             raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
-        return wire.inline
+        return wire
 
     def _ranges(self, msg: Put | Get, what: str, *, shm: bool) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
         """The op's ranges (:meth:`_resolve`), or the error to answer it with; a malformed header
@@ -161,8 +156,9 @@ class Serving:
         rec = self._target_record(msg, OpKind.PUT, msg.items, msg.plane)
         if msg.notify is not None and len(msg.notify) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.notify)} bytes exceeds {MAX_NOTIFY}")
-        inline = self._check_plane(msg.plane)
-        if _via_link(msg.plane):
+        wire = self._check_plane(msg.plane)
+        inline = wire.inline
+        if wire.via_link:
             self._serve_p2p(msg, rec)
             return
         ranges, error = self._ranges(msg, "put", shm=not inline)
@@ -234,8 +230,9 @@ class Serving:
 
     def serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
-        shm = not self._check_plane(msg.plane)
-        if _via_link(msg.plane):
+        wire = self._check_plane(msg.plane)
+        shm = not wire.inline
+        if wire.via_link:
             self._serve_p2p(msg, rec)
             return
         ranges, error = self._ranges(msg, "get", shm=shm)
