@@ -224,8 +224,10 @@ class LoopReads:
 
     # ------------------------------------------------------------------ the event loop
     def want_replies(self) -> None:
-        """Event loop: an op of ours now waits for its answer on this channel."""
-        if self.want:
+        """Event loop: an op of ours now waits for its answer on this channel. Not on a channel
+        with an NCCL link: its ops trade frames both ways (set-up, ``Go``) that only the thread
+        handles, so the reads would change hands at every op."""
+        if self.want or self.ch.link is not None:
             return
         self.want = True
         if self.owner is Owner.THREAD:
