@@ -588,7 +588,10 @@ async def test_a_killed_target_fails_ops_fast_and_restarted_is_reached_again(sto
         first = await ep.connect(name)
         src = mk(plane, "float32", (n,), seed())
         put = asyncio.ensure_future(ep.put(name, {"w": src}, timeout=120))
-        await asyncio.sleep(0.05)
+        # kill as soon as the put is on the wire (a fast plane moves kill_bytes in a few tens of ms)
+        limit = time.monotonic() + 0.05
+        while not any(r["state"] == "sent" for r in op_records(ep, "put")[-1:]) and time.monotonic() < limit:
+            await asyncio.sleep(0.001)
         assert not put.done(), "the put was over before the kill: make kill_bytes larger"
         t0 = time.monotonic()
         victim.kill()

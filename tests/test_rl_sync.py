@@ -255,8 +255,9 @@ async def test_commit_waits_for_readers_and_times_out_without_applying(store_url
             pub = cast_pub(ep, gens)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
             gens[0].call("sub_hold", 0.6)
+            weights = seeded(TRAIN, 2)  # (made before the clock starts: making them takes a while)
             t0 = time.monotonic()
-            assert (await pub.push(seeded(TRAIN, 2), 2)).ok
+            assert (await pub.push(weights, 2)).ok
             assert time.monotonic() - t0 >= 0.4, "the commit must wait for the reader to leave hold()"
             gens[0].call("sub_hold", 5.0)
             report = await pub.push(seeded(TRAIN, 3), 3)
@@ -532,8 +533,9 @@ async def test_dead_subscriber_fails_only_its_entry_and_a_restart_gets_everythin
             assert not report.ok
             assert all(gens[0].call("sub_check", TRAIN, 2).values())
             # dead before the push: fails its entry after a short probe (it was lost last time), the other commits
+            weights = seeded(TRAIN, 3)  # (made before the clock starts: making them takes a while)
             t0 = time.monotonic()
-            report = await pub.push(seeded(TRAIN, 3), 3, timeout=3)
+            report = await pub.push(weights, 3, timeout=3)
             assert time.monotonic() - t0 < 1.5 and report.results[gens[0].name].ok
             assert isinstance(report.results[gens[1].name].error, (transport.PeerNotFoundError,
                                                                    transport.TransportTimeoutError))
@@ -555,8 +557,9 @@ async def test_frozen_subscriber_times_out_and_spares_the_rest(store_url, uname)
             pub = cast_pub(ep, gens)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
             gens[1].signal(signal.SIGSTOP)
+            weights = seeded(TRAIN, 2)  # (made before the clock starts: making them takes a while)
             t0 = time.monotonic()
-            report = await pub.push(seeded(TRAIN, 2), 2, timeout=4.0)  # roomy: the healthy one must finish
+            report = await pub.push(weights, 2, timeout=4.0)  # roomy: the healthy one must finish
             took = time.monotonic() - t0
             gens[1].signal(signal.SIGCONT)
             assert 3.5 < took < 9, took
