@@ -16,13 +16,21 @@ This package uses only ``transport``'s public names; ``transport`` never imports
 """
 
 from .blocking import BlockingWeightSubscriber
-from .errors import PlanMismatchError, PushAbortedError, RlSyncError, StaleVersionError, SubscriberRejectedError
+from .errors import (
+    CommitTimeoutError,
+    PlanMismatchError,
+    PushAbortedError,
+    RlSyncError,
+    StaleVersionError,
+    SubscriberRejectedError,
+)
 from .publisher import WeightPublisher
 from .report import PushEvent, PushReport, SubscriberResult
 from .subscriber import WeightSubscriber
 
 __all__ = [
     "BlockingWeightSubscriber",
+    "CommitTimeoutError",
     "PlanMismatchError",
     "PushAbortedError",
     "PushEvent",

@@ -1,15 +1,19 @@
 """Errors raised by :mod:`rl_sync`.
 
 Transport failures (a lost peer, a deadline) keep their :mod:`transport`
-types (:class:`transport.PeerLostError`, :class:`transport.TransportTimeoutError`
-with ``phase`` ``commit`` for a commit that did not come back in time).
+types (:class:`transport.PeerLostError`, :class:`transport.TransportTimeoutError`);
+a commit that did not happen in time is a :class:`CommitTimeoutError`, a
+:class:`transport.TransportTimeoutError` whose ``phase`` is ``"commit"``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["PlanMismatchError", "PushAbortedError", "RlSyncError", "StaleVersionError", "SubscriberRejectedError"]
+import transport
+
+__all__ = ["CommitTimeoutError", "PlanMismatchError", "PushAbortedError", "RlSyncError", "StaleVersionError",
+           "SubscriberRejectedError"]
 
 
 class RlSyncError(Exception):
@@ -33,6 +37,19 @@ class PlanMismatchError(RlSyncError):
 
 class SubscriberRejectedError(RlSyncError):
     """A subscriber refused a step of a push (its reason is the message)."""
+
+
+class CommitTimeoutError(RlSyncError, transport.TransportTimeoutError):
+    """A commit did not happen in time: readers stayed in ``hold()`` past ``commit_timeout``, a
+    subscriber's commit did not come back before the push's deadline, or ``hold()``/``wait_for``
+    waited past their ``timeout``. Also a :class:`transport.TransportTimeoutError` (and a
+    ``TimeoutError``) with ``phase == "commit"``."""
+
+    def __init__(self, message: str) -> None:
+        transport.TransportTimeoutError.__init__(self, message, COMMIT)
+
+
+COMMIT = "commit"  # CommitTimeoutError's phase (transport's own phases are transport.errors.Phase)
 
 
 class PushAbortedError(RlSyncError):

@@ -14,11 +14,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import transport
-from transport.errors import Phase
-
 from .device import ReaderMarks
-from .errors import RlSyncError
+from .errors import CommitTimeoutError, RlSyncError
 from .rwlock import RWLock
 
 __all__ = ["Holding"]
@@ -37,15 +34,16 @@ class Holding:
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until a version >= ``version`` is committed; return the committed version.
 
-        Raises :class:`transport.TransportTimeoutError` (phase ``commit``) at
-        the deadline; ``timeout=None`` waits as long as it takes. Cancelling
-        it only stops the wait.
+        Raises :class:`rl_sync.CommitTimeoutError` (a
+        :class:`transport.TransportTimeoutError`, phase ``"commit"``) at the
+        deadline; ``timeout=None`` waits as long as it takes. Cancelling it
+        only stops the wait.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._version < version:
             if deadline is not None and time.monotonic() >= deadline:
-                raise transport.TransportTimeoutError(
-                    f"version {version} was not committed within {timeout} s (holding {self._version})", Phase.COMMIT)
+                raise CommitTimeoutError(
+                    f"version {version} was not committed within {timeout} s (holding {self._version})")
             await asyncio.sleep(0.005)
         return self._version
 
@@ -56,9 +54,8 @@ class Holding:
             while self._version < version:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise transport.TransportTimeoutError(
-                        f"version {version} was not committed within {timeout} s (holding {self._version})",
-                        Phase.COMMIT)
+                    raise CommitTimeoutError(
+                        f"version {version} was not committed within {timeout} s (holding {self._version})")
                 self._version_cond.wait(left)
             return self._version
 
@@ -68,8 +65,8 @@ class Holding:
 
         Many holders may overlap; a commit waits until all have left, and
         holders that arrive while a commit waits queue behind it. Raises
-        :class:`transport.TransportTimeoutError` if the lock is not had
-        within ``timeout``. Direct mode: while the weights are torn (a push
+        :class:`rl_sync.CommitTimeoutError` (a :class:`transport.TransportTimeoutError`)
+        if the lock is not had within ``timeout``. Direct mode: while the weights are torn (a push
         failed after writing them) it waits for the next commit, and raises
         :class:`rl_sync.RlSyncError` if the subscriber is closed meanwhile.
 
@@ -92,12 +89,12 @@ class Holding:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not await self._lock.acquire_read_async(left):
-                raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+                raise CommitTimeoutError(f"hold() waited {timeout} s for a commit to finish")
             if self._readable():
                 break
             if deadline is not None and time.monotonic() >= deadline:
-                raise transport.TransportTimeoutError(
-                    f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
+                raise CommitTimeoutError(
+                    f"hold() waited {timeout} s: the weights are torn by a failed direct push")
             await asyncio.sleep(0.005)
         try:
             yield self._version
@@ -124,14 +121,14 @@ class Holding:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._lock.acquire_read(left):
-                raise transport.TransportTimeoutError(f"hold() waited {timeout} s for a commit to finish", Phase.COMMIT)
+                raise CommitTimeoutError(f"hold() waited {timeout} s for a commit to finish")
             if self._readable():
                 break
             with self._version_cond:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise transport.TransportTimeoutError(
-                        f"hold() waited {timeout} s: the weights are torn by a failed direct push", Phase.COMMIT)
+                    raise CommitTimeoutError(
+                        f"hold() waited {timeout} s: the weights are torn by a failed direct push")
                 if self._torn and not self._closed:
                     self._version_cond.wait(left)
         try:

@@ -57,6 +57,7 @@ class PushRun(PushTracker):
         self.groups = groups
         try:
             now = time.monotonic()
+            self.budget = max(0.0, self.deadline - now)
             for t in self.targets.values():
                 t.begin_sent = True
                 t.begin_at = now

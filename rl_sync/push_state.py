@@ -16,11 +16,10 @@ from typing import Any, Protocol
 import torch
 
 import transport
-from transport.errors import Phase
 
 from . import messages as m
 from .banks import BankSet
-from .errors import PlanMismatchError, StaleVersionError, SubscriberRejectedError
+from .errors import CommitTimeoutError, PlanMismatchError, StaleVersionError, SubscriberRejectedError
 from .plan import Bucket, Manifest
 from .report import PushEvent
 
@@ -198,7 +197,7 @@ def route_of(t: Target) -> tuple[str, str]:
 
 def rejection(name: str, r: m.Reply) -> Exception:
     if r.error_kind == "timeout":  # a direct-mode subscriber's readers did not leave in time
-        return transport.TransportTimeoutError(f"{name}: {r.error}", Phase.COMMIT)
+        return CommitTimeoutError(f"{name}: {r.error}")
     if r.error_kind == "stale":
         return StaleVersionError(f"{name}: {r.error}")
     if r.error_kind == "plan":

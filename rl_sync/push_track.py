@@ -22,7 +22,7 @@ from transport.errors import Phase
 
 from . import messages as m
 from .device import Copier
-from .errors import SubscriberRejectedError
+from .errors import CommitTimeoutError, SubscriberRejectedError
 from .plan import arena_name
 from .push_state import Group, Publisher, Pull, Target, rejection
 from .report import PushEvent
@@ -33,6 +33,7 @@ log = logging.getLogger("rl_sync.publisher")
 
 _STALL_MIN = 0.25  # seconds: the least a slot's puller is given before the slot is taken back from it
 _STALL_FACTOR = 4.0  # ... and how many times the slowest answered pull of that slot
+_STALL_SHARE = 8.0  # ... and at most this fraction of the push's time (its timeout): 1/8
 POLL = 0.05
 
 
@@ -47,6 +48,7 @@ class PushTracker:
         self.version = version
         self.deadline = deadline
         self.t0 = t0
+        self.budget: float | None = None  # the push's time from its first Begin to its deadline (set by execute())
         self.targets: dict[str, Target] = {}
         self.changed = asyncio.Event()
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -74,12 +76,16 @@ class PushTracker:
     def _stall_bound(self, took: float | None, group: Group | None = None) -> float:
         """How long a pull may go unanswered while it holds up others: ``4x`` the slowest answered
         pull it is compared with (at least 0.25 s); with none, ``4x`` the median pull from the
-        publisher of ``group`` (:meth:`_yardstick`); ``stall_timeout`` with nothing at all."""
+        publisher of ``group`` (:meth:`_yardstick`); ``stall_timeout`` with nothing at all. Never
+        more than an eighth of the push's time (at least 0.25 s): when every pull is slow (a loaded
+        host) or nothing was ever answered (the first push), a frozen one must still leave the others
+        most of the deadline to finish in."""
         if took is None and group is not None:
             took = self._yardstick(group)
-        if took is None:
-            return self.pub.stall_timeout
-        return max(_STALL_MIN, _STALL_FACTOR * took)
+        bound = self.pub.stall_timeout if took is None else max(_STALL_MIN, _STALL_FACTOR * took)
+        if self.budget is not None:
+            bound = min(bound, max(_STALL_MIN, self.budget / _STALL_SHARE))
+        return bound
 
     def _yardstick(self, group: Group) -> float | None:
         """The median answered pull from the publisher of ``group`` in this push, else in the
@@ -217,7 +223,7 @@ class PushTracker:
                     t.planes[r.plane] = r.route
                 self.emit(t, "committed")
             elif r.error_kind == "timeout":
-                self.fail(t, transport.TransportTimeoutError(f"{t.name}: {r.error}", Phase.COMMIT))
+                self.fail(t, CommitTimeoutError(f"{t.name}: {r.error}"))
             else:
                 self.fail(t, SubscriberRejectedError(f"{t.name} refused the commit: {r.error}"))
         self.changed.set()
@@ -323,9 +329,10 @@ class PushTracker:
             await asyncio.sleep(POLL)
 
     def _overdue(self, t: Target, now: float) -> transport.TransportTimeoutError:
-        phase = Phase.COMMIT if t.committing and t.begun else Phase.TRANSFER  # (a shared one may be told early)
-        return transport.TransportTimeoutError(
-            f"subscriber {t.name!r} did not finish version {self.version} before the deadline ({t.doing(now)})", phase)
+        msg = f"subscriber {t.name!r} did not finish version {self.version} before the deadline ({t.doing(now)})"
+        if t.committing and t.begun:  # (a shared one may be told to commit before it has begun)
+            return CommitTimeoutError(msg)
+        return transport.TransportTimeoutError(msg, Phase.TRANSFER)
 
     def _lost_error(self, t: Target, now: float, cause: BaseException | None = None) -> transport.PeerLostError:
         err = transport.PeerLostError(f"subscriber {t.name!r} was lost during the push ({t.doing(now)})")

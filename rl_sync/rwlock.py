@@ -57,6 +57,14 @@ class RWLock:
         if idle and hook is not None:
             hook()
 
+    def try_acquire_write(self) -> bool:
+        """Take the write lock if nobody holds the lock (no reader, no writer); never waits."""
+        with self._cond:
+            if self._writer or self._readers:
+                return False
+            self._writer = True
+            return True
+
     def acquire_write(self, timeout: float | None = None) -> bool:
         """Blocks until every reader has left; False at the timeout (the lock is then not held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -91,6 +99,8 @@ class RWLock:
         return await _in_thread(self.acquire_read, self.release_read, timeout)
 
     async def acquire_write_async(self, timeout: float | None = None) -> bool:
+        if self.try_acquire_write():  # (no reader: the usual commit takes no worker thread)
+            return True
         return await _in_thread(self.acquire_write, self.release_write, timeout)
 
     @property

@@ -10,7 +10,8 @@ subscriber that answers again. tests/test_rl_faults.py runs the same guarantees 
 
 What must hold: nobody is stalled for its own or another slot holder's sake (slow subscribers all
 finish), a frozen subscriber holds up the others by about one stall bound (4x the median pull,
-at least 0.25 s), and a stalled subscriber that answers again gets what it missed.
+at least 0.25 s, at most an eighth of the push's time), and a stalled subscriber that answers
+again gets what it missed.
 """
 
 from __future__ import annotations
@@ -167,6 +168,20 @@ async def test_subscribers_frozen_while_they_alone_hold_the_slots_hold_up_the_ot
     _ok(out, "a", "c")
     assert all(out[n][1] < 0.5 + 0.25 + 0.5 for n in ("a", "c")), {n: out[n][1] for n in ("a", "c")}
     assert not any(out[v.name][0] for v in victims)
+
+
+@pytest.mark.timeout(60)
+async def test_on_a_first_push_subscribers_frozen_holding_the_slots_cost_the_others_an_eighth_of_the_deadline():
+    """The first push of a layout: nothing was ever answered to compare with, so the bound would be
+    ``stall_timeout`` (5 s, past this push's 4 s deadline). It is capped at an eighth of the push's
+    time: the late ones commit about 0.5 s after they begin (before: they failed at the deadline)."""
+    victims = [Sub(f"v{i}", 0.2, frozen_at=0.05) for i in range(2)]  # frozen before any pull is answered
+    late = [Sub("a", 0.01, begin_delay=0.5), Sub("c", 0.01, begin_delay=0.5)]
+    out = await _push([victims + late], None)
+    _ok(out, "a", "c")
+    cap = DEADLINE / 8
+    assert all(out[n][1] < 0.5 + cap + 0.5 for n in ("a", "c")), {n: out[n][1] for n in ("a", "c")}
+    assert all(out[v.name][2].stalled for v in victims)
 
 
 @pytest.mark.timeout(60)

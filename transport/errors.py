@@ -55,7 +55,6 @@ class Phase(str, enum.Enum):
     HANDSHAKE = "handshake"
     TRANSFER = "transfer"
     NOTIFY = "notify"
-    COMMIT = "commit"
 
 
 class TransportError(Exception):
@@ -117,9 +116,10 @@ class RemoteError(TransportError):
 
 
 class TransportTimeoutError(TransportError, TimeoutError):
-    """A deadline passed. ``phase`` says what was being waited for."""
+    """A deadline passed. ``phase`` says what was being waited for: a :class:`Phase`, or a
+    library's own phase name (a string) for its subclasses (``rl_sync``'s ``"commit"``)."""
 
-    def __init__(self, message: str, phase: Phase = Phase.TRANSFER) -> None:
+    def __init__(self, message: str, phase: Phase | str = Phase.TRANSFER) -> None:
         super().__init__(message)
         self.phase = phase
 

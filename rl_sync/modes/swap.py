@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import transport
-from transport.errors import Phase
-
 from .. import messages as m
+from ..errors import CommitTimeoutError
 from .base import Push, readers_late
 from .staged import StagedMode
 
@@ -37,5 +35,5 @@ class SwapMode(StagedMode):
         sub = self.sub
         if sub._live_bank is None and not await sub._readers.wait(sub.commit_timeout):
             # (the first re-point lets the model's own memory go: GPU reads of it may be queued)
-            raise transport.TransportTimeoutError(readers_late(sub.commit_timeout), Phase.COMMIT)
+            raise CommitTimeoutError(readers_late(sub.commit_timeout))
         sub._repoint(push.bank)  # microseconds: no need to leave the loop
