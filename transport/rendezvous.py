@@ -29,6 +29,7 @@ store client never holds up the process's exit. Waits poll with ``check``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -95,6 +96,11 @@ class StoreClient:
         """No more calls: the thread ends once those queued ran (a call stuck in the store stays so)."""
         self._calls.put(None)
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread to end (after :meth:`stop`); True if it did."""
+        self._worker.join(timeout)
+        return not self._worker.is_alive()
+
 
 _shared: dict[tuple[str, int], StoreClient] = {}
 _shared_lock = threading.Lock()
@@ -133,6 +139,23 @@ def _forget_shared_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_shared_in_child)
+
+
+def _close_shared_at_exit() -> None:
+    """At interpreter exit: end the shared clients' threads (each drops its store on its own thread),
+    so that no store client is torn down by the interpreter's finalization while its thread still
+    runs. Bounded: a call stuck in the store is left to the daemon thread."""
+    with _shared_lock:
+        clients = list(_shared.values())
+        _shared.clear()
+    for client in clients:
+        client.stop()
+    deadline = time.monotonic() + 2.0
+    for client in clients:
+        client.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_close_shared_at_exit)
 
 
 class EndpointRecord(msgspec.Struct, frozen=True):
