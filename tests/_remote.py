@@ -265,6 +265,8 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
         if cmd == "op_planes":  # the planes this side's ops of a kind took, as its flight recorder has them
             return sorted({r["plane"] for r in ep.recorder.snapshot()
                            if r["kind"] == args[0] and r["role"] == "initiator" and r["nbytes"]})
+        if cmd == "target_ops":  # how many put/get headers this side served as a target (its flight recorder)
+            return sum(1 for r in ep.recorder.snapshot() if r["role"] == "target" and r["kind"] in ("put", "get"))
         if cmd == "notifications":
             count, timeout = args
             out = []

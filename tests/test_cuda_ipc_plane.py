@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import logging
+import os
 import threading
 import time
 import uuid
@@ -29,7 +31,9 @@ from tests._remote import until as _until
 from transport.errors import PlaneUnavailableError, TransportTimeoutError, UnknownBufferError
 from transport.ipc import MappingCache
 from transport.planes import choose_gpu_plane, validate_planes
+from transport.planes.cuda_ipc_holds import PeerSlots
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
+from transport.planes.shm_export import new_slot_table
 from transport.retention import Retention
 from transport.wire import HostInfo, IpcHandle
 
@@ -535,3 +539,36 @@ def test_mapping_cache_an_unmap_that_lasts_too_long_refuses_only_while_it_lasts(
     assert cache.refusal(h) is None  # the unmap ended: mappable again
     cache.acquire(h)
     assert engine.events == ["open", "close-start", "close-end", "open"], engine.events
+
+
+def test_a_slot_table_that_cannot_be_opened_keeps_the_header_path(caplog):
+    """cuda_ipc works without the peer's slot table (unlike shm): where /proc/<pid>/fd/<n> cannot be
+    opened (another user, a process that is not dumpable), the op takes its header and
+    acknowledgement instead of failing, and the table is not tried again at every op (logged once)."""
+    slots = PeerSlots("cuda_ipc", "peer")
+    gone = IpcHandle("memfd", "d", b"x", 10, 0, 1, pid=os.getpid(), slot=3, table_fd=2**30, table_inode=12345)
+    with caplog.at_level(logging.WARNING, logger="transport.planes.cuda_ipc"):
+        assert slots.guard(["w"], [gone]) is None
+        assert slots.guard(["w"], [gone]) is None
+    assert caplog.text.count("cannot be opened") == 1, caplog.text
+    # a table that opens: the words are locked and checked, and a revoked one is refused typed
+    table = new_slot_table("cuda_ipc")
+    assert table is not None
+    try:
+        slot = table.alloc(7)
+        live = IpcHandle("memfd", "d", b"x", 10, 0, 7, pid=os.getpid(), slot=slot, table_fd=table.fd,
+                         table_inode=table.inode)
+        guard = slots.guard(["w"], [live])
+        assert guard is not None
+        guard.over()
+        assert guard.stale is None
+        guard = slots.guard(["w"], [live])
+        table.revoke(slot, "w", wait=False)  # taken back while "the copy ran" (it did not wait: no bound here)
+        guard.over()
+        assert isinstance(guard.stale, transport.StaleBufferError)
+        with pytest.raises(transport.StaleBufferError):
+            slots.guard(["w"], [live])
+        assert not slots.peer_exited(table.inode)
+    finally:
+        slots.close()
+        table.close()

@@ -23,6 +23,7 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor, same_bytes
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 from transport.planes.shm_slots import REVOKE_WAIT_S
 
 _TYPED = (transport.StaleBufferError, transport.UnknownBufferError)
@@ -58,17 +59,24 @@ async def test_a_plain_put_and_get_need_nothing_of_a_frozen_target(store_url, un
         tgt.kill()
 
 
-async def test_puts_racing_take_backs_land_before_or_fail_typed(store_url, uname):
-    """Small puts (on the event loop), each writing its own index into its own element, while the
-    target unregisters and re-registers the buffer every few milliseconds: every put that returned
-    must be found in the registration it landed in (taken back whole, or the last one), and each
-    failure is a typed one (stale export, or the buffer gone at the retry)."""
-    n = 20000
-    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",))
+# cuda_ipc's one-sided ops use the same slot words (its exporter's own table): its CPU stand-in
+# engine runs them here, copies on a worker thread as a CUDA stream would run them
+_PLANES = {"shm": {"planes": ("shm",)}, "cuda_ipc": {"ipc_engine": MemfdIpcEngine}}
+
+
+@pytest.mark.parametrize("plane", list(_PLANES))
+async def test_puts_racing_take_backs_land_before_or_fail_typed(store_url, uname, plane):
+    """Small puts (shm: on the event loop), each writing its own index into its own element, while
+    the target unregisters and re-registers the buffer every few milliseconds: every put that
+    returned must be found in the registration it landed in (taken back whole, or the last one),
+    and each failure is a typed one (stale export, or the buffer gone at the retry)."""
+    n = 20000 if plane == "shm" else 5000
+    kw = _PLANES[plane]
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, **kw)
     try:
         tgt.call("register", "w", "int64", (n,))
         tgt.call("churn", "w", 1, 0.0, 1)  # (zero-filled, not poisoned)
-        async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=10) as ep:
+        async with transport.Endpoint(uname("ini"), store=store_url, timeout=10, **kw) as ep:
             await ep.connect(tgt.name)
             tgt.start("churn", "w", 60, 0.005, 1)
             ok, failed = [], 0
@@ -90,6 +98,10 @@ async def test_puts_racing_take_backs_land_before_or_fail_typed(store_url, uname
         lost = [i for i in ok if i not in landed]
         assert not lost, f"{len(lost)} puts returned but their bytes are in no registration: {lost[:10]}"
         assert len(ok) > n // 2, (len(ok), failed)
+        planes = {r["plane"] for r in ep.recorder.snapshot() if r["kind"] == "put" and r["state"] == "done"}
+        assert planes == {plane}, planes
+        targeted = tgt.call("target_ops")
+        assert not targeted, f"one-sided puts sent the target {targeted} headers"
         print(f"\n  {len(ok)} puts landed, {failed} failed typed, across {len(held)} registrations")
     finally:
         tgt.kill()

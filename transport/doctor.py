@@ -84,6 +84,11 @@ def _ipc() -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
         return {"available": False, "reason": f"the CUDA IPC engine cannot be loaded: {exc}"}
     out: dict[str, Any] = {"available": engine is not None, "reason": reason}
+    from transport.planes import plane_features
+
+    for feature, (have, why) in plane_features("cuda_ipc").items():
+        out[feature] = have
+        out[f"{feature}_reason"] = why
     from transport.cuda.ipc import allocator_warning
 
     warning = allocator_warning()

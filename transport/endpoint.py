@@ -354,8 +354,11 @@ class Endpoint(Operations):
         return tensor
 
     def unregister(self, name: str, *, discard: bool = False) -> None:
-        """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`. Non-blocking.
+        """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`.
 
+        Blocks while same-host peers' one-sided copies into or out of it are in flight (``shm``,
+        ``cuda_ipc``: each plane's export waits for them, up to 2 s, then takes the buffer back
+        anyway and those ops fail), so no copy of theirs is reported done after this returned.
         If the tensor lived alone in a shared-memory segment, its bytes are copied
         back into private memory (blocking for the copy; the tensor object is
         re-pointed in place), so a peer still holding a stale mapping can never

@@ -100,7 +100,8 @@ __all__ = [
 # 2: cuda_ipc exports in WireBuffer, the Unmapped frame, the nccl plane's frames
 # 3: the handshake starts with Challenge/Proof (the job's secret), the acceptor sends its Hello first
 # 4: ShmHandle's slot-table fields (shm puts without a notification, and gets, need no round trip)
-PROTOCOL_VERSION = 4
+# 5: IpcHandle's slot-table fields (cuda_ipc puts without a notification, and gets, likewise)
+PROTOCOL_VERSION = 5
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
@@ -133,7 +134,10 @@ class IpcHandle(msgspec.Struct, array_like=True, frozen=True):
     device it lives on (for CUDA the GPU's UUID, so that peers with different
     ``CUDA_VISIBLE_DEVICES`` agree), and the buffer starts ``offset`` bytes into the
     allocation. ``export_id`` is unique per registration, as for ``shm``; ``engine`` names
-    the engine that made the handle (``cuda``, or ``memfd`` for the CPU test engine)."""
+    the engine that made the handle (``cuda``, or ``memfd`` for the CPU test engine).
+    ``slot`` (0: none) is the export's word in the owner's slot table
+    ``/proc/<pid>/fd/<table_fd>`` (inode ``table_inode``), as for :class:`ShmHandle`: puts
+    without a notification, and gets, then need no round trip."""
 
     engine: str
     device: str
@@ -141,6 +145,10 @@ class IpcHandle(msgspec.Struct, array_like=True, frozen=True):
     size: int
     offset: int
     export_id: int
+    pid: int = 0
+    slot: int = 0
+    table_fd: int = -1
+    table_inode: int = 0
 
 
 class WireBuffer(msgspec.Struct, array_like=True, frozen=True):

@@ -26,6 +26,7 @@ from .choice import (
     choose_gpu_plane,
     make_exporters,
     needs_unmap_acks,
+    plane_features,
     validate_planes,
     wants_link,
     wire_semantics,
@@ -35,4 +36,4 @@ from .nccl_offer import NcclOffer
 __all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "NcclOffer",
            "PlaneChoice",
            "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks",
-           "validate_planes", "wants_link", "wire_semantics"]
+           "plane_features", "validate_planes", "wants_link", "wire_semantics"]

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from .staged import StagedPlane
 
 __all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChoosingChannel", "PlaneChoice", "WireSemantics",
-           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks", "validate_planes",
+           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks", "plane_features",
+           "validate_planes",
            "wants_link", "wire_semantics"]
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,23 @@ def make_exporters(endpoint: str, planes: tuple[str, ...], segments: list[Any],
     if "cuda_ipc" in planes:
         out.append(IpcExporter(endpoint, segments, ipc_engine))
     return out
+
+
+def plane_features(name: str) -> dict[str, tuple[bool, str]]:
+    """The optional features of plane ``name`` on this machine, ``feature -> (have, why)`` (its
+    class's :meth:`~transport.planes.base.DataPlane.features`; a GPU plane's module is imported
+    only here, when asked). Raises ``KeyError`` for a name that is no plane."""
+    if name in PLANES:
+        return PLANES[name].features()
+    if name == "cuda_ipc":
+        from .cuda_ipc import CudaIpcPlane
+
+        return CudaIpcPlane.features()
+    if name == "nccl":
+        from .nccl import NcclPlane
+
+        return NcclPlane.features()
+    raise KeyError(name)
 
 
 def validate_planes(planes: Iterable[str] | None) -> tuple[str, ...]:

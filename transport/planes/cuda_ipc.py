@@ -15,6 +15,16 @@ lifetime):
   once the bytes are in the peer's memory and the peer knows it.
 - get: the same copies the other way (into the caller's tensors), then a ``Get`` header that the
   target checks and acknowledges.
+- **One-sided** (as for ``shm``, :mod:`transport.planes.shm_slots`): a put without a notification,
+  and a get, whose exports all have a word in the peer's slot table send no message at all. The
+  op locks those words shared and checks them before its copies are issued, and checks them
+  again and unlocks once the copies completed (on the thread that sees their completion, before
+  ``put``/``get`` returns); the peer revokes a word (unregister, re-register) under the exclusive
+  lock, waiting for copies in flight, so a copy either lands before the peer takes the buffer
+  back or its op fails with :class:`~transport.errors.StaleBufferError`, never reported done
+  while its bytes are lost. A registered tensor re-pointed by its owner is marked in its word
+  (the owner's heartbeat tick): later ops fail with
+  :class:`~transport.errors.BufferMismatchError`, as the header's check would.
 
 A stale export (the peer re-registered the buffer meanwhile) is answered ``stale`` and the endpoint
 retries once after refreshing the peer's registry, as for ``shm``. When exports leave the peer's
@@ -32,6 +42,7 @@ reaches, the error is logged and the copies that are left still run first on the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -47,73 +58,12 @@ from ..ipc import IpcMapping, IpcQueue, mapping_cache
 from ..op import Op
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
 from .base import ChannelPort, DataPlane
+from .cuda_ipc_holds import Batch, Held, PeerSlots, SlotGuard
+from .shm_slots import ofd_locks_work
 
 __all__ = ["CudaIpcPlane"]
 
 log = logging.getLogger(__name__)
-
-
-class _Batch:
-    """The copies of one op on one queue: a Waitable that, once they completed (or failed),
-    gives the mappings and exports back exactly once, whoever notices first (the bridge's
-    thread, the loop, or the plane's close)."""
-
-    __slots__ = ("_done", "_finish", "_lock", "_over", "waitable")
-
-    def __init__(self, waitable: Any, finish: Any) -> None:
-        self.waitable = waitable
-        self._finish = finish
-        self._lock = threading.Lock()
-        self._over = False
-
-    def query(self) -> bool:
-        try:
-            done = bool(self.waitable.query())
-        except Exception:
-            self.finish()
-            raise
-        if done:
-            self.finish()
-        return done
-
-    def synchronize(self) -> None:
-        try:
-            self.waitable.synchronize()
-        finally:
-            self.finish()
-
-    def finish(self) -> None:
-        with self._lock:
-            if self._over:
-                return
-            self._over = True
-        self._finish()
-
-
-class _Held:
-    """A mapped view's hold on the peer's allocation and export: given back (mapping use count,
-    export busy count, so ``Unmapped`` may go out) when the last tensor over it dies, on the
-    thread that drops it."""
-
-    __slots__ = ("_handle", "_plane", "__weakref__")
-
-    def __init__(self, plane: CudaIpcPlane, handle: IpcHandle) -> None:
-        self._plane: CudaIpcPlane | None = plane
-        self._handle = handle
-
-    def drop(self) -> None:
-        plane, self._plane = self._plane, None
-        if plane is not None:
-            try:
-                plane.cache.release(self._handle)
-            finally:
-                plane._leave([self._handle])
-
-    def __del__(self) -> None:
-        try:
-            self.drop()
-        except Exception:  # noqa: BLE001 - at interpreter exit, or a failed unmap (logged by the cache)
-            pass
 
 
 class CudaIpcPlane(DataPlane):
@@ -135,9 +85,10 @@ class CudaIpcPlane(DataPlane):
         self._acks: list[tuple[int, set[int]]] = []  # registry epochs to confirm, with the exports still busy
         self._queues: dict[str, tuple[IpcQueue, CompletionBridge]] = {}
         self._marks: CompletionBridge | None = None  # awaits a get caller's stream before the copy
-        self._batches: set[_Batch] = set()
+        self._batches: set[Batch] = set()
         self._closed = False  # the channel is gone
         self._quiet = False  # an orderly close: no new copies
+        self._slots = PeerSlots(self.name, channel.peer_name)  # the peer's slot tables: one-sided puts and gets
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -264,20 +215,33 @@ class CudaIpcPlane(DataPlane):
                 self.cache.release(h)
         self._leave(handles)
 
-    async def _copy(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool) -> list[int]:
-        """Copy every item of one op; return the export id of each item's buffer (0 if empty)."""
+    #: puts without a notification, and gets, into exports that all have a slot: no message at all
+    one_sided = True
+
+    def _guard(self, jobs: list[tuple[Item, torch.Tensor]], used: list[IpcHandle]) -> SlotGuard | None:
+        """The op's slot locks if every export has a word in one table of the peer that this
+        process can open (None: the op keeps its header and acknowledgement)."""
+        return self._slots.guard([it.name for it, _ in jobs], used)
+
+    async def _copy(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
+                    one_sided: bool = False) -> tuple[list[int], bool]:
+        """Copy every item of one op; return the export id of each item's buffer (0 if empty) and
+        whether the op is complete here (``one_sided`` asked for and every export has a slot:
+        the copies were done under the slots' locks and the words still hold the exports)."""
         jobs = [(it, t) for it, t in pairs if it.count]
         after = self.engine.mark([t for _, t in jobs]) if jobs else None  # the caller's stream, before any await
-        if after and not into_peer:
+        if after and (not into_peer or (one_sided and self.one_sided)):
             # a get writes into the caller's tensors: wait for its stream here, so that the copy
-            # itself is short and an abandoned get can wait for it (bounded) before it raises
+            # itself is short and an abandoned get can wait for it (bounded) before it raises; a
+            # one-sided put likewise, so that the peer's export words are locked for the copy only,
+            # not for the caller's queued work (an unregister waits for the locks, up to 2 s)
             await self._await_marks(op, after)
             after = None
         handles = self._enter(pairs)
         ids = [h.export_id if h is not None else 0 for h in handles]
         used = [h for h in handles if h is not None]
         if not used:
-            return ids
+            return ids, False
         try:
             maps = self._acquire(used, block=False)  # all mapped already: no wait, here on the loop
         except BaseException:
@@ -295,6 +259,7 @@ class CudaIpcPlane(DataPlane):
                 raise
         assert maps is not None  # (blocking acquires return the mappings or raise)
         groups: dict[str, list[tuple[torch.Tensor, torch.Tensor, IpcHandle]]] = {}
+        guard = None
         try:
             for (it, t), h, m in zip(jobs, used, maps, strict=True):
                 size = t.element_size()
@@ -302,6 +267,8 @@ class CudaIpcPlane(DataPlane):
                 local = t.detach().reshape(-1).view(torch.uint8)
                 pair = (remote, local) if into_peer else (local, remote)
                 groups.setdefault(h.device, []).append((*pair, h))
+            if one_sided and self.one_sided:  # the words locked from here until the last copy is over
+                guard = self._guard(jobs, used)
         except BaseException:
             for h in used:
                 self.cache.release(h)
@@ -314,7 +281,7 @@ class CudaIpcPlane(DataPlane):
         with op.lock:
             op.busy = True
         op.abandon_bound = 30.0
-        futs = self._issue_all(op, groups, after, into_peer)
+        futs = self._issue_all(op, groups, after, into_peer, guard)
         for fut in futs:
             try:
                 await fut
@@ -324,7 +291,18 @@ class CudaIpcPlane(DataPlane):
             except CompletionError as exc:
                 raise TransportError(f"{op.kind.value} #{op.op_id}: a cuda_ipc copy with {self.channel.peer_name!r} "
                                      f"failed: {exc}") from exc
-        return ids
+        if guard is None:
+            return ids, False
+        guard.over()  # (done already by the last copy's completion; idempotent)
+        if guard.stale is not None:  # the peer took a buffer back while the copy ran (it did not wait for us)
+            raise guard.stale
+        if not self.channel.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere
+            raise PeerLostError(f"{op.kind.value} #{op.op_id}: the channel to {self.channel.peer_name!r} closed while "
+                                f"its cuda_ipc copy ran: {self.channel.error}")
+        if self._slots.peer_exited(used[0].table_inode):  # (dead before the channel noticed: our mapping kept its memory)
+            raise PeerLostError(f"{op.kind.value} #{op.op_id}: {self.channel.peer_name!r} exited while its cuda_ipc "
+                                "copy ran")
+        return ids, True
 
     async def _await_marks(self, op: Op, marks: Any) -> None:
         if self._marks is None:
@@ -340,41 +318,53 @@ class CudaIpcPlane(DataPlane):
                                      f"the call failed: {exc}") from exc
 
     def _issue_all(self, op: Op, groups: dict[str, list[tuple[torch.Tensor, torch.Tensor, IpcHandle]]], after: Any,
-                   into_peer: bool) -> list[asyncio.Future[None]]:
+                   into_peer: bool, guard: SlotGuard | None = None) -> list[asyncio.Future[None]]:
         """Issue each device's copies on its queue; a group that cannot be issued (and every one
-        after it) gives its mappings and exports back at once, then the error is raised."""
+        after it) gives its mappings and exports back at once, then the error is raised. The
+        slot locks of ``guard`` are checked and released when the last group is over."""
         left = [len(groups)]
         futs: list[asyncio.Future[None]] = []
         items = list(groups.items())
         for i, (device, group) in enumerate(items):
             try:
-                futs.append(self._issue(op, device, group, after, left, into_peer))
+                futs.append(self._issue(op, device, group, after, left, into_peer, guard))
             except BaseException:
                 for _, rest in items[i:]:
-                    self._finish_group(op, [h for _, _, h in rest], left, into_peer)
+                    self._finish_group(op, [h for _, _, h in rest], left, into_peer, guard=guard)
                 raise
         return futs
 
     def _finish_group(self, op: Op, hs: list[IpcHandle], left: list[int], into_peer: bool,
-                      batch: _Batch | None = None) -> None:
+                      batch: Batch | None = None, guard: SlotGuard | None = None) -> None:
         """Any thread, once per group: its copies are over (or were never issued)."""
-        for h in hs:
-            self.cache.release(h)
-        self._leave(hs)
         with self._lock:
             if batch is not None:
                 self._batches.discard(batch)
             left[0] -= 1
             last = left[0] == 0
-        if last:
-            op.quiet.set()
+        try:
+            if last and guard is not None:  # every copy of the op is over: check the words, then unlock them
+                guard.over()
+        finally:
+            try:
+                for h in hs:
+                    self.cache.release(h)
+                self._leave(hs)
+            finally:
+                if last:
+                    op.quiet.set()
 
     def _issue(self, op: Op, device: str, group: list[tuple[torch.Tensor, torch.Tensor, IpcHandle]], after: Any,
-               left: list[int], into_peer: bool) -> asyncio.Future[None]:
+               left: list[int], into_peer: bool, guard: SlotGuard | None = None) -> asyncio.Future[None]:
         queue, bridge = self._queue(device)
         hs = [h for _, _, h in group]
-        waitable = queue.copy([(dst, src) for dst, src, _ in group], after)  # raises: nothing was issued
-        batch: _Batch = _Batch(waitable, lambda: self._finish_group(op, hs, left, into_peer, batch))
+        try:
+            waitable = queue.copy([(dst, src) for dst, src, _ in group], after)
+        except BaseException:  # part of the group may be queued already: over only once the queue is idle
+            with contextlib.suppress(Exception):
+                queue.synchronize()
+            raise
+        batch: Batch = Batch(waitable, lambda: self._finish_group(op, hs, left, into_peer, batch, guard))
         with self._lock:
             self._batches.add(batch)
         return bridge.wait(batch)
@@ -382,13 +372,25 @@ class CudaIpcPlane(DataPlane):
     # ------------------------------------------------------------------ ops
     async def put(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
         op.keep = [t for _, t in pairs]
-        ids = await self._copy(op, pairs, into_peer=True)
+        ids, alone = await self._copy(op, pairs, into_peer=True, one_sided=notify is None)
+        if alone:
+            self.channel.finish_here(op)
+            return
         self.channel.send(Put(op.op_id, op.seq, self.name, [it for it, _ in pairs], notify, ids), op=op)
 
     async def get(self, op: Op, pairs: list[tuple[Item, torch.Tensor]]) -> None:
         op.keep = [t for _, t in pairs]
-        ids = await self._copy(op, pairs, into_peer=False)
+        ids, alone = await self._copy(op, pairs, into_peer=False, one_sided=True)
+        if alone:
+            self.channel.finish_here(op)
+            return
         self.channel.send(Get(op.op_id, op.seq, [it for it, _ in pairs], self.name, ids), op=op)
+
+    @classmethod
+    def features(cls) -> dict[str, tuple[bool, str]]:
+        ok, why = ofd_locks_work()
+        return {"one_sided": (ok, f"puts without a notification, and gets, need no round trip ({why})" if ok else
+                              f"every put and get keeps its round trip: {why}")}
 
     # ------------------------------------------------------------------ mapping
     maps_peer_memory = True
@@ -423,7 +425,7 @@ class CudaIpcPlane(DataPlane):
             self._leave([h])
             raise
         assert mapping is not None  # (a blocking acquire maps or raises)
-        held = _Held(self, h)
+        held = Held(self, h)
         try:
             raw = mapping.view(h.offset, spec.nbytes, held)
         except BaseException:
@@ -461,6 +463,7 @@ class CudaIpcPlane(DataPlane):
                 return
             self._closed = True
             queues, self._queues = list(self._queues.values()), {}
+
         live = [wb.ipc for wb in self.channel.remote_wire.values() if wb.ipc is not None]
         if self._marks is not None:
             self._marks.close()
@@ -481,5 +484,6 @@ class CudaIpcPlane(DataPlane):
                 gone, self._gone = list(self._gone.values()), {}
             for h in [*live, *gone]:
                 self.cache.retire(h)
+            self._slots.close()  # (after the copies: their slot locks go with the views' descriptors)
 
         threading.Thread(target=drain, name="transport-ipc-close", daemon=True).start()

@@ -20,6 +20,8 @@ from ..registry import LocalBuffer
 from ..retention import NEVER, Retention
 from ..wire import IpcHandle
 from .base import Exporter
+from .shm_export import new_slot_table
+from .shm_slots import SlotTable
 
 __all__ = ["IpcExporter"]
 
@@ -44,6 +46,11 @@ class IpcExporter(Exporter):
         self._reason: str | None = None
         self.retention = Retention(self._release)
         self.newest_export: int | None = None  # the newest export id made (None: none yet)
+        # the words of this endpoint's cuda_ipc exports (one-sided puts and gets, as for shm's; a table
+        # of its own, made at the first export; None where OFD locks are missing: ops keep their round trip)
+        self.slots: SlotTable | None = None
+        self._tried_slots = False
+        self._moved_marked: set[int] = set()  # export ids whose slot says the tensor was re-pointed
 
     @property
     def engine(self) -> IpcEngine | None:
@@ -84,15 +91,50 @@ class IpcExporter(Exporter):
             log.warning("endpoint %r: buffer %r cannot be exported over cuda_ipc: %s; same-host peers reach it "
                         "through the staged path", self.endpoint, buf.spec.name, exc)
             return
-        ipc = IpcHandle(engine.name, device, handle, size, offset, next(export_ids))
+        export_id = next(export_ids)
+        if not self._tried_slots:
+            self._tried_slots = True
+            self.slots = new_slot_table("cuda_ipc")
+        slot = self.slots.alloc(export_id) if self.slots is not None else -1
+        if slot > 0 and self.slots is not None:
+            ipc = IpcHandle(engine.name, device, handle, size, offset, export_id, self.slots.pid, slot,
+                            self.slots.fd, self.slots.inode)
+        else:
+            ipc = IpcHandle(engine.name, device, handle, size, offset, export_id)
         buf.exports["cuda_ipc"] = IpcExport(ipc, (t.untyped_storage(), keep))
         self.newest_export = ipc.export_id
 
     def unexport(self, buf: LocalBuffer, *, detach: bool, closing: bool, epoch: int) -> None:
-        """Held until every same-host peer confirmed it unmapped (see :mod:`transport.retention`)."""
+        """Revoke the export's slot first (waiting up to
+        :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it, unless
+        ``closing``), so that no peer's one-sided op starts on it or is reported done after its
+        copy overlapped this; the memory is then held until every same-host peer confirmed it
+        unmapped (see :mod:`transport.retention`)."""
         ipc = buf.exports.pop("cuda_ipc", None)
         if ipc is not None:
-            self.retention.retire(ipc.handle.export_id, ipc.keep, NEVER if closing else epoch)
+            h = ipc.handle
+            self._moved_marked.discard(h.export_id)
+            if h.slot and self.slots is not None:
+                self.slots.revoke(h.slot, buf.spec.name, wait=not closing)
+            self.retention.retire(h.export_id, ipc.keep, NEVER if closing else epoch)
+
+    def tick(self, bufs: list[LocalBuffer]) -> None:
+        """Registered tensors re-pointed at other memory since registration: peers' one-sided ops
+        carry no header for this endpoint to check, so their slots are marked (every heartbeat
+        interval) and peers' later ops fail with :class:`~transport.errors.BufferMismatchError`,
+        as a header op's would."""
+        if self.slots is None:
+            return
+        for buf in bufs:
+            exp = buf.exports.get("cuda_ipc")
+            if exp is None or not exp.handle.slot or exp.handle.export_id in self._moved_marked:
+                continue
+            if buf.moved() is None:
+                continue
+            self._moved_marked.add(exp.handle.export_id)
+            self.slots.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
+            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' "
+                        "cuda_ipc ops on it fail from now on (re-register it)", self.endpoint, buf.spec.name)
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
@@ -122,4 +164,6 @@ class IpcExporter(Exporter):
         self.retention.closed(holder, None if orderly else self.newest_export)
 
     def close(self) -> None:
+        if self.slots is not None:  # (every word 0: no peer's later one-sided op passes its check)
+            self.slots.close()
         self.retention.shutdown(self.newest_export)  # live peers may still write: held until they exit

@@ -122,11 +122,11 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | 
     return exp
 
 
-def new_slot_table() -> SlotTable | None:
+def new_slot_table(plane: str = "shm") -> SlotTable | None:
     """The slot table for an endpoint's exports (one-sided puts and gets), or None where this
     kernel cannot lock byte ranges of a memfd per open file description (logged once: every op
     then keeps its round trip)."""
-    return SlotTable() if SlotTable.usable() else None
+    return SlotTable(plane) if SlotTable.usable() else None
 
 
 def _export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:

@@ -103,7 +103,8 @@ class SlotTable:
     """Target side: this endpoint's table of export words (made at the first shm export).
     Methods are called on the endpoint's event loop thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, plane: str = "shm") -> None:
+        self.plane = plane  # (the plane named in its warnings)
         self.fd = os.memfd_create("transport:slots", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, SLOTS * 8)
@@ -159,8 +160,8 @@ class SlotTable:
         if locked:
             _lock(self.fd, fcntl.F_UNLCK, slot)
         elif wait:
-            log.warning("shm: a peer's copy into or out of %r still held it after %.1f s (a frozen peer?); the "
-                        "buffer was taken back anyway, and that peer's op fails", name, REVOKE_WAIT_S)
+            log.warning("%s: a peer's copy into or out of %r still held it after %.1f s (a frozen peer?); the "
+                        "buffer was taken back anyway, and that peer's op fails", self.plane, name, REVOKE_WAIT_S)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -174,16 +175,17 @@ class TableView:
     """Initiator side: a peer's slot table, mapped read-only, with this process's locks on it.
     Thread-safe."""
 
-    def __init__(self, pid: int, fd: int, inode: int) -> None:
+    def __init__(self, pid: int, fd: int, inode: int, plane: str = "shm") -> None:
+        self.plane = plane  # (the plane named in errors)
         path = f"/proc/{pid}/fd/{fd}"
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise StaleBufferError(f"shm: cannot open the peer's slot table {path}: {exc}") from exc
+            raise StaleBufferError(f"{self.plane}: cannot open the peer's slot table {path}: {exc}") from exc
         try:
             st = os.fstat(self.fd)
             if st.st_ino != inode or st.st_size < SLOTS * 8:  # (a short file would SIGBUS a read past its end)
-                raise StaleBufferError(f"shm: {path} is not the peer's slot table (inode {st.st_ino}, "
+                raise StaleBufferError(f"{self.plane}: {path} is not the peer's slot table (inode {st.st_ino}, "
                                        f"{st.st_size} bytes)")
             self._mm = mmap.mmap(self.fd, SLOTS * 8, mmap.MAP_SHARED, mmap.PROT_READ)
         except BaseException:
@@ -210,10 +212,10 @@ class TableView:
         """:meth:`enter` for one slot (the common case, without the lists)."""
         with self._lock:
             if self.fd < 0:
-                raise PeerLostError("shm: the channel to the peer is closed")
+                raise PeerLostError(f"{self.plane}: the channel to the peer is closed")
             n = self._held.get(slot, 0)
             if n == 0 and not _lock(self.fd, fcntl.F_RDLCK, slot):
-                raise StaleBufferError("shm: the peer is taking the buffer back (unregister or re-register)")
+                raise StaleBufferError(f"{self.plane}: the peer is taking the buffer back (unregister or re-register)")
             self._held[slot] = n + 1
         word = _WORD.unpack_from(self._mm, slot * 8)[0]
         if word != export_id:
@@ -221,7 +223,7 @@ class TableView:
             if word == export_id | MOVED:
                 raise BufferMismatchError(f"buffer {name!r} was re-pointed at other memory since it was "
                                           "registered; re-register it")
-            raise StaleBufferError(f"shm: export {export_id} was revoked by the peer (unregistered or "
+            raise StaleBufferError(f"{self.plane}: export {export_id} was revoked by the peer (unregistered or "
                                    "re-registered)")
 
     def check(self, slots: list[tuple[int, int]]) -> None:
@@ -233,7 +235,7 @@ class TableView:
     def check1(self, slot: int, export_id: int) -> None:
         """:meth:`check` for one slot."""
         if _WORD.unpack_from(self._mm, slot * 8)[0] != export_id:
-            raise StaleBufferError(f"shm: export {export_id} was taken back by the peer while the copy ran "
+            raise StaleBufferError(f"{self.plane}: export {export_id} was taken back by the peer while the copy ran "
                                    "(the peer did not wait for it: frozen or slow here)")
 
     def leave(self, slots: list[int]) -> None:
