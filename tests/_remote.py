@@ -235,7 +235,7 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             peer, method, seconds = args
             await ep.connect(peer)
             ch = ep._channels[peer]
-            *path, method = method.split(".")  # e.g. "_target._serve_p2p": a method of the channel's target half
+            *path, method = method.split(".")  # e.g. "_target._serve_via_link": a method of the channel's target half
             for part in path:
                 ch = getattr(ch, part)
             real = getattr(ch, method)

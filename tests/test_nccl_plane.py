@@ -137,7 +137,7 @@ async def test_a_listener_get_given_up_before_its_go_writes_nothing(store_url, u
             await asyncio.to_thread(t.call, "connect", ep.name)  # it dials: we are the listener
             await _until(lambda: t.name in ep._channels and ep._channels[t.name].link is not None
                          and ep._channels[t.name].link.state == "ready", what="the link is up")
-            t.call("lag", ep.name, "_target._serve_p2p", 1.0)
+            t.call("lag", ep.name, "_target._serve_via_link", 1.0)
             out = poisoned("uint8", (4096,))
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(ep.get(t.name, {"w": out}), 0.3)

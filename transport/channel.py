@@ -58,7 +58,7 @@ from .loop_reads import enabled as loop_reads_enabled
 from .op import Op
 from .op_table import OpTable
 from .peer import Notification, Peer
-from .planes import PlaneChoice, needs_unmap_acks
+from .planes import PeerLink, PlaneChoice, needs_unmap_acks
 from .receiver import Receiver
 from .registry import BufferSpec
 from .sender import Sender
@@ -80,7 +80,6 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .ipc import IpcEngine
-    from .link import Link
     from .planes.base import DataPlane
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op"]
@@ -182,7 +181,7 @@ class Channel:
         self._bye = False  # say_bye ran
         self.plane_reason = plane_reason
         self.staging = core.staging
-        self.link: Link | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
+        self.link: PeerLink | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
         self.planes = PlaneChoice(self)  # the GPU planes and the choice of a plane per op
         self._sock = sock
         self._lock = threading.Lock()

@@ -40,7 +40,7 @@ from .errors import (
 )
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
-from .planes import NcclOffer, choose_cpu_plane, wants_link
+from .planes import NcclOffer, choose_cpu_plane, make_link, wants_link
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
 __all__ = ["Connector"]
@@ -113,10 +113,8 @@ class Connector:
         plane, reason = choose_cpu_plane(local_host(), remote.host, ep.planes, tuple(remote.planes))
         ch = Channel(ep, sock, remote, channel_id, plane, reason, registry=ep._registry, recorder=ep.recorder)
         if self.wants_link(remote, offered):
-            from .link import Link
-
             assert ep._nccl.engine is not None
-            ch.link = Link(ch, ep._nccl.engine, dialer=dialer, timeout=ep.timeout)
+            ch.link = make_link(ch, ep._nccl.engine, dialer=dialer, timeout=ep.timeout)
         old = self.channels.get(remote.name)
         if old is not None and old.incarnation != remote.incarnation:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))

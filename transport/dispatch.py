@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .loop_reads import LoopReads
     from .op import Op
     from .op_table import OpTable
+    from .planes import PeerLink
     from .receiver import Receiver
     from .serving import Serving
 
@@ -59,7 +60,7 @@ class ReadChannel(Protocol):
     id: str
     peer_name: str
     recorder: FlightRecorder
-    link: Any  # the channel's NCCL link (transport.link.Link), or None
+    link: PeerLink | None  # the channel's link (nccl's), or None
     orderly: bool  # set when the peer closed with a Bye
 
     @property

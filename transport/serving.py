@@ -32,7 +32,7 @@ from .errors import (
 )
 from .flight_recorder import FlightRecorder, OpKind, OpState, Record
 from .peer import Notification
-from .planes import STAGED, WireSemantics, wire_semantics
+from .planes import STAGED, PeerLink, WireSemantics, wire_semantics
 from .ranges import item_bytes, resolve_item
 from .registry import byte_slice
 from .staging import Staging
@@ -54,7 +54,7 @@ class ServedChannel(Protocol):
     id: str
     peer_name: str
     plane: Any  # the channel's CPU plane (its name)
-    link: Any  # the channel's NCCL link, or None
+    link: PeerLink | None  # the channel's link (nccl's), or None
     registry: Any  # the endpoint's LocalRegistry
     recorder: FlightRecorder
     staging: Staging
@@ -159,7 +159,7 @@ class Serving:
         wire = self._check_plane(msg.plane)
         inline = wire.inline
         if wire.via_link:
-            self._serve_p2p(msg, rec)
+            self._serve_via_link(msg, rec)
             return
         ranges, error = self._ranges(msg, "put", shm=not inline)
         if inline:
@@ -179,15 +179,14 @@ class Serving:
         self._done(rec)
         self.ch.send(Ack(msg.op_id))
 
-    def _serve_p2p(self, msg: Put | Get, rec: Record) -> None:
-        """Reader thread: the peer's op over the NCCL link; the link posts our half and answers
-        from its completion (see :meth:`transport.link.Link.serve`)."""
+    def _serve_via_link(self, msg: Put | Get, rec: Record) -> None:
+        """Reader thread: the peer's op over the channel's link (a plane whose bytes the link
+        moves); the link posts our half and answers from its completion
+        (:meth:`transport.planes.base.PeerLink.serve`)."""
         link = self.ch.link
-        if link is not None and link.state == "pending":
-            link.settle_for_peer_op()
-        if link is None or link.state != "ready":
-            raise ProtocolError(f"nccl op #{msg.op_id} on a channel whose NCCL link is "
-                                f"{link.state if link is not None else 'absent'}")
+        if link is None:
+            raise ProtocolError(f"{msg.plane} op #{msg.op_id} on a channel without a link")
+        link.ready_for_peer_op(msg.op_id)
         error: TransportError | None = None
         ranges = None
         try:
@@ -213,11 +212,8 @@ class Serving:
     def take_go(self, msg: Go) -> None:
         link = self.ch.link
         if link is None:
-            raise ProtocolError("Go on a channel without an NCCL link")
-        with link.lock:
-            entry = link.awaiting_go.pop(msg.op_id, None)
-            if entry is not None:
-                entry[0]()
+            raise ProtocolError("Go on a channel without a link")
+        link.take_go(msg.op_id)
 
     def _done(self, rec: Record) -> None:
         self.ch.recorder.update(rec, OpState.DONE)
@@ -233,7 +229,7 @@ class Serving:
         wire = self._check_plane(msg.plane)
         shm = not wire.inline
         if wire.via_link:
-            self._serve_p2p(msg, rec)
+            self._serve_via_link(msg, rec)
             return
         ranges, error = self._ranges(msg, "get", shm=shm)
         if error is not None:

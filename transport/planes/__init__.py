@@ -14,7 +14,7 @@ always available.
 
 from __future__ import annotations
 
-from .base import ChannelPort, DataPlane, Exporter
+from .base import ChannelPort, DataPlane, Exporter, PeerLink
 from .choice import (
     CPU_PLANES,
     GPU_PLANES,
@@ -25,6 +25,7 @@ from .choice import (
     choose_cpu_plane,
     choose_gpu_plane,
     make_exporters,
+    make_link,
     needs_unmap_acks,
     plane_features,
     validate_planes,
@@ -34,6 +35,6 @@ from .choice import (
 from .nccl_offer import NcclOffer
 
 __all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "NcclOffer",
-           "PlaneChoice",
-           "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks",
+           "PeerLink", "PlaneChoice",
+           "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "make_link", "needs_unmap_acks",
            "plane_features", "validate_planes", "wants_link", "wire_semantics"]

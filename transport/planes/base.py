@@ -51,7 +51,7 @@ exactly its bytes). Each plane keeps it its own way:
 - ``nccl``: a put's send that was posted completes, and later ops of the channel
   are posted behind it on the link; one that timed out aborted the link and closed
   the channel, and no new link with that peer joins, on either side, before that
-  abort is over (:mod:`transport.link`).
+  abort is over (:mod:`transport.planes.nccl_link`).
 """
 
 from __future__ import annotations
@@ -63,14 +63,56 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..errors import PlaneUnavailableError, StagingError
+from ..errors import PlaneUnavailableError, StagingError, TransportError
 from ..flight_recorder import FlightRecorder, OpKind, Record
 from ..op import Op
 from ..registry import BufferSpec, LocalBuffer
 from ..staging import Staging
-from ..wire import HostInfo, Item, Message, WireBuffer
+from ..wire import Get, HostInfo, Item, Message, NcclReady, NcclSetup, Put, WireBuffer
 
-__all__ = ["ChannelPort", "DataPlane", "Exporter"]
+__all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink"]
+
+
+class PeerLink(Protocol):
+    """A channel's link: a second connection to the peer that a plane moves bytes over (the
+    ``nccl`` plane's 2-rank communicator, :class:`transport.planes.nccl_link.Link`, made by
+    :func:`transport.planes.make_link`). The core sees only this: it hands the link the set-up
+    frames and the peer's ops over it, waits for it to be set up, and aborts it with the channel.
+    Thread-safe."""
+
+    state: str  # "pending" (being set up), "ready", or "down"
+    reason: str  # why it is in that state (reports, the plane choice's reason)
+    engine: Any  # what moves its bytes on this side (``.device``, ``.handles(tensor)``)
+    peer_device: str  # the device the peer's side serves ("" until set up)
+
+    def start(self) -> None:
+        """Dialer, event loop: begin the set-up (non-blocking)."""
+
+    async def wait(self, deadline: float) -> bool:
+        """Wait (bounded) until the link is set up or failed; True if it is usable."""
+
+    def abort(self, why: BaseException | str) -> None:
+        """Any thread, idempotent: the link is done; what is in flight on it stops (non-blocking)."""
+
+    def on_setup(self, msg: NcclSetup) -> None:
+        """Reader thread: the dialer's set-up frame."""
+
+    def on_ready(self, msg: NcclReady) -> None:
+        """Reader thread: the peer's verdict on its side of the set-up."""
+
+    def not_posted(self, op_id: int) -> bool:
+        """Reader thread, on a Fail: drop our op ``op_id`` if it was never posted (True if so)."""
+
+    def ready_for_peer_op(self, op_id: int) -> None:
+        """Reader thread, before serving the peer's op over the link: raises ProtocolError unless
+        the link is (now) ready."""
+
+    def take_go(self, op_id: int) -> None:
+        """Reader thread: the dialer's go-ahead for our op ``op_id``."""
+
+    def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
+              rec: Any, deliver: Callable[[], TransportError | None] | None) -> None:
+        """Reader thread: post our half of the peer's op and answer it from the completion."""
 
 
 class ChannelPort(Protocol):
@@ -87,7 +129,7 @@ class ChannelPort(Protocol):
     staging: Staging  # the endpoint's bounce buffers (the staged path)
     recorder: FlightRecorder
     core: Any  # the endpoint (its cuda_ipc engine: ``core.ipc_engine``)
-    link: Any  # the channel's NCCL link (transport.link.Link), or None
+    link: PeerLink | None  # the channel's link (nccl's), or None
 
     @property
     def is_open(self) -> bool: ...

@@ -23,7 +23,7 @@ from ..errors import PeerLostError, PlaneUnavailableError, StaleBufferError
 from ..hostinfo import local_host, same_host
 from ..registry import BufferSpec
 from ..wire import HostInfo, Item
-from .base import ChannelPort, DataPlane, Exporter
+from .base import ChannelPort, DataPlane, Exporter, PeerLink
 from .cuda_ipc_export import IpcExporter
 from .shm import ShmPlane
 from .shm_export import ShmExporter
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .staged import StagedPlane
 
 __all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChoosingChannel", "PlaneChoice", "WireSemantics",
-           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "needs_unmap_acks", "plane_features",
+           "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "make_link", "needs_unmap_acks", "plane_features",
            "validate_planes",
            "wants_link", "wire_semantics"]
 
@@ -103,6 +103,15 @@ def make_exporters(endpoint: str, planes: tuple[str, ...], segments: list[Any],
     if "cuda_ipc" in planes:
         out.append(IpcExporter(endpoint, segments, ipc_engine))
     return out
+
+
+def make_link(channel: Any, engine: Any, *, dialer: bool, timeout: float) -> PeerLink:
+    """The ``nccl`` plane's link for ``channel`` (:class:`transport.planes.nccl_link.Link`) over the
+    endpoint's link ``engine``: the connector makes one per channel that :func:`wants_link`; its
+    module is imported only here, when one is made."""
+    from .nccl_link import Link
+
+    return Link(channel, engine, dialer=dialer, timeout=timeout)
 
 
 def plane_features(name: str) -> dict[str, tuple[bool, str]]:

@@ -1,8 +1,8 @@
 """``nccl``: GPU buffers of a peer on another host, over the channel's own 2-rank NCCL communicator.
 
-:class:`~transport.link.Link` (one per channel) sets the communicator up and keeps every post in
+:class:`~transport.planes.nccl_link.Link` (one per channel) sets the communicator up and keeps every post in
 the dialer's order (see :mod:`transport.p2p`); :class:`NcclPlane` runs the initiator's half of puts
-and gets, and :meth:`~transport.link.Link.serve` the target's half, from the channel's reader thread. The bytes never touch the
+and gets, and :meth:`~transport.planes.nccl_link.Link.serve` the target's half, from the channel's reader thread. The bytes never touch the
 channel's socket: a put sends a small header, the initiator's ``ncclSend`` and the target's
 ``ncclRecv`` (posted by the target's endpoint when the header arrives; its application does
 nothing) move them on each side's channel stream, and the target acknowledges from the receive's
@@ -20,7 +20,7 @@ communicator (``ncclCommAbort``, on a worker thread, bounded) and closes the cha
 ops fail with :class:`~transport.errors.PeerLostError`, the timed-out one with
 :class:`~transport.errors.TransportTimeoutError`; other channels are untouched; the next op dials
 a new channel, with a new communicator, which each side joins only once the aborted one's
-operations are over (see :mod:`transport.link`): nothing of the timed-out op runs beside a later
+operations are over (see :mod:`transport.planes.nccl_link`): nothing of the timed-out op runs beside a later
 one. A get abandoned mid-receive returns only once the abort has stopped the receive (bounded), so
 nothing is written into the caller's tensors afterwards. A cancelled op (the caller's task, not the
 deadline) leaves the link up if it can: a get waits 0.25 s (plus its bytes at 1 GB/s) for its
@@ -32,15 +32,15 @@ target's receive of a later put ends after the cancelled one's).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ..errors import PeerLostError, PlaneUnavailableError
-from ..link import Link, bytes_of, resolve
 from ..op import Op
 from ..wire import Get, HostInfo, Item, Put
 from .base import ChannelPort, DataPlane
+from .nccl_link import Link, bytes_of, resolve
 
 if TYPE_CHECKING:
     import asyncio
@@ -61,7 +61,7 @@ class NcclPlane(DataPlane):
         link = channel.link
         if link is None:
             raise PlaneUnavailableError("nccl: the channel has no NCCL link")
-        self.link: Link = link
+        self.link: Link = cast(Link, link)  # (the core holds it as a PeerLink: the nccl plane made it)
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

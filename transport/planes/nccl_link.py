@@ -1,8 +1,9 @@
 """The ``nccl`` plane's per-channel link: set-up, the order of posts, the target's half, abort.
 
 One :class:`Link` per channel whose endpoints both offer ``nccl`` (see :mod:`transport.p2p` for the
-protocol and :mod:`transport.planes.nccl` for the initiator's half). Thread-safe; :attr:`Link.lock`
-orders every post with the frame that announces it.
+protocol and :mod:`transport.planes.nccl` for the initiator's half), made by the connector through
+:func:`transport.planes.make_link`; the core sees it as a :class:`~transport.planes.base.PeerLink`.
+Thread-safe; :attr:`Link.lock` orders every post with the frame that announces it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .completion import CompletionBridge
-from .errors import (
+from ..completion import CompletionBridge
+from ..errors import (
     PeerLostError,
     Phase,
     PlaneUnavailableError,
@@ -27,10 +28,10 @@ from .errors import (
     TransportTimeoutError,
     error_kind,
 )
-from .flight_recorder import FlightRecorder, OpState
-from .p2p import LinkConn, LinkEngine
-from .ranges import item_bytes
-from .wire import Ack, Fail, Get, Go, Item, Message, NcclReady, NcclSetup, Put
+from ..flight_recorder import FlightRecorder, OpState
+from ..p2p import LinkConn, LinkEngine
+from ..ranges import item_bytes
+from ..wire import Ack, Fail, Get, Go, Item, Message, NcclReady, NcclSetup, Put
 
 __all__ = ["Link", "LinkChannel", "bytes_of", "resolve"]
 
@@ -182,6 +183,22 @@ class Link:
         (sent once we joined) and we had its own (frames arrive in order): settle now, even if our
         joining thread has not got round to it yet."""
         self._maybe_settle(peer_op=True)
+
+    def ready_for_peer_op(self, op_id: int) -> None:
+        """Reader thread, before serving the peer's op ``op_id`` over the link: settle a pending
+        link (:meth:`settle_for_peer_op`); raises :class:`ProtocolError` unless it is ready."""
+        if self.state == "pending":
+            self.settle_for_peer_op()
+        if self.state != "ready":
+            raise ProtocolError(f"nccl op #{op_id} on a channel whose NCCL link is {self.state}")
+
+    def take_go(self, op_id: int) -> None:
+        """Reader thread: the dialer's ``Go`` for our op ``op_id``: post it now (no-op if it is
+        not waiting for one any more)."""
+        with self.lock:
+            entry = self.awaiting_go.pop(op_id, None)
+            if entry is not None:
+                entry[0]()
 
     def _maybe_settle(self, peer_op: bool = False) -> None:
         with self._state_lock:
