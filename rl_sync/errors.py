@@ -3,7 +3,7 @@
 Transport failures (a lost peer, a deadline) keep their :mod:`transport`
 types (:class:`transport.PeerLostError`, :class:`transport.TransportTimeoutError`);
 a commit that did not happen in time is a :class:`CommitTimeoutError`, a
-:class:`transport.TransportTimeoutError` whose ``phase`` is ``"commit"``.
+:class:`transport.TransportTimeoutError` whose ``phase`` is ``Phase.COMMIT``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import transport
+from transport.errors import Phase
 
 __all__ = ["CommitTimeoutError", "PlanMismatchError", "PushAbortedError", "RlSyncError", "StaleVersionError",
            "SubscriberRejectedError"]
@@ -43,13 +44,11 @@ class CommitTimeoutError(RlSyncError, transport.TransportTimeoutError):
     """A commit did not happen in time: readers stayed in ``hold()`` past ``commit_timeout``, a
     subscriber's commit did not come back before the push's deadline, or ``hold()``/``wait_for``
     waited past their ``timeout``. Also a :class:`transport.TransportTimeoutError` (and a
-    ``TimeoutError``) with ``phase == "commit"``."""
+    ``TimeoutError``) whose ``phase`` is ``Phase.COMMIT`` (``== "commit"``), and an
+    :class:`RlSyncError`: catch it before ``RlSyncError`` where a timeout means something else."""
 
     def __init__(self, message: str) -> None:
-        transport.TransportTimeoutError.__init__(self, message, COMMIT)
-
-
-COMMIT = "commit"  # CommitTimeoutError's phase (transport's own phases are transport.errors.Phase)
+        transport.TransportTimeoutError.__init__(self, message, Phase.COMMIT)
 
 
 class PushAbortedError(RlSyncError):

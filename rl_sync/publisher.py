@@ -21,10 +21,12 @@ Theory of operation, one :meth:`WeightPublisher.push`:
    subscriber pulling from it answered, or, when one leaves it unanswered
    past the *stall bound* (4x the slowest answered pull of that slot, at
    least 0.25 s; with none, 4x the median answered pull of the push, or of
-   the previous push; ``stall_timeout`` before any pull ever answered; never
-   more than an eighth of the push's timeout, at least 0.25 s) while a
-   subscriber that holds no slot waits for one, without it: that subscriber is *stalled* (no new pulls until it answers a pull,
-   and then everything it missed meanwhile is repaired;
+   the previous push; ``stall_timeout`` before any pull ever answered; its
+   slack capped at an eighth of the push's timeout, but never below twice an
+   answered pull; at least 0.25 s) while a subscriber that holds no slot
+   waits for one, without it: that subscriber is *stalled* (no new pulls
+   until it answers a pull, and then everything it missed meanwhile is
+   repaired;
    its unanswered slot pulls are superseded by a newer attempt later, since
    the slot's bytes changed under them) and its dependents pull from the
    publisher. A relay that has not begun when the group starts, or that goes
@@ -118,9 +120,10 @@ class WeightPublisher(PublisherBuffers):
             with (see :meth:`push`). With a comparison, the bound is ``4x``
             the slowest answered pull of the slot, or with none ``4x`` the
             median answered pull of the push (or of the previous push), at
-            least 0.25 s. Either way at most an eighth of the push's
-            ``timeout`` (at least 0.25 s), so a frozen subscriber leaves the
-            others most of the deadline even on a first push or a loaded host.
+            least 0.25 s. The slack is capped at an eighth of the push's
+            ``timeout`` (never below twice an answered pull), so a frozen
+            subscriber leaves the others most of the deadline even on a first
+            push or a loaded host, while a healthy slow one still finishes.
         observer: called on the event loop with a :class:`rl_sync.PushEvent`
             at every step of every subscriber (begin, each bucket, stalls,
             commit, failure); for progress displays, tests and benchmarks. It

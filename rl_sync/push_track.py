@@ -76,15 +76,20 @@ class PushTracker:
     def _stall_bound(self, took: float | None, group: Group | None = None) -> float:
         """How long a pull may go unanswered while it holds up others: ``4x`` the slowest answered
         pull it is compared with (at least 0.25 s); with none, ``4x`` the median pull from the
-        publisher of ``group`` (:meth:`_yardstick`); ``stall_timeout`` with nothing at all. Never
-        more than an eighth of the push's time (at least 0.25 s): when every pull is slow (a loaded
-        host) or nothing was ever answered (the first push), a frozen one must still leave the others
-        most of the deadline to finish in."""
+        publisher of ``group`` (:meth:`_yardstick`); ``stall_timeout`` with nothing at all. The
+        slack is capped at an eighth of the push's time, so that where every pull is slow (a
+        loaded host) or nothing was ever answered (the first push) a frozen one still leaves the
+        others most of the deadline; but a bound is never below twice a pull that was answered (a
+        healthy subscriber whose pulls take longer than the cap would otherwise be stalled at every
+        pull, its answers thrown away, and never finish)."""
         if took is None and group is not None:
             took = self._yardstick(group)
-        bound = self.pub.stall_timeout if took is None else max(_STALL_MIN, _STALL_FACTOR * took)
+        if took is None:
+            bound = self.pub.stall_timeout
+            return bound if self.budget is None else min(bound, max(_STALL_MIN, self.budget / _STALL_SHARE))
+        bound = max(_STALL_MIN, _STALL_FACTOR * took)
         if self.budget is not None:
-            bound = min(bound, max(_STALL_MIN, self.budget / _STALL_SHARE))
+            bound = min(bound, max(_STALL_MIN, self.budget / _STALL_SHARE, 2.0 * took))
         return bound
 
     def _yardstick(self, group: Group) -> float | None:

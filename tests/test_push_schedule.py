@@ -72,9 +72,10 @@ async def _deliver(run: PushRun, sub: Sub, msg: m.Message) -> None:
             run.on_reply(t, m.Reply(msg.push_id, "commit"))
 
 
-async def _push(groups_spec: list[list[Sub]], previous: float | None = None) -> dict[str, tuple[bool, float, Any]]:
-    """One push to the groups of ``groups_spec``; ``previous``: the median pull of an earlier push
-    of each layout. Returns subscriber -> (committed, seconds, target)."""
+async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
+                nb: int = NB) -> dict[str, tuple[bool, float, Any]]:
+    """One push of ``nb`` buckets to the groups of ``groups_spec``; ``previous``: the median pull
+    of an earlier push of each layout. Returns subscriber -> (committed, seconds, target)."""
     subs: dict[str, Sub] = {}
     run: PushRun
 
@@ -101,7 +102,7 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None) -> 
     groups = []
     for digest, spec in zip(digests, groups_spec, strict=True):
         manifest = types.SimpleNamespace(shared=False, host="h")
-        layout = Layout(1, manifest, [_Bucket(i) for i in range(NB)], digest, False, False, False)  # type: ignore[arg-type,misc]
+        layout = Layout(1, manifest, [_Bucket(i) for i in range(nb)], digest, False, False, False)  # type: ignore[arg-type,misc]
         g = Group(digest, layout, {})
         groups.append(g)
         for sub in spec:
@@ -182,6 +183,21 @@ async def test_on_a_first_push_subscribers_frozen_holding_the_slots_cost_the_oth
     cap = DEADLINE / 8
     assert all(out[n][1] < 0.5 + cap + 0.5 for n in ("a", "c")), {n: out[n][1] for n in ("a", "c")}
     assert all(out[v.name][2].stalled for v in victims)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["late-begin", "two-and-a-late-begin", "chain"])
+async def test_healthy_subscribers_whose_pulls_take_longer_than_the_cap_still_commit(case):
+    """Every pull takes 0.55 s, longer than an eighth of the 4 s deadline (0.5 s), and a push of
+    3 buckets fits the deadline. The cap must not stall them at every pull (each stall throws the
+    answer away as superseded, so they would cycle until the deadline: they all failed with a
+    plain cap at budget/8, found by a hostile review's simulation); the bound stays at least
+    twice an answered pull, and everyone commits."""
+    subs = {"late-begin": lambda: [Sub("s1", 0.55), Sub("late", 0.55, begin_delay=0.3)],
+            "two-and-a-late-begin": lambda: [Sub("s1", 0.55), Sub("s2", 0.55), Sub("late", 0.55, begin_delay=0.3)],
+            "chain": lambda: [Sub("s", 0.55), Sub("d1", 0.55, source="s"), Sub("d2", 0.55, source="d1")]}[case]()
+    out = await _push([subs], 0.55, nb=3)
+    _ok(out, *[s.name for s in subs])
 
 
 @pytest.mark.timeout(60)

@@ -55,6 +55,7 @@ class Phase(str, enum.Enum):
     HANDSHAKE = "handshake"
     TRANSFER = "transfer"
     NOTIFY = "notify"
+    COMMIT = "commit"  # (raised by rl_sync: rl_sync.CommitTimeoutError)
 
 
 class TransportError(Exception):
@@ -116,10 +117,9 @@ class RemoteError(TransportError):
 
 
 class TransportTimeoutError(TransportError, TimeoutError):
-    """A deadline passed. ``phase`` says what was being waited for: a :class:`Phase`, or a
-    library's own phase name (a string) for its subclasses (``rl_sync``'s ``"commit"``)."""
+    """A deadline passed. ``phase`` says what was being waited for."""
 
-    def __init__(self, message: str, phase: Phase | str = Phase.TRANSFER) -> None:
+    def __init__(self, message: str, phase: Phase = Phase.TRANSFER) -> None:
         super().__init__(message)
         self.phase = phase
 
