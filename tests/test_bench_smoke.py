@@ -184,3 +184,14 @@ def test_tcp_fanout_runs_both_ways_and_prints_the_ratios():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith(("one peer", "2 peers at once"))]
     assert len(rows) == 4 and all(line.rstrip().endswith("x") for line in rows), r.stdout
+
+
+def test_one_sided_runs_both_planes_and_sends_no_header_for_a_one_sided_op():
+    r = subprocess.run([sys.executable, "bench/one_sided.py", "--reps", "20", "--sizes", "4096,1048576"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("shm ", "cuda_ipc "))]
+    ratios = [row for row in rows if row[-1].endswith("x")]
+    assert len(ratios) == 4, r.stdout
+    served = {row[0]: int(row[3]) for row in rows if row[1:3] == ["target", "served"]}
+    assert served == {"shm": 2 * 40, "cuda_ipc": 2 * 40}, r.stdout  # the put+notify ops only
