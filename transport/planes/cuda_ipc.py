@@ -59,7 +59,7 @@ from ..op import Op
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
 from .base import ChannelPort, DataPlane
 from .cuda_ipc_holds import Batch, Held, PeerSlots, SlotGuard
-from .shm_slots import ofd_locks_work
+from .shm_slots import one_sided_feature
 
 __all__ = ["CudaIpcPlane"]
 
@@ -388,9 +388,7 @@ class CudaIpcPlane(DataPlane):
 
     @classmethod
     def features(cls) -> dict[str, tuple[bool, str]]:
-        ok, why = ofd_locks_work()
-        return {"one_sided": (ok, f"puts without a notification, and gets, need no round trip ({why})" if ok else
-                              f"every put and get keeps its round trip: {why}")}
+        return one_sided_feature()
 
     # ------------------------------------------------------------------ mapping
     maps_peer_memory = True
@@ -463,7 +461,6 @@ class CudaIpcPlane(DataPlane):
                 return
             self._closed = True
             queues, self._queues = list(self._queues.values()), {}
-
         live = [wb.ipc for wb in self.channel.remote_wire.values() if wb.ipc is not None]
         if self._marks is not None:
             self._marks.close()

@@ -48,7 +48,7 @@ from ..hostinfo import same_host
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
 from .base import DataPlane
 from .shm_export import map_segment, memfd_probe
-from .shm_slots import SLOTS, TableView, ofd_locks_work
+from .shm_slots import SLOTS, TableView, one_sided_feature
 from .staged import await_callers_work
 
 __all__ = ["ShmPlane", "StagedShmPlane"]
@@ -318,9 +318,7 @@ class ShmPlane(DataPlane):
 
     @classmethod
     def features(cls) -> dict[str, tuple[bool, str]]:
-        ok, why = ofd_locks_work()
-        return {"one_sided": (ok, f"puts without a notification, and gets, need no round trip ({why})" if ok else
-                              f"every put and get keeps its round trip: {why}")}
+        return one_sided_feature()
 
     def _table(self, h: ShmHandle) -> TableView:
         """The peer's slot table, opened once per channel (a worker thread, the first time)."""

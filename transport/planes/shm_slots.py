@@ -41,7 +41,7 @@ import time
 
 from ..errors import BufferMismatchError, PeerLostError, StaleBufferError
 
-__all__ = ["MOVED", "REVOKE_WAIT_S", "SLOTS", "SlotTable", "TableView", "ofd_locks_work"]
+__all__ = ["MOVED", "REVOKE_WAIT_S", "SLOTS", "SlotTable", "TableView", "ofd_locks_work", "one_sided_feature"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ def ofd_locks_work() -> tuple[bool, str]:
         return False, f"OFD locks unavailable: {exc}"
     finally:
         os.close(fd)
+
+
+def one_sided_feature() -> dict[str, tuple[bool, str]]:
+    """The ``one_sided`` feature of a plane whose ops lock words of a slot table (``shm``,
+    ``cuda_ipc``), as :meth:`~transport.planes.base.DataPlane.features` reports it."""
+    ok, why = ofd_locks_work()
+    return {"one_sided": (ok, f"puts without a notification, and gets, need no round trip ({why})" if ok else
+                          f"every put and get keeps its round trip: {why}")}
 
 
 _PROBE: tuple[bool, str] | None = None
