@@ -33,7 +33,7 @@ log = logging.getLogger("rl_sync.publisher")
 
 _STALL_MIN = 0.25  # seconds: the least a slot's puller is given before the slot is taken back from it
 _STALL_FACTOR = 4.0  # ... and how many times the slowest answered pull of that slot
-_STALL_SHARE = 8.0  # ... and at most this fraction of the push's time (its timeout): 1/8
+_STALL_SHARE = 8.0  # ... its slack capped at 1/STALL_SHARE of the push's time (never below 2x an answered pull)
 POLL = 0.05
 
 
@@ -84,13 +84,11 @@ class PushTracker:
         pull, its answers thrown away, and never finish)."""
         if took is None and group is not None:
             took = self._yardstick(group)
+        cap = None if self.budget is None else max(_STALL_MIN, self.budget / _STALL_SHARE)
         if took is None:
-            bound = self.pub.stall_timeout
-            return bound if self.budget is None else min(bound, max(_STALL_MIN, self.budget / _STALL_SHARE))
+            return self.pub.stall_timeout if cap is None else min(self.pub.stall_timeout, cap)
         bound = max(_STALL_MIN, _STALL_FACTOR * took)
-        if self.budget is not None:
-            bound = min(bound, max(_STALL_MIN, self.budget / _STALL_SHARE, 2.0 * took))
-        return bound
+        return bound if cap is None else min(bound, max(cap, 2.0 * took))
 
     def _yardstick(self, group: Group) -> float | None:
         """The median answered pull from the publisher of ``group`` in this push, else in the
