@@ -59,7 +59,7 @@ FINAL_STATES = frozenset({OpState.DONE, OpState.REJECTED, OpState.FAILED, OpStat
 _STICKY = frozenset(s.value for s in FINAL_STATES | {OpState.TIMED_OUT})
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: a record is made on both sides of every op)
 class Record:
     record_id: int
     op_id: int

@@ -13,6 +13,8 @@ the tensor alive even if it is unregistered meanwhile.
 
 from __future__ import annotations
 
+import ctypes
+
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,16 +111,35 @@ class LocalBuffer:
     ptr: int = 0  # data_ptr() after registration (and export)
 
     def byte_view(self) -> memoryview:
-        """A writable byte view of the whole buffer (CPU only: GPU buffers are staged)."""
-        return tensor_bytes(self.tensor)
+        """A writable byte view of the whole buffer (CPU only: GPU buffers are staged). Kept
+        between calls while the tensor stays at the same memory (every op served into the buffer
+        asks for it; :meth:`moved` is checked first)."""
+        t = self.tensor
+        key = (t.data_ptr(), t.nbytes)
+        if self._view is None or self._view_key != key:
+            self._view, self._view_key = tensor_bytes(t), key
+        return self._view
+
+    _view: memoryview | None = field(default=None, repr=False, compare=False)
+    _view_key: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A flat byte ``memoryview`` sharing memory with a contiguous CPU tensor."""
-    if tensor.numel() == 0:
+    """A flat, writable byte ``memoryview`` sharing memory with a contiguous CPU tensor; the view
+    keeps the tensor alive. ``ValueError`` for a CUDA or non-contiguous tensor (callers check
+    first: :func:`check_tensor`).
+
+    Built on a ``ctypes`` array over the tensor's memory (about 2 us) rather than through
+    ``reshape().view(uint8).numpy()`` (about 8.5 us): it is paid on both sides of every small op.
+    """
+    n = tensor.nbytes
+    if n == 0:
         return memoryview(bytearray(0))
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+    if not tensor.is_cpu or not tensor.is_contiguous():
+        raise ValueError(f"byte views are of contiguous CPU tensors, got {tensor.device} stride {tensor.stride()}")
+    arr = (ctypes.c_ubyte * n).from_address(tensor.data_ptr())
+    arr._owner = tensor  # type: ignore[attr-defined]  # (the memoryview holds the array, the array the tensor)
+    return memoryview(arr).cast("B")
 
 
 def byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:
