@@ -29,7 +29,7 @@ async def generator(store: str, mode: str, names: list[str]) -> None:
     from tests._remote import poisoned, same_bytes
     from tests._rl_remote import seeded
     from tests.test_rl_faults import SPEC
-    from transport.p2p import SocketLinkEngine
+    from transport.planes import SocketLinkEngine
     from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
     kw = {"store": store, "timeout": 30, "planes": ("tcp", "cuda_ipc", "nccl"), "ipc_engine": MemfdIpcEngine,

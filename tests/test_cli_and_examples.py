@@ -50,6 +50,17 @@ def test_doctor_reports_planes_and_choice():
     assert human.returncode == 0 and "planes:" in human.stdout and "choice:" in human.stdout
     assert "cuda: " in human.stdout and "cuda_ipc: " in human.stdout
     assert f"GPU buffers, peer on same host: {same['plane']} because" in human.stdout
+    # a plane's features are reported where the plane is available, in the JSON and the text alike
+    # (cuda_ipc's one-sided ops under its line)
+    lines = human.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  cuda_ipc: "))
+    if ipc["available"]:
+        assert ipc["one_sided_reason"]
+        assert lines[at + 1] == f"    one-sided: {'yes' if ipc['one_sided'] else 'no'}: {ipc['one_sided_reason']}"
+    else:
+        assert "one_sided" not in ipc and not lines[at + 1].startswith("    one-sided")
+    if rep["planes"]["shm"]["available"]:
+        assert f"one-sided: {'yes' if rep['planes']['shm']['one_sided'] else 'no'}: " in human.stdout
 
 
 def test_doctor_names_the_plane_for_a_live_peer(store_url):

@@ -34,7 +34,7 @@ import torch
 import transport
 from tests._race_remote import describe
 from tests._remote import RemoteEndpoint, make_tensor, op_records, poisoned, same_bytes
-from transport.p2p import SocketLinkEngine
+from transport.planes import SocketLinkEngine
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 from transport.staging import StagingConfig, ThreadCopyEngine
 

@@ -29,7 +29,7 @@ from tests._remote import RemoteEndpoint, make_tensor, poisoned, same_bytes
 from tests._remote import op_records as _ops
 from tests._remote import until as _until
 from transport.errors import PeerLostError, TransportTimeoutError, UnknownBufferError
-from transport.p2p import SocketLinkEngine
+from transport.planes import SocketLinkEngine
 
 PLANES = ("tcp", "nccl")
 _seeds = itertools.count(8000)

@@ -4,6 +4,8 @@ abandoned mid-transfer. Nothing is lost silently and nothing lands late."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -92,3 +94,28 @@ async def test_a_name_re_registered_elsewhere_in_the_same_arena(pair):
     assert torch.equal(out, torch.arange(100.0, 200.0)), "the get read the old place"
     await a.put(b.name, {"w": torch.full((100,), -1.0)})
     assert torch.equal(arena[100:200], torch.full((100,), -1.0)), "the put missed the new place"
+
+
+def test_a_byte_view_keeps_the_memory_it_shows_when_the_tensor_is_re_pointed():
+    """The byte views that tcp sends from and receives into (and a get reply queued for the writer)
+    keep the memory they show alive: a tensor re-pointed meanwhile (an unregister that moves it, a
+    ``set_``, ``.data =``) must not free it under them. In a subprocess: a view of freed memory
+    crashes the interpreter (a 16 MiB tensor is its own mapping, unmapped when freed)."""
+    code = """
+import gc, torch
+from transport.registry import BufferSpec, LocalBuffer, tensor_bytes
+def empty():
+    return torch.empty(0, dtype=torch.uint8).untyped_storage()
+t = torch.full((16 << 20,), 7, dtype=torch.uint8)
+view = tensor_bytes(t)[:8]
+t.set_(empty(), 0, (0,), (1,))
+u = torch.full((16 << 20,), 9, dtype=torch.uint8)
+buf = LocalBuffer(BufferSpec("w", torch.uint8, torch.Size([16 << 20]), "cpu", 16 << 20), u)
+reply = buf.byte_view()[:8]
+u.data = torch.zeros(4, dtype=torch.uint8)
+gc.collect()
+print(bytes(view).hex(), bytes(reply).hex(), len(buf.byte_view()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["07" * 8, "09" * 8, "4"], r.stdout

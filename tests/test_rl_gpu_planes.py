@@ -42,7 +42,7 @@ from tests.test_rl_faults import (
     next_push_reaches_everyone,
     warm_up,
 )
-from transport.p2p import SocketLinkEngine
+from transport.planes import SocketLinkEngine
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 REPO = Path(__file__).resolve().parents[1]

@@ -79,8 +79,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
-    from .ipc import IpcEngine
-    from .planes.base import DataPlane
+    from .planes.base import DataPlane, Exporter
 
 __all__ = ["Channel", "ChannelState", "Notification", "Op"]
 
@@ -104,10 +103,7 @@ class CoreProtocol(Protocol):
     staging: Staging
     planes: tuple[str, ...]  # the planes this endpoint allows
 
-    @property
-    def ipc_engine(self) -> IpcEngine | None: ...  # the cuda_ipc plane's engine (None: no cuda_ipc here)
-    @property
-    def ipc_reason(self) -> str: ...  # why there is (or is not) an engine
+    def exporter(self, plane: str) -> Exporter | None: ...  # a plane's exporter (None: not allowed, exports nothing)
 
     def ipc_unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
     def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
@@ -189,11 +185,9 @@ class Channel:
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
-        # while ops of ours wait here, the loop reads their answers itself (transport.loop_reads); only
-        # where a peer's registry update may wait for our loop: tcp, whose target checks every op against
-        # its registry as it serves it (not shm or cuda_ipc, whose copies into the peer's memory rely on
-        # the update being taken at once, by this thread)
-        loop_reads = loop_reads_enabled() and self.plane.name == "tcp" and not self.ipc_acks
+        # while ops of ours wait here, the loop reads their answers itself (transport.loop_reads), where
+        # the channel's plane allows it (DataPlane.answers_on_loop) and no cuda_ipc unmap acks flow
+        loop_reads = loop_reads_enabled() and self.plane.answers_on_loop and not self.ipc_acks
         self.reads: LoopReads | None = LoopReads(self, sock, self._rx, self.ops) if loop_reads else None
         self._frames = Dispatcher(self, self._rx, self._target, self.ops, self.reads)  # the reader thread's frames
         self._reader = threading.Thread(target=self._frames.read_loop, name=f"transport-rx-{self.peer_name}",

@@ -86,7 +86,7 @@ def _ipc() -> dict[str, Any]:
     out: dict[str, Any] = {"available": engine is not None, "reason": reason}
     from transport.planes import plane_features
 
-    for feature, (have, why) in plane_features("cuda_ipc").items():
+    for feature, (have, why) in (plane_features("cuda_ipc") if engine is not None else {}).items():
         out[feature] = have
         out[f"{feature}_reason"] = why
     from transport.cuda.ipc import allocator_warning
@@ -100,7 +100,7 @@ def _ipc() -> dict[str, Any]:
 def _nccl_link() -> dict[str, Any]:
     """Whether this process can set up the nccl plane's links (CUDA, NCCL with non-blocking init)."""
     try:
-        from transport.p2p import link_engine_probe
+        from transport.planes import link_engine_probe
 
         engine, reason = link_engine_probe(None)
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
@@ -180,6 +180,14 @@ async def _peer_choice(store: str, peer: str, planes: tuple[str, ...] | None, ti
                 "secret": ep.secret_source}
 
 
+def _print_features(p: dict[str, Any], indent: str) -> None:
+    """A plane's features in the text report: ``<feature>: yes|no: <why>`` (from the ``<feature>``
+    and ``<feature>_reason`` keys :func:`collect` puts next to the plane's availability)."""
+    for key in [k for k in p if k.endswith("_reason") and k[: -len("_reason")] in p]:
+        feature = key[: -len("_reason")]
+        print(f"{indent}{feature.replace('_', '-')}: {'yes' if p[feature] else 'no'}: {p[key]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m transport doctor", description=__doc__)
     ap.add_argument("--json", action="store_true", help="print JSON")
@@ -207,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print("planes:")
     for name, p in report["planes"].items():
         print(f"  {name:<5} {'yes' if p['available'] else 'NO ':<4} {p['reason']}")
-        for key in [k for k in p if k.endswith("_reason") and k[: -len("_reason")] in p]:
-            feature = key[: -len("_reason")]
-            print(f"        {feature.replace('_', '-')}: {'yes' if p[feature] else 'no'}: {p[key]}")
+        _print_features(p, "        ")
     c = report["cuda"]
     if c["available"]:
         print(f"cuda: available, {c['device_count']} device(s): {', '.join(c['devices'])} (torch CUDA {c['torch_cuda']})")
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cuda: not available ({c['note']})")
     ipc = c["ipc"]
     print(f"  cuda_ipc: {'yes' if ipc['available'] else 'no'}: {ipc['reason']}")
+    _print_features(ipc, "    ")  # (only where it is available, as the CPU planes)
     nl = c["nccl_link"]
     print(f"  nccl plane: {'yes' if nl['available'] else 'no'}: {nl['reason']}")
     if "warning" in ipc:

@@ -37,9 +37,8 @@ from .hostinfo import local_host
 from .inbox import Inbox
 from .ipc import IpcEngine
 from .operations import Operations
-from .p2p import LinkEngine
 from .peer import Notification, Peer
-from .planes import NcclOffer, make_exporters, validate_planes
+from .planes import Exporter, LinkEngine, NcclOffer, make_exporters, validate_planes
 from .registry import BufferSpec
 from .rendezvous import EndpointRecord, Rendezvous
 from .staging import Staging, StagingConfig
@@ -100,7 +99,7 @@ class Endpoint(Operations):
             debugging without a GPU (both endpoints need it; their CPU
             buffers then travel over ``cuda_ipc`` instead of ``shm``).
         nccl_engine: a zero-argument factory of the ``nccl`` plane's link
-            engine (:class:`transport.p2p.LinkEngine`). None (the default)
+            engine (:class:`transport.planes.LinkEngine`). None (the default)
             uses NCCL on the current CUDA device of the thread that creates
             the endpoint, if the process already uses CUDA then (an endpoint
             never starts CUDA itself) and NCCL loads; if CUDA comes into use
@@ -109,7 +108,7 @@ class Endpoint(Operations):
             going without a link: their GPU ops are staged); for another device
             pass ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``.
             Each channel to a peer that offers nccl too then gets its own
-            communicator (leave ``nccl`` out of ``planes=`` to avoid that). ``transport.p2p.SocketLinkEngine`` runs the
+            communicator (leave ``nccl`` out of ``planes=`` to avoid that). ``transport.planes.SocketLinkEngine`` runs the
             plane's protocol over a second TCP connection, on CPU memory (tests
             and debugging without GPUs; both endpoints need it).
         secret: the job's secret (str or bytes) that every peer must prove it
@@ -377,18 +376,13 @@ class Endpoint(Operations):
         """This endpoint's registered buffers (a copy)."""
         return self._exports.specs()
 
-    # ------------------------------------------------------------------ cuda_ipc
-    @property
-    def ipc_engine(self) -> IpcEngine | None:
-        """The ``cuda_ipc`` plane's engine of this endpoint, or None (see :attr:`ipc_reason`)."""
-        exporter = self._exports.exporter("cuda_ipc")
-        return None if exporter is None else exporter.engine  # type: ignore[attr-defined]
-
-    @property
-    def ipc_reason(self) -> str:
-        """Why this endpoint has (or has not) an IPC engine for ``cuda_ipc``."""
-        exporter = self._exports.exporter("cuda_ipc")
-        return f"not allowed here (planes={self.planes})" if exporter is None else exporter.reason  # type: ignore[attr-defined]
+    # ------------------------------------------------------------------ planes' exports
+    def exporter(self, plane: str) -> Exporter | None:
+        """The exporter of plane ``plane`` (the plane's half that exports this endpoint's buffers
+        at registration and says what peers see of them), or None if that plane is not allowed
+        here or exports nothing. Non-blocking. A plane reaches its own endpoint-wide state (an
+        engine, a slot table) through it."""
+        return self._exports.exporter(plane)
 
     def ipc_unmapped(self, ch: Channel, epoch: int) -> None:
         """A peer confirmed registry ``epoch`` (reader thread): release what no one may use any more."""

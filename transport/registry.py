@@ -14,7 +14,6 @@ the tensor alive even if it is unregistered meanwhile.
 from __future__ import annotations
 
 import ctypes
-
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,30 +115,39 @@ class LocalBuffer:
         asks for it; :meth:`moved` is checked first)."""
         t = self.tensor
         key = (t.data_ptr(), t.nbytes)
-        if self._view is None or self._view_key != key:
-            self._view, self._view_key = tensor_bytes(t), key
-        return self._view
+        kept = self._view  # (one read: reader threads of several channels call this at once)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        view = tensor_bytes(t)
+        self._view = (key, view)
+        return view
 
-    _view: memoryview | None = field(default=None, repr=False, compare=False)
-    _view_key: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
+    _view: tuple[tuple[int, int], memoryview] | None = field(default=None, repr=False, compare=False)
+
+
+# One ctypes array type for every byte view, sliced to size: a type per size would cost ~20 us each
+# time a size is new (ctypes keeps them only weakly). Nothing reads or writes past the slice.
+_ANY_BYTES = ctypes.c_ubyte * (1 << 46)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A flat, writable byte ``memoryview`` sharing memory with a contiguous CPU tensor; the view
-    keeps the tensor alive. ``ValueError`` for a CUDA or non-contiguous tensor (callers check
-    first: :func:`check_tensor`).
+    """A flat, writable byte ``memoryview`` sharing memory with a contiguous CPU tensor. The view
+    keeps that memory alive: it holds an alias of the tensor (``detach()``), so re-pointing the
+    tensor afterwards (``set_``, ``.data =``, an unregister that moves it) does not free what the
+    view shows. ``ValueError`` for a CUDA or non-contiguous tensor (callers check first:
+    :func:`check_tensor`).
 
-    Built on a ``ctypes`` array over the tensor's memory (about 2 us) rather than through
-    ``reshape().view(uint8).numpy()`` (about 8.5 us): it is paid on both sides of every small op.
+    Built on a ``ctypes`` array over the tensor's memory (about 3 us) rather than through
+    ``reshape().view(uint8).numpy()`` (about 9 us): it is paid on both sides of every small op.
     """
     n = tensor.nbytes
     if n == 0:
         return memoryview(bytearray(0))
     if not tensor.is_cpu or not tensor.is_contiguous():
         raise ValueError(f"byte views are of contiguous CPU tensors, got {tensor.device} stride {tensor.stride()}")
-    arr = (ctypes.c_ubyte * n).from_address(tensor.data_ptr())
-    arr._owner = tensor  # type: ignore[attr-defined]  # (the memoryview holds the array, the array the tensor)
-    return memoryview(arr).cast("B")
+    arr = _ANY_BYTES.from_address(tensor.data_ptr())
+    arr._owner = tensor.detach()  # type: ignore[attr-defined]  # (view -> array -> alias -> the memory)
+    return memoryview(arr).cast("B")[:n]
 
 
 def byte_slice(t: torch.Tensor, off: int, n: int) -> torch.Tensor:

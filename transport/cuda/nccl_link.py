@@ -1,4 +1,4 @@
-"""The CUDA engine of the ``nccl`` plane's link (:mod:`transport.p2p`, :mod:`transport.planes.nccl`).
+"""The CUDA engine of the ``nccl`` plane's link (:mod:`transport.planes.nccl_engine`, :mod:`transport.planes.nccl`).
 
 One 2-rank communicator per channel, created non-blocking (``ncclCommInitRankConfig``, bounded by the
 endpoint's timeout) on the endpoint's device, plus one dedicated stream. Right after joining, both

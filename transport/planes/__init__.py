@@ -32,9 +32,10 @@ from .choice import (
     wants_link,
     wire_semantics,
 )
+from .nccl_engine import LinkConn, LinkEngine, SocketLinkEngine, link_engine_probe
 from .nccl_offer import NcclOffer
 
-__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "NcclOffer",
-           "PeerLink", "PlaneChoice",
+__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "LinkConn",
+           "LinkEngine", "NcclOffer", "PeerLink", "PlaneChoice", "SocketLinkEngine", "link_engine_probe",
            "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "make_link", "needs_unmap_acks",
            "plane_features", "validate_planes", "wants_link", "wire_semantics"]

@@ -128,7 +128,7 @@ class ChannelPort(Protocol):
     error: BaseException | None  # why the channel broke (None while open)
     staging: Staging  # the endpoint's bounce buffers (the staged path)
     recorder: FlightRecorder
-    core: Any  # the endpoint (its cuda_ipc engine: ``core.ipc_engine``)
+    core: Any  # the endpoint (a plane's exporter: ``core.exporter(name)``)
     link: PeerLink | None  # the channel's link (nccl's), or None
 
     @property
@@ -165,6 +165,11 @@ class DataPlane(abc.ABC):
     #: False for a plane whose ``put``/``get`` may wait before handing the op to the channel (the
     #: staged path awaits the caller's CUDA work): the channel then keeps later ops behind it
     sends_at_once: ClassVar[bool] = True
+    #: True for a channel plane (a CPU plane) whose answers the event loop may read itself while
+    #: ops of its own wait (:mod:`transport.loop_reads`): only where a peer's registry update may
+    #: wait for our loop (tcp: its target checks each op against its registry as it serves it; not
+    #: planes whose copies into the peer's memory rely on the update being taken at once)
+    answers_on_loop: ClassVar[bool] = False
 
     def __init__(self, channel: ChannelPort) -> None:
         self.channel = channel

@@ -24,7 +24,7 @@ from ..hostinfo import local_host, same_host
 from ..registry import BufferSpec
 from ..wire import HostInfo, Item
 from .base import ChannelPort, DataPlane, Exporter, PeerLink
-from .cuda_ipc_export import IpcExporter
+from .cuda_ipc_export import IpcExporter, ipc_engine_of
 from .shm import ShmPlane
 from .shm_export import ShmExporter
 from .tcp import TcpPlane
@@ -234,6 +234,12 @@ class ChoosingChannel(ChannelPort, Protocol):
     remote_planes: tuple[str, ...]
 
 
+def _ipc_available(core: Any) -> tuple[bool, str]:
+    """Whether endpoint ``core`` has a ``cuda_ipc`` engine, and why (for :func:`choose_gpu_plane`)."""
+    engine, why = ipc_engine_of(core)
+    return engine is not None, why
+
+
 class PlaneChoice:
     """The planes of one channel beyond its CPU plane, and the choice among them per op (event
     loop, except :meth:`quiesce` and :meth:`close`: any thread)."""
@@ -372,7 +378,7 @@ class PlaneChoice:
         if wb is not None and wb.ipc is not None:
             self._choose_gpu_plane()
             if self.gpu_plane == "cuda_ipc":
-                engine = self.ch.core.ipc_engine
+                engine, _ = ipc_engine_of(self.ch.core)
                 if engine is None:
                     why: str | None = "no IPC engine here"
                 else:
@@ -411,7 +417,7 @@ class PlaneChoice:
         """This peer's plane for GPU buffers and why (:func:`~transport.planes.choose_gpu_plane`)."""
         link = self.ch.link
         return choose_gpu_plane(local_host(), self.ch.host, self.ch.core.planes, self.ch.remote_planes,
-                                (self.ch.core.ipc_engine is not None, self.ch.core.ipc_reason),
+                                _ipc_available(self.ch.core),
                                 (link.state, link.reason) if link is not None else None)
 
     def link_changed(self) -> None:
@@ -444,7 +450,7 @@ class PlaneChoice:
     def _ipc_refusal(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> str | None:
         """Why this op cannot go over cuda_ipc (None if it can): a buffer without an export
         (a CPU buffer of the peer, or one its engine could not export) or one not mappable here."""
-        engine = self.ch.core.ipc_engine
+        engine, _ = ipc_engine_of(self.ch.core)
         if engine is None:
             return "no IPC engine here"
         from ..ipc import mapping_cache

@@ -58,6 +58,7 @@ from ..ipc import IpcMapping, IpcQueue, mapping_cache
 from ..op import Op
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
 from .base import ChannelPort, DataPlane
+from .cuda_ipc_export import ipc_engine_of
 from .cuda_ipc_holds import Batch, Held, PeerSlots, SlotGuard
 from .shm_slots import one_sided_feature
 
@@ -74,7 +75,7 @@ class CudaIpcPlane(DataPlane):
 
     def __init__(self, channel: ChannelPort) -> None:
         super().__init__(channel)
-        engine = channel.core.ipc_engine
+        engine, _ = ipc_engine_of(channel.core)
         if engine is None:
             raise PlaneUnavailableError("cuda_ipc: this endpoint has no IPC engine")
         self.engine = engine

@@ -23,7 +23,7 @@ from .base import Exporter
 from .shm_export import new_slot_table
 from .shm_slots import SlotTable
 
-__all__ = ["IpcExporter"]
+__all__ = ["IpcExporter", "ipc_engine_of"]
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +167,13 @@ class IpcExporter(Exporter):
         if self.slots is not None:  # (every word 0: no peer's later one-sided op passes its check)
             self.slots.close()
         self.retention.shutdown(self.newest_export)  # live peers may still write: held until they exit
+
+
+def ipc_engine_of(core: Any) -> tuple[IpcEngine | None, str]:
+    """The ``cuda_ipc`` engine of endpoint ``core`` (None where there is none) and why: its
+    :class:`IpcExporter`'s (the engine is made at the first ask), or none where the endpoint does
+    not allow the plane."""
+    exporter = core.exporter("cuda_ipc")
+    if exporter is None:
+        return None, f"not allowed here (planes={core.planes})"
+    return exporter.engine, exporter.reason

@@ -1,7 +1,7 @@
 """``nccl``: GPU buffers of a peer on another host, over the channel's own 2-rank NCCL communicator.
 
 :class:`~transport.planes.nccl_link.Link` (one per channel) sets the communicator up and keeps every post in
-the dialer's order (see :mod:`transport.p2p`); :class:`NcclPlane` runs the initiator's half of puts
+the dialer's order (see :mod:`transport.planes.nccl_engine`); :class:`NcclPlane` runs the initiator's half of puts
 and gets, and :meth:`~transport.planes.nccl_link.Link.serve` the target's half, from the channel's reader thread. The bytes never touch the
 channel's socket: a put sends a small header, the initiator's ``ncclSend`` and the target's
 ``ncclRecv`` (posted by the target's endpoint when the header arrives; its application does

@@ -1,9 +1,26 @@
 """The ``nccl`` plane's per-channel link: set-up, the order of posts, the target's half, abort.
 
-One :class:`Link` per channel whose endpoints both offer ``nccl`` (see :mod:`transport.p2p` for the
-protocol and :mod:`transport.planes.nccl` for the initiator's half), made by the connector through
-:func:`transport.planes.make_link`; the core sees it as a :class:`~transport.planes.base.PeerLink`.
-Thread-safe; :attr:`Link.lock` orders every post with the frame that announces it.
+One :class:`Link` per channel whose endpoints both offer ``nccl`` (:mod:`transport.planes.nccl`
+is the initiator's half; :mod:`transport.planes.nccl_engine` what the link posts on), made by the
+connector through :func:`transport.planes.make_link`; the core sees it as a
+:class:`~transport.planes.base.PeerLink`. Thread-safe; :attr:`Link.lock` orders every post with
+the frame that announces it.
+
+Set-up. The dialer is rank 0: right after the handshake it makes a unique id and sends it
+(``NcclSetup``); both sides then join the communicator on a worker thread (non-blocking mode,
+bounded by the endpoint's timeout), each says how that went (``NcclReady``: ok, the device its
+side serves, or why not), and the link is usable only when both said ok. A link that fails is torn
+down on both sides and GPU ops with that peer take the staged path, with the reason logged and
+shown by ``peer.gpu_plane_reason``: never silently.
+
+Order of operations. NCCL matches a channel's sends and receives per peer in posting order, and
+one stream runs them one after the other; if both sides posted their own ops first and the peer's
+later, each side's send could wait for a receive the peer queued behind its own send: a deadlock.
+So every post of the link follows one total order, the dialer's: the dialer posts its own ops at
+once and announces them (their headers); the listener posts the dialer's ops as their headers
+arrive, and its own ops only when the dialer's ``Go`` for them arrives, which the dialer sends at
+the point where it posts its half. Each side posts under :attr:`Link.lock` together with sending
+the frame that tells the peer, so the frame order on the wire is the post order.
 """
 
 from __future__ import annotations
@@ -29,9 +46,9 @@ from ..errors import (
     error_kind,
 )
 from ..flight_recorder import FlightRecorder, OpState
-from ..p2p import LinkConn, LinkEngine
 from ..ranges import item_bytes
 from ..wire import Ack, Fail, Get, Go, Item, Message, NcclReady, NcclSetup, Put
+from .nccl_engine import LinkConn, LinkEngine
 
 __all__ = ["Link", "LinkChannel", "bytes_of", "resolve"]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..p2p import LinkEngine, link_engine_probe
+from .nccl_engine import LinkEngine, link_engine_probe
 
 __all__ = ["NcclOffer", "current_cuda_device"]
 

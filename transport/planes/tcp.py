@@ -29,6 +29,7 @@ __all__ = ["TcpPlane"]
 class TcpPlane(DataPlane):
     name = "tcp"
     inline_payload = True
+    answers_on_loop = True  # (the target checks each op against its registry as it serves it)
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

@@ -1,33 +1,21 @@
-"""The ``nccl`` plane's link: one 2-rank communicator and one stream per channel, and its set-up.
+"""The engine under the ``nccl`` plane's link: what only a GPU runs, behind one interface, and its CPU stand-in.
 
-A :class:`Link` belongs to one channel. The dialer is rank 0: right after the handshake it makes a
-unique id and sends it (``NcclSetup``); both sides then join the communicator on a worker thread
-(non-blocking mode, bounded by the endpoint's timeout), each says how that went (``NcclReady``:
-ok, the device its side serves, or why not), and the link is usable only when both said ok. A
-link that fails is torn down on both sides and GPU ops with that peer take the staged path, with
-the reason logged and shown by ``peer.gpu_plane_reason``: never silently.
-
-Order of operations. NCCL matches a channel's sends and receives per peer in posting order, and
-one stream runs them one after the other; if both sides posted their own ops first and the peer's
-later, each side's send could wait for a receive the peer queued behind its own send: a deadlock.
-So every post of the link follows one total order, the dialer's: the dialer posts its own ops at
-once and announces them (their headers); the listener posts the dialer's ops as their headers
-arrive, and its own ops only when the dialer's ``Go`` for them arrives, which the dialer sends at
-the point where it posts its half. Each side posts under :attr:`Link.lock` together with sending
-the frame that tells the peer, so the frame order on the wire is the post order.
-
-What only a GPU can run is an :class:`LinkEngine` (:class:`transport.cuda.nccl_link.NcclLinkEngine`:
-``ncclCommInitRankConfig``, ``ncclSend``/``ncclRecv`` on the channel's stream, events). The CPU
+The link (:class:`transport.planes.nccl_link.Link`, one 2-rank communicator and one stream per
+channel) decides what is posted and in which order: every post follows the dialer's order, so the
+two sides' sends and receives always match (see that module). What it posts them on is a
+:class:`LinkEngine`: :class:`transport.cuda.nccl_link.NcclLinkEngine` on a GPU
+(``ncclCommInitRankConfig``, ``ncclSend``/``ncclRecv`` on the channel's stream, events). The CPU
 tests run everything else with :class:`SocketLinkEngine`, whose "communicator" is a second TCP
 connection served by one worker thread per side, in posting order, with NCCL's rendezvous: a send
 completes only once the peer's receive took the bytes, so posting in different orders deadlocks
 there too (it is reported as an error instead of hanging: a send that reads the peer's data where
-it waits for its acknowledgement fails the link).
+it waits for its acknowledgement fails the link). :func:`link_engine_probe` says whether an
+engine factory can run here, and why not.
 
 Blocking: :meth:`LinkEngine.connect` blocks (on a worker thread); posting returns once the
 operation is queued; completion is observed through waitables on a
-:class:`~transport.completion.CompletionBridge`. Abort (:meth:`Link.abort`) runs on a worker thread
-and is bounded (NCCL's ``ncclCommAbort``, about 1 s).
+:class:`~transport.completion.CompletionBridge`. Abort runs on a worker thread and is bounded
+(NCCL's ``ncclCommAbort``, about 1 s).
 """
 
 from __future__ import annotations
@@ -44,11 +32,11 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from .completion import ThreadDone
-from .errors import PlaneUnavailableError
-from .registry import tensor_bytes
+from ..completion import ThreadDone
+from ..errors import PlaneUnavailableError
+from ..registry import tensor_bytes
 
-__all__ = ["LinkConn", "LinkEngine", "SocketLinkEngine"]
+__all__ = ["LinkConn", "LinkEngine", "SocketLinkEngine", "link_engine_probe"]
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +252,7 @@ def link_engine_probe(factory: Callable[[], LinkEngine] | None,
         engine = factory()
         return engine, f"engine {engine.name!r} (nccl_engine=)"
     try:
-        from .cuda.nccl_link import nccl_link_engine
+        from ..cuda.nccl_link import nccl_link_engine
 
         return nccl_link_engine(device)
     except Exception as exc:  # noqa: BLE001 - ImportError, a CUDA error in a forked child...: no nccl here
