@@ -10,6 +10,12 @@ from torch.distributed import TCPStore
 
 _names = itertools.count()
 
+# Every process the tests start (spawned children, example scripts) dumps each of its threads'
+# Python stacks on a fatal signal (SIGSEGV, SIGABRT, ...): a rare crash at exit, such as a
+# generator's "terminate called without an active exception" seen twice in CI, then says where
+# each thread was instead of only an exit code.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 @pytest.fixture(scope="session")
 def store_url() -> Iterator[str]:
