@@ -118,6 +118,10 @@ async def test_ops_both_ways_at_once_lose_nothing(store_url, uname):
             ep.register("in", mine)
             await ep.connect(b.name)
             b.call("connect", ep.name)
+            # B's reader sleeps 10 ms (twice HOLD_S) before it serves each of our puts: while one
+            # waits, our reader thread hears nothing for HOLD_S and hands the reads to our loop,
+            # however fast or slow this machine is; the peer's puts into us take them back.
+            b.call("lag", ep.name, "_target.serve_put", 0.01)
             reads = _reads(ep, b.name)
             handovers = reads.handovers
             stop = threading.Event()
@@ -137,7 +141,10 @@ async def test_ops_both_ways_at_once_lose_nothing(store_url, uname):
             try:
                 want = make_tensor("uint8", (SIZE,), 5)
                 got = torch.empty(SIZE, dtype=torch.uint8)
-                for i in range(400):
+                deadline = time.monotonic() + 60
+                i = 0
+                while i < 400 or (reads.handovers <= handovers and time.monotonic() < deadline):
+                    i += 1
                     if i % 2:
                         got.zero_()
                         await ep.get(b.name, {"x": got})
@@ -149,7 +156,7 @@ async def test_ops_both_ways_at_once_lose_nothing(store_url, uname):
                 th.join(15)
             assert not errors, errors
             assert count[0] >= 5, count[0]
-            assert reads.handovers > handovers
+            assert reads.handovers > handovers, (reads.handovers, handovers, i)
             assert b.call("check", "x", 5)
             assert any(torch.equal(mine, make_tensor("uint8", (SIZE,), 100 + k)) for k in range(7))
     finally:
