@@ -115,6 +115,15 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             ep.unregister(args[0])
             bufs.pop(args[0], None)
             return None
+        if cmd == "repoint":  # re-point the registered tensor `name` at fresh poisoned memory (`.data =`, as
+            # module.to() does), without telling the endpoint; "re_register" registers it again
+            t = bufs[args[0]]
+            t.data = poisoned(str(t.dtype).removeprefix("torch."), tuple(t.shape)).to(t.device)
+            return None
+        if cmd == "re_register":  # unregister `name` and register the same tensor object again
+            ep.unregister(args[0])
+            ep.register(args[0], bufs[args[0]])
+            return None
         if cmd == "reregister":  # take `name` back and register a fresh poisoned buffer of `dtype`/`shape` under it;
             # the old tensor is kept (as `name` + "#old", for "check") to see that nothing more lands in it
             bname, dtype, shape, *dev = args

@@ -33,7 +33,7 @@ from transport.ipc import MappingCache
 from transport.planes import choose_gpu_plane, validate_planes
 from transport.planes.cuda_ipc_holds import PeerSlots
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
-from transport.planes.shm_export import new_slot_table
+from transport.planes.shm_slots import new_slot_table
 from transport.retention import Retention
 from transport.wire import HostInfo, IpcHandle
 
@@ -572,3 +572,33 @@ def test_a_slot_table_that_cannot_be_opened_keeps_the_header_path(caplog):
     finally:
         slots.close()
         table.close()
+
+
+async def test_a_re_pointed_tensor_is_refused_over_cuda_ipc_not_corrupted(init, target, uname):
+    """The owner re-points a registered tensor (``.data =``, as ``module.to()`` does): cuda_ipc's
+    puts and gets are one-sided, so no header reaches the owner to check; its heartbeat tick
+    marks the export's slot, and the peer's later puts and gets fail with BufferMismatchError
+    (saying to re-register) instead of landing in, or reading, the old memory."""
+    name = uname("w")
+    target.call("register", name, "float32", (8, 8))
+    await init.put(target.name, {name: make_tensor("float32", (8, 8), seed())})
+    assert [r["plane"] for r in _ops(init, "put")][-1] == "cuda_ipc"
+    target.call("repoint", name)
+    deadline = time.monotonic() + 5.0  # (the tick runs every heartbeat interval: 1 s)
+    while True:
+        try:
+            await init.put(target.name, {name: make_tensor("float32", (8, 8), seed())})
+        except transport.BufferMismatchError as exc:
+            assert "re-register" in str(exc), exc
+            break
+        assert time.monotonic() < deadline, "the re-pointed tensor was never noticed"
+        await asyncio.sleep(0.05)
+    assert target.call("is_poisoned", name), "a put landed in the tensor's new memory"
+    with pytest.raises(transport.BufferMismatchError, match="re-register"):
+        await init.get(target.name, {name: torch.empty(8, 8)})
+    assert _ops(init, "get")[-1]["plane"] == "cuda_ipc"
+    target.call("re_register", name)  # registered again: ops work again, on the new memory
+    s = seed()
+    await init.put(target.name, {name: make_tensor("float32", (8, 8), s)})
+    assert target.call("check", name, s)
+    assert _ops(init, "put")[-1]["plane"] == "cuda_ipc"

@@ -130,6 +130,7 @@ class IpcExport:
 
     handle: IpcHandle
     keep: Any = None
+    moved_marked: bool = False  # its slot says the owner re-pointed the tensor
 
 
 # ------------------------------------------------------------------------------ mapping cache

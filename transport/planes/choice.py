@@ -234,12 +234,6 @@ class ChoosingChannel(ChannelPort, Protocol):
     remote_planes: tuple[str, ...]
 
 
-def _ipc_available(core: Any) -> tuple[bool, str]:
-    """Whether endpoint ``core`` has a ``cuda_ipc`` engine, and why (for :func:`choose_gpu_plane`)."""
-    engine, why = ipc_engine_of(core)
-    return engine is not None, why
-
-
 class PlaneChoice:
     """The planes of one channel beyond its CPU plane, and the choice among them per op (event
     loop, except :meth:`quiesce` and :meth:`close`: any thread)."""
@@ -416,8 +410,9 @@ class PlaneChoice:
     def gpu_plane_choice(self) -> tuple[str, str]:
         """This peer's plane for GPU buffers and why (:func:`~transport.planes.choose_gpu_plane`)."""
         link = self.ch.link
+        engine, why = ipc_engine_of(self.ch.core)
         return choose_gpu_plane(local_host(), self.ch.host, self.ch.core.planes, self.ch.remote_planes,
-                                _ipc_available(self.ch.core),
+                                (engine is not None, why),
                                 (link.state, link.reason) if link is not None else None)
 
     def link_changed(self) -> None:

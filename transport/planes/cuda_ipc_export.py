@@ -20,8 +20,7 @@ from ..registry import LocalBuffer
 from ..retention import NEVER, Retention
 from ..wire import IpcHandle
 from .base import Exporter
-from .shm_export import new_slot_table
-from .shm_slots import SlotTable
+from .shm_slots import ExportSlots
 
 __all__ = ["IpcExporter", "ipc_engine_of"]
 
@@ -48,9 +47,7 @@ class IpcExporter(Exporter):
         self.newest_export: int | None = None  # the newest export id made (None: none yet)
         # the words of this endpoint's cuda_ipc exports (one-sided puts and gets, as for shm's; a table
         # of its own, made at the first export; None where OFD locks are missing: ops keep their round trip)
-        self.slots: SlotTable | None = None
-        self._tried_slots = False
-        self._moved_marked: set[int] = set()  # export ids whose slot says the tensor was re-pointed
+        self.slot_table = ExportSlots(self.plane)
 
     @property
     def engine(self) -> IpcEngine | None:
@@ -92,13 +89,11 @@ class IpcExporter(Exporter):
                         "through the staged path", self.endpoint, buf.spec.name, exc)
             return
         export_id = next(export_ids)
-        if not self._tried_slots:
-            self._tried_slots = True
-            self.slots = new_slot_table("cuda_ipc")
-        slot = self.slots.alloc(export_id) if self.slots is not None else -1
-        if slot > 0 and self.slots is not None:
-            ipc = IpcHandle(engine.name, device, handle, size, offset, export_id, self.slots.pid, slot,
-                            self.slots.fd, self.slots.inode)
+        table = self.slot_table.table()
+        slot = table.alloc(export_id) if table is not None else -1
+        if slot > 0 and table is not None:
+            ipc = IpcHandle(engine.name, device, handle, size, offset, export_id, table.pid, slot, table.fd,
+                            table.inode)
         else:
             ipc = IpcHandle(engine.name, device, handle, size, offset, export_id)
         buf.exports["cuda_ipc"] = IpcExport(ipc, (t.untyped_storage(), keep))
@@ -113,9 +108,9 @@ class IpcExporter(Exporter):
         ipc = buf.exports.pop("cuda_ipc", None)
         if ipc is not None:
             h = ipc.handle
-            self._moved_marked.discard(h.export_id)
-            if h.slot and self.slots is not None:
-                self.slots.revoke(h.slot, buf.spec.name, wait=not closing)
+            table = self.slot_table.made
+            if h.slot and table is not None:
+                table.revoke(h.slot, buf.spec.name, wait=not closing)
             self.retention.retire(h.export_id, ipc.keep, NEVER if closing else epoch)
 
     def tick(self, bufs: list[LocalBuffer]) -> None:
@@ -123,18 +118,7 @@ class IpcExporter(Exporter):
         carry no header for this endpoint to check, so their slots are marked (every heartbeat
         interval) and peers' later ops fail with :class:`~transport.errors.BufferMismatchError`,
         as a header op's would."""
-        if self.slots is None:
-            return
-        for buf in bufs:
-            exp = buf.exports.get("cuda_ipc")
-            if exp is None or not exp.handle.slot or exp.handle.export_id in self._moved_marked:
-                continue
-            if buf.moved() is None:
-                continue
-            self._moved_marked.add(exp.handle.export_id)
-            self.slots.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
-            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' "
-                        "cuda_ipc ops on it fail from now on (re-register it)", self.endpoint, buf.spec.name)
+        self.slot_table.mark_re_pointed(self.endpoint, bufs)
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
@@ -164,8 +148,7 @@ class IpcExporter(Exporter):
         self.retention.closed(holder, None if orderly else self.newest_export)
 
     def close(self) -> None:
-        if self.slots is not None:  # (every word 0: no peer's later one-sided op passes its check)
-            self.slots.close()
+        self.slot_table.close()
         self.retention.shutdown(self.newest_export)  # live peers may still write: held until they exit
 
 
@@ -173,7 +156,7 @@ def ipc_engine_of(core: Any) -> tuple[IpcEngine | None, str]:
     """The ``cuda_ipc`` engine of endpoint ``core`` (None where there is none) and why: its
     :class:`IpcExporter`'s (the engine is made at the first ask), or none where the endpoint does
     not allow the plane."""
-    exporter = core.exporter("cuda_ipc")
+    exporter = core.exporter(IpcExporter.plane)
     if exporter is None:
         return None, f"not allowed here (planes={core.planes})"
     return exporter.engine, exporter.reason

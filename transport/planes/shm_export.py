@@ -20,7 +20,7 @@ from ..errors import PlaneUnavailableError, StaleBufferError
 from ..registry import LocalBuffer
 from ..wire import ShmHandle
 from .base import Exporter
-from .shm_slots import SlotTable
+from .shm_slots import ExportSlots, SlotTable, new_slot_table
 
 __all__ = ["Segment", "ShmExport", "ShmExporter", "SlotTable", "export_buffer", "map_segment", "memfd_probe",
            "new_segment", "new_slot_table"]
@@ -122,13 +122,6 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | 
     return exp
 
 
-def new_slot_table(plane: str = "shm") -> SlotTable | None:
-    """The slot table for an endpoint's exports (one-sided puts and gets), or None where this
-    kernel cannot lock byte ranges of a memfd per open file description (logged once: every op
-    then keeps its round trip)."""
-    return SlotTable(plane) if SlotTable.usable() else None
-
-
 def _export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
     t = buf.tensor
     nbytes = buf.spec.nbytes
@@ -217,16 +210,12 @@ class ShmExporter(Exporter):
     def __init__(self, endpoint: str, segments: list[Segment]) -> None:
         self.endpoint = endpoint
         self.segments = segments
-        self.slots: SlotTable | None = None  # made at the first export (None too where OFD locks are missing)
-        self._tried_slots = False
+        self.slot_table = ExportSlots("shm")
 
     def export(self, buf: LocalBuffer) -> None:
         if "shm" in buf.exports or buf.tensor.device.type != "cpu":
             return
-        if not self._tried_slots:
-            self._tried_slots = True
-            self.slots = new_slot_table()
-        exp = export_buffer(buf, self.segments, self.slots)
+        exp = export_buffer(buf, self.segments, self.slot_table.table())
         if exp is not None:
             buf.exports["shm"] = exp
 
@@ -268,21 +257,10 @@ class ShmExporter(Exporter):
     def tick(self, bufs: list[LocalBuffer]) -> None:
         """Registered CPU tensors re-pointed at other memory since (``module.to()``, ``t.data =``):
         peers put into and get from shm segments without a message, so they cannot be told at
-        their op; every heartbeat interval the owner looks, and marks those exports' slots, so
-        peers' later ops fail with :class:`~transport.errors.BufferMismatchError` (re-register
-        the tensor)."""
-        if self.slots is None:
-            return
-        for buf in bufs:
-            exp = buf.exports.get("shm")
-            if exp is None or exp.table is None or exp.moved_marked or buf.moved() is None:
-                continue
-            exp.moved_marked = True
-            exp.table.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
-            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' ops on "
-                        "it fail from now on (re-register it)", self.endpoint, buf.spec.name)
+        their op; every heartbeat interval the owner looks, and marks those exports' slots
+        (:meth:`~transport.planes.shm_slots.ExportSlots.mark_re_pointed`)."""
+        self.slot_table.mark_re_pointed(self.endpoint, bufs)
 
     def close(self) -> None:
         self.forget_unexported(None, [])
-        if self.slots is not None:
-            self.slots.close()
+        self.slot_table.close()

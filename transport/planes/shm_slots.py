@@ -38,10 +38,13 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Iterable
+from typing import Any
 
 from ..errors import BufferMismatchError, PeerLostError, StaleBufferError
 
-__all__ = ["MOVED", "REVOKE_WAIT_S", "SLOTS", "SlotTable", "TableView", "ofd_locks_work", "one_sided_feature"]
+__all__ = ["MOVED", "REVOKE_WAIT_S", "SLOTS", "ExportSlots", "SlotTable", "TableView", "new_slot_table", "ofd_locks_work",
+           "one_sided_feature"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +180,54 @@ class SlotTable:
                 struct.pack_into("<Q", self._mm, slot * 8, 0)
             os.close(self.fd)
             self.fd = -1
+
+
+def new_slot_table(plane: str = "shm") -> SlotTable | None:
+    """A slot table for an endpoint's exports over ``plane`` (one-sided puts and gets), or None
+    where this kernel cannot lock byte ranges of a memfd per open file description (logged once:
+    every op then keeps its round trip)."""
+    return SlotTable(plane) if SlotTable.usable() else None
+
+
+class ExportSlots:
+    """One exporter's slot table, made at its first export (:meth:`table`), and the marking of
+    its exports whose registered tensors were re-pointed (:meth:`mark_re_pointed`): the part of
+    ``shm``'s and ``cuda_ipc``'s exporters that is the same. Event loop thread."""
+
+    def __init__(self, plane: str) -> None:
+        self.plane = plane  # the exports' key in ``LocalBuffer.exports`` (and the plane its warnings name)
+        self.made: SlotTable | None = None  # (None: not made yet, or OFD locks are missing)
+        self._tried = False
+
+    def table(self) -> SlotTable | None:
+        """The table (made at the first call; None where OFD locks are missing)."""
+        if not self._tried:
+            self._tried = True
+            self.made = new_slot_table(self.plane)
+        return self.made
+
+    def mark_re_pointed(self, endpoint: str, bufs: Iterable[Any]) -> None:
+        """Registered tensors re-pointed at other memory since their export (``module.to()``,
+        ``t.data =``): peers' one-sided ops carry no header for the owner to check, so each such
+        export's slot is marked once (a warning says so), and peers' later ops on it fail with
+        :class:`~transport.errors.BufferMismatchError`, as a header op's would. Blocking like
+        :meth:`SlotTable.mark_moved`."""
+        table = self.made
+        if table is None:
+            return
+        for buf in bufs:
+            exp = buf.exports.get(self.plane)
+            if exp is None or not exp.handle.slot or exp.moved_marked or buf.moved() is None:
+                continue
+            exp.moved_marked = True
+            table.mark_moved(exp.handle.slot, exp.handle.export_id, buf.spec.name)
+            log.warning("endpoint %r: buffer %r was re-pointed at other memory after it was registered: peers' %s "
+                        "ops on it fail from now on (re-register it)", endpoint, buf.spec.name, self.plane)
+
+    def close(self) -> None:
+        """Every word 0: no peer's later one-sided op passes its check."""
+        if self.made is not None:
+            self.made.close()
 
 
 class TableView:
