@@ -97,7 +97,9 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
     """Retention: while our copy into an export runs, the peer unregisters it; the peer holds
     that memory until the copy is over and we confirmed the registry update, then releases it.
     The op itself fails cleanly (stale export, then the buffer is gone)."""
-    slow = functools.partial(MemfdIpcEngine, copy_delay=3.0)
+    # the copy takes 6 s: the unregister waits up to REVOKE_WAIT_S (2 s) for it to leave the export's
+    # slot, and the checks below must still see it running on a slow, loaded machine (3 s did not)
+    slow = functools.partial(MemfdIpcEngine, copy_delay=6.0)
     t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
     try:
         async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
@@ -106,7 +108,7 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
             await ep.connect(t.name)
             task = asyncio.ensure_future(ep.put(t.name, {name: make_tensor("float32", (1000,), seed())}))
             await _until(lambda: (ch := ep._channels.get(t.name)) is not None and ch.planes._ipc is not None
-                         and bool(ch.planes._ipc._busy), what="our copy is running")  # (it takes 3 s)
+                         and bool(ch.planes._ipc._busy), what="our copy is running")
             t.call("unregister", name)
             assert len(t.call("ipc_held")) == 1  # we have not confirmed: our copy runs
             await asyncio.sleep(0.3)
