@@ -13,8 +13,10 @@ Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import os
 import signal
 import time
 
@@ -24,7 +26,7 @@ import torch
 import transport
 from tests._remote import RemoteEndpoint, make_tensor, same_bytes
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
-from transport.planes.shm_slots import REVOKE_WAIT_S
+from transport.planes.shm_slots import MOVED, REVOKE_WAIT_S, SlotTable, TableView, _lock
 
 _TYPED = (transport.StaleBufferError, transport.UnknownBufferError)
 
@@ -158,3 +160,58 @@ async def test_an_initiator_frozen_mid_copy_holds_a_take_back_for_the_bound_only
             assert bool((w == 0).all()), "a late copy reached the tensor the target had taken back"
     finally:
         ini.kill()
+
+
+@pytest.mark.skipif(not SlotTable.usable(), reason="this kernel has no OFD locks on a memfd")
+def test_an_ops_slots_are_locked_all_or_nothing_a_run_at_a_time():
+    """An op's slots are locked shared a run of consecutive slots per call: one slot the owner
+    holds exclusively (it is revoking) fails the whole op's enter and leaves none of its other
+    slots locked; holds nest per slot (two ops of this process), and a slot is unlocked only by
+    its last holder; a word that no longer names the export (revoked, or re-pointed) fails the
+    enter and drops every hold it took. The owner's exclusive lock is the probe: the table and
+    the view are two open file descriptions, as in two processes."""
+    table = SlotTable()
+    view = TableView(os.getpid(), table.fd, table.inode)
+    try:
+        ids = {slot: 1000 + slot for slot in range(1, 9)}
+        assert [table.alloc(ids[slot]) for slot in range(1, 9)] == list(range(1, 9))
+
+        def owner_can_take(slot: int) -> bool:
+            if _lock(table.fd, fcntl.F_WRLCK, slot):
+                _lock(table.fd, fcntl.F_UNLCK, slot)
+                return True
+            return False
+
+        op = [(slot, ids[slot]) for slot in (1, 2, 3, 5, 6, 8)]  # runs 1-3, 5-6, 8
+        names = [f"w{slot}" for slot, _ in op]
+        assert _lock(table.fd, fcntl.F_WRLCK, 5)  # the owner is revoking slot 5
+        with pytest.raises(transport.StaleBufferError, match="taking the buffer back"):
+            view.enter(op, names)
+        _lock(table.fd, fcntl.F_UNLCK, 5)
+        assert all(owner_can_take(slot) for slot in range(1, 9)), "a failed enter left a slot locked"
+        view.enter(op, names)
+        assert not any(owner_can_take(slot) for slot, _ in op) and owner_can_take(4) and owner_can_take(7)
+        view.enter([(2, ids[2]), (3, ids[3]), (4, ids[4])], ["w2", "w3", "w4"])  # a second op, overlapping
+        view.check(op)
+        view.leave([slot for slot, _ in op])
+        assert [owner_can_take(slot) for slot in range(1, 9)] == [True, False, False, False, True, True, True, True]
+        view.leave([2, 3, 4])
+        assert all(owner_can_take(slot) for slot in range(1, 9))
+        table.mark_moved(6, ids[6], "w6")
+        with pytest.raises(transport.BufferMismatchError, match="re-register"):
+            view.enter(op, names)
+        assert all(owner_can_take(slot) for slot in range(1, 9)), "a failed check left a slot locked"
+        assert _WORD_OF(table, 6) == ids[6] | MOVED
+        table.revoke(2, "w2")
+        with pytest.raises(transport.StaleBufferError, match="revoked"):
+            view.enter([(1, ids[1]), (2, ids[2])], ["w1", "w2"])
+        assert all(owner_can_take(slot) for slot in range(1, 9))
+    finally:
+        view.close()
+        table.close()
+
+
+def _WORD_OF(table: SlotTable, slot: int) -> int:  # noqa: N802 (the word, as peers read it)
+    import struct
+
+    return struct.unpack_from("<Q", table._mm, slot * 8)[0]

@@ -57,6 +57,7 @@ __all__ = ["ShmPlane", "StagedShmPlane"]
 # ones run on the loop (under 1 ms at memcpy speed: a thread hand-off costs more than a 1 MiB copy here).
 THREAD_COPY_BYTES = 8 << 20
 _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
+_SHAPED_MAX = 4096  # views kept per mapped segment (ShmPlane._remote)
 # What a cancelled or timed-out op waits, at most, for its copy to reach that boundary (a chunk
 # copies in tens of milliseconds; the bound is for a machine that is badly overloaded).
 _ABANDON_S = 10.0
@@ -80,6 +81,9 @@ class ShmPlane(DataPlane):
     def __init__(self, channel) -> None:
         super().__init__(channel)
         self._maps: dict[int, torch.Tensor] = {}  # segment inode -> its bytes, mapped
+        # segment inode -> (its mapping in _maps, views of it typed and shaped like the tensors of ops on
+        # it, by (start, dtype, shape)): a state dict's put makes no new view per tensor (see _remote)
+        self._shaped: dict[int, tuple[torch.Tensor, dict[tuple[int, torch.dtype, torch.Size], torch.Tensor]]] = {}
         self._ro_maps: dict[int, torch.Tensor] = {}  # the same, mapped read-only (Endpoint.map)
         self._tables: dict[int, TableView] = {}  # the peer's slot table (by inode): one-sided puts and gets
         self._closed = False  # the channel is gone: no table may be opened (and kept) any more
@@ -109,6 +113,31 @@ class ShmPlane(DataPlane):
                                 f"[{start}, {end}) of a {seg.numel()}-byte segment")
         return seg[start:end]
 
+    def _remote(self, item: Item, h: ShmHandle, t: torch.Tensor) -> torch.Tensor:
+        """The peer's bytes of ``item`` for :meth:`_copy_one` to copy to or from ``t``: for a copy of
+        one chunk, a view of the mapping typed and shaped like ``t`` (made once per place, dtype
+        and shape, and kept while the segment stays mapped: at a few microseconds per view, a
+        state dict of small tensors otherwise spends more making views than copying), else its
+        bytes (:meth:`_view`). Any thread."""
+        size = t.element_size()
+        if item.count * size > _CHUNK:
+            return self._view(item, h, size)
+        key = (h.offset + item.offset * size, t.dtype, t.shape)
+        seg = self._maps.get(h.inode)
+        entry = self._shaped.get(h.inode)
+        if seg is not None and entry is not None and entry[0] is seg:
+            view = entry[1].get(key)
+            if view is not None:
+                return view
+        view = self._view(item, h, size).view(t.dtype).view(t.shape)  # (maps the segment; checks the range)
+        seg = self._maps.get(h.inode)
+        if seg is not None:
+            if entry is None or entry[0] is not seg:
+                entry = self._shaped[h.inode] = (seg, {})
+            if len(entry[1]) < _SHAPED_MAX:  # (ops on many ranges of one segment: the rest are made per op)
+                entry[1][key] = view
+        return view
+
     async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
                     header: Callable[[list[int]], Message]) -> None:
         """Copy every item of one op, then send ``header(ids)`` (the export id of each item's
@@ -127,7 +156,7 @@ class ShmPlane(DataPlane):
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
 
         def work() -> None:
-            views = [self._view(item, h, t.element_size()) for item, t, h in jobs]  # maps first
+            views = [self._remote(item, h, t) for item, t, h in jobs]  # maps first
             with op.lock:  # about to write (the peer's segment, or the caller's tensors): tell _abandon
                 if op.abandoned:
                     return
@@ -158,8 +187,17 @@ class ShmPlane(DataPlane):
         return _ABANDON_S
 
     def _copy_one(self, op, t: torch.Tensor, remote: torch.Tensor, into_peer: bool) -> bool:
-        """Copy between ``t`` and ``remote`` (its bytes in the peer's segment), in chunks; False if
-        the op was abandoned meanwhile (the copy stopped)."""
+        """Copy between ``t`` and ``remote`` (its bytes in the peer's segment, or a view of them
+        shaped like ``t``: :meth:`_remote`), in chunks; False if the op was abandoned meanwhile
+        (the copy stopped)."""
+        if remote.dtype == t.dtype and remote.shape == t.shape and remote.nbytes <= _CHUNK:  # (one chunk, as t)
+            if op.abandoned:
+                return False
+            if into_peer:
+                remote.copy_(t)
+            else:
+                t.copy_(remote)
+            return True
         local, remote = t.reshape(-1), remote.view(t.dtype)
         step = max(1, _CHUNK // t.element_size())
         if local.numel() <= step:  # one chunk (small ops: no slicing)
@@ -216,7 +254,7 @@ class ShmPlane(DataPlane):
 
         def work() -> bool:
             view_of = table if table is not None else (self._table(jobs[0][2]) if jobs else None)
-            views = [self._view(item, h, t.element_size()) for item, t, h in jobs]  # maps first
+            views = [self._remote(item, h, t) for item, t, h in jobs]  # maps first
             with op.lock:  # about to write (the peer's segment, or the caller's tensors): tell _abandon
                 if op.abandoned:
                     return False
@@ -281,9 +319,9 @@ class ShmPlane(DataPlane):
             if h.offset < 0 or start < 0 or start + n > seg.numel():  # (a hostile handle: _view raises)
                 return False
             total += n
+            if total >= THREAD_COPY_BYTES:  # (as soon as it is known: a state dict need not be walked to its end)
+                return False
             jobs.append((h.slot, h.export_id, it.name, seg, start, t, n))
-        if total >= THREAD_COPY_BYTES:
-            return False
         t_posted = time.time()
         try:
             if table is not None:
@@ -363,14 +401,15 @@ class ShmPlane(DataPlane):
 
     def registry_changed(self) -> None:
         live = {wb.shm.inode for wb in self.channel.remote_wire.values() if wb.shm is not None}
-        for maps in (self._maps, self._ro_maps):
+        for maps in (self._maps, self._ro_maps, self._shaped):
             for inode in [i for i in list(maps) if i not in live]:
-                maps.pop(inode, None)
+                maps.pop(inode, None)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self._closed = True
         self._maps.clear()
         self._ro_maps.clear()
+        self._shaped.clear()
         tables, self._tables = list(self._tables.values()), {}
         for view in tables:
             view.close()
@@ -397,6 +436,9 @@ class StagedShmPlane(ShmPlane):
     def __init__(self, channel, base: ShmPlane) -> None:
         super().__init__(channel)
         self._maps = base._maps  # one mapping per segment for both (the base drops stale ones)
+
+    def _remote(self, item: Item, h: ShmHandle, t: torch.Tensor) -> torch.Tensor:
+        return self._view(item, h, t.element_size())  # (its copies go by bytes, through the bounce buffers)
 
     @property
     def _abandon_bound(self) -> float:  # (a chunk may wait for the staging engine, up to its stall bound)

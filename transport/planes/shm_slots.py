@@ -56,16 +56,28 @@ _WORD = struct.Struct("<Q")  # a slot's word, read in place from the mapped tabl
 _FLOCK = "hhqqi4x"  # struct flock on Linux x86-64 and aarch64: type, whence, start, len, pid (0 for OFD locks)
 
 
-def _lock(fd: int, kind: int, slot: int) -> bool:
-    """Take (or, with ``F_UNLCK``, release) the OFD lock on ``slot``'s word without waiting;
-    False if another open file description holds a conflicting lock."""
+def _lock(fd: int, kind: int, slot: int, count: int = 1) -> bool:
+    """Take (or, with ``F_UNLCK``, release) the OFD lock on the words of ``count`` slots from
+    ``slot`` on, without waiting; False if another open file description holds a conflicting
+    lock on one of them (then none of them is taken: a lock call is atomic)."""
     try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, slot * 8, 8, 0))
+        fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, slot * 8, 8 * count, 0))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
         raise
     return True
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Sorted slots (without repeats) as runs of consecutive slots: ``(first, count)`` each."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
 
 
 def ofd_locks_work() -> tuple[bool, str]:
@@ -257,15 +269,35 @@ class TableView:
     def enter(self, slots: list[tuple[int, int]], names: list[str]) -> None:
         """Lock every ``(slot, export_id)`` shared and check its word; all or nothing. Raises
         :class:`StaleBufferError` if one is being revoked or no longer holds that export, and
-        :class:`BufferMismatchError` if its owner re-pointed the tensor (``names``: the buffers')."""
-        taken: list[int] = []
-        try:
-            for (slot, export_id), name in zip(slots, names, strict=True):
-                self.enter1(slot, export_id, name)
-                taken.append(slot)
-        except BaseException:
-            self.leave(taken)
-            raise
+        :class:`BufferMismatchError` if its owner re-pointed the tensor (``names``: the buffers').
+        The slots this process does not hold yet are locked a run of consecutive slots per
+        system call (a state dict registered in order has its slots in one run)."""
+        with self._lock:
+            if self.fd < 0:
+                raise PeerLostError(f"{self.plane}: the channel to the peer is closed")
+            held = self._held
+            taken: list[tuple[int, int]] = []
+            try:
+                for start, count in _runs(sorted({slot for slot, _ in slots if not held.get(slot)})):
+                    if not _lock(self.fd, fcntl.F_RDLCK, start, count):
+                        raise StaleBufferError(f"{self.plane}: the peer is taking the buffer back (unregister or "
+                                               "re-register)")
+                    taken.append((start, count))
+            except BaseException:
+                for run in taken:
+                    _lock(self.fd, fcntl.F_UNLCK, *run)
+                raise
+            for slot, _ in slots:
+                held[slot] = held.get(slot, 0) + 1
+        for (slot, export_id), name in zip(slots, names, strict=True):
+            word = _WORD.unpack_from(self._mm, slot * 8)[0]
+            if word != export_id:
+                self.leave([s for s, _ in slots])
+                if word == export_id | MOVED:
+                    raise BufferMismatchError(f"buffer {name!r} was re-pointed at other memory since it was "
+                                              "registered; re-register it")
+                raise StaleBufferError(f"{self.plane}: export {export_id} was revoked by the peer (unregistered or "
+                                       "re-registered)")
 
     def enter1(self, slot: int, export_id: int, name: str) -> None:
         """:meth:`enter` for one slot (the common case, without the lists)."""
@@ -298,9 +330,21 @@ class TableView:
                                    "(the peer did not wait for it: frozen or slow here)")
 
     def leave(self, slots: list[int]) -> None:
-        """Drop this op's hold of each slot's shared lock."""
-        for slot in slots:
-            self.leave1(slot)
+        """Drop this op's hold of each slot's shared lock (the last holder in this process unlocks;
+        a run of consecutive slots per system call)."""
+        with self._lock:
+            held = self._held
+            free: list[int] = []
+            for slot in slots:
+                n = held.get(slot, 0) - 1
+                if n > 0:
+                    held[slot] = n
+                else:
+                    held.pop(slot, None)
+                    free.append(slot)
+            if self.fd >= 0:
+                for run in _runs(sorted(free)):
+                    _lock(self.fd, fcntl.F_UNLCK, *run)
 
     def leave1(self, slot: int) -> None:
         """Drop this op's hold of ``slot``'s shared lock (the last holder in this process unlocks)."""
