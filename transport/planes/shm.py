@@ -190,16 +190,11 @@ class ShmPlane(DataPlane):
         """Copy between ``t`` and ``remote`` (its bytes in the peer's segment, or a view of them
         shaped like ``t``: :meth:`_remote`), in chunks; False if the op was abandoned meanwhile
         (the copy stopped)."""
-        if remote.dtype == t.dtype and remote.shape == t.shape and remote.nbytes <= _CHUNK:  # (one chunk, as t)
-            if op.abandoned:
-                return False
-            if into_peer:
-                remote.copy_(t)
-            else:
-                t.copy_(remote)
-            return True
-        local, remote = t.reshape(-1), remote.view(t.dtype)
         step = max(1, _CHUNK // t.element_size())
+        if remote.dtype == t.dtype and remote.shape == t.shape and t.numel() <= step:
+            local = t  # (one chunk, viewed as t already: no reshaping)
+        else:
+            local, remote = t.reshape(-1), remote.view(t.dtype)
         if local.numel() <= step:  # one chunk (small ops: no slicing)
             if op.abandoned:
                 return False
