@@ -100,15 +100,25 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
             pass
         stats = state.pop("reader")
         return stats["checks"], stats["bad"][:10], sorted(stats["versions"])
-    if cmd == "sub_hold":  # hold the weights for `seconds` in the background
+    if cmd == "sub_hold":  # hold the weights for `seconds` in the background; None: until sub_release
         seconds = args[0]
+        release = state["release"] = asyncio.Event()
+        entered = asyncio.Event()
 
         async def hold() -> None:
             async with sub.hold():
-                await asyncio.sleep(seconds)
+                entered.set()
+                if seconds is None:
+                    await asyncio.wait_for(release.wait(), 120)  # (bounded: a test that forgets still ends)
+                else:
+                    await asyncio.sleep(seconds)
 
         state["holder"] = asyncio.ensure_future(hold())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(entered.wait(), 30)
+        return None
+    if cmd == "sub_release":  # let go of an open-ended sub_hold; returns once the reader has left hold()
+        state.pop("release").set()
+        await state.pop("holder")
         return None
     if cmd == "sub_hold_views":  # hold for `seconds` with views taken at the start: do they keep their bytes?
         seconds = args[0]

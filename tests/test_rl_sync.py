@@ -254,16 +254,17 @@ async def test_commit_waits_for_readers_and_times_out_without_applying(store_url
         async with trainer(store_url, uname) as ep:
             pub = cast_pub(ep, gens)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
-            gens[0].call("sub_hold", 0.6)
             weights = seeded(TRAIN, 2)  # (made before the clock starts: making them takes a while)
-            t0 = time.monotonic()
+            t0 = time.monotonic()  # (before the hold starts: it ends 0.6 s after its start, later than t0 + 0.6)
+            gens[0].call("sub_hold", 0.6)
             assert (await pub.push(weights, 2)).ok
-            assert time.monotonic() - t0 >= 0.4, "the commit must wait for the reader to leave hold()"
-            gens[0].call("sub_hold", 5.0)
+            assert time.monotonic() - t0 >= 0.6, "the commit must wait for the reader to leave hold()"
+            gens[0].call("sub_hold", None)
             report = await pub.push(seeded(TRAIN, 3), 3)
             err = report.results[gens[0].name].error
             assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit"
             assert isinstance(err, transport.TransportTimeoutError)  # (what code written before it catches)
+            gens[0].call("sub_release", timeout=30)
             assert gens[0].call("sub_version", timeout=30) == 2
             assert all(gens[0].call("sub_check", TRAIN, 2).values())
 
@@ -274,12 +275,13 @@ async def test_a_push_given_up_while_its_commit_waits_is_never_applied(store_url
         async with trainer(store_url, uname) as ep:
             pub = cast_pub(ep, gens)
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
-            gens[0].call("sub_hold", 2.5)
+            gens[0].call("sub_hold", None)
             report = await pub.push(seeded(TRAIN, 2), 2, timeout=1.0)
             err = report.results[gens[0].name].error
             assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit"
             assert isinstance(err, transport.TransportTimeoutError)  # (what code written before it catches)
-            await asyncio.sleep(2.5)  # the reader has left; an aborted commit must still not apply
+            gens[0].call("sub_release", timeout=30)
+            await asyncio.sleep(0.5)  # the reader has left; an aborted commit must still not apply
             assert gens[0].call("sub_version") == 1
             assert all(gens[0].call("sub_check", TRAIN, 1).values())
             assert (await pub.push(seeded(TRAIN, 3), 3)).ok
@@ -497,7 +499,10 @@ async def test_cancelled_push_is_never_committed(store_url, uname, mode):
             for g in gens[1:]:  # their pulls (shared: their Begin) stall, so the push is stuck mid-way for them
                 g.signal(signal.SIGSTOP)
             push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2))
-            await asyncio.sleep(1.0)
+            end = time.monotonic() + 30  # the healthy one commits while the others are frozen
+            while await asyncio.to_thread(gens[0].call, "sub_version") != 2:
+                assert time.monotonic() < end, "the healthy subscriber did not commit while the others were frozen"
+                await asyncio.sleep(0.05)
             assert not push.done()
             push.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -703,8 +708,7 @@ async def test_shared_mode_stuck_subscriber_keeps_its_bank_and_others_go_on(stor
             assert (await pub.push(seeded(TRAIN, 1), 1)).ok
             stuck, rest = gens[0], gens[1:]
             stuck_bank = _bank_of(stuck.call("sub_backing"))
-            stuck.call("sub_hold", 6.0)
-            held_until = time.monotonic() + 6.0
+            stuck.call("sub_hold", None)  # (until sub_release: however slow the pushes below are)
             for v in (2, 3, 4, 5):
                 report = await pub.push(seeded(TRAIN, v), v, timeout=3.0)
                 assert all(report.results[g.name].ok for g in rest), report.summary()
@@ -713,7 +717,7 @@ async def test_shared_mode_stuck_subscriber_keeps_its_bank_and_others_go_on(stor
                     assert all(g.call("sub_check", TRAIN, v).values())
                     assert _bank_of(g.call("sub_backing")) != stuck_bank
             assert re.search(r"bank \d+ added", caplog.text), caplog.text
-            await asyncio.sleep(max(0.0, held_until + 0.3 - time.monotonic()))
+            stuck.call("sub_release", timeout=30)
             assert stuck.call("sub_version", timeout=30) == 1
             assert all(stuck.call("sub_check", TRAIN, 1).values()), "the stuck subscriber's bank was rewritten"
             for v in (6, 7, 8):
@@ -778,8 +782,7 @@ async def test_shared_mode_over_cuda_ipc_maps_the_bank_and_a_stuck_or_dead_subsc
             assert not gens[0].call("sub_check", TRAIN, 1)["embed.weight"], "the write did not reach the bank"
             stuck, rest = gens[0], gens[1:]
             stuck_bank = _bank_of(stuck.call("sub_backing"), perms="rw-s")
-            stuck.call("sub_hold", 4.0)
-            held_until = time.monotonic() + 4.0
+            stuck.call("sub_hold", None)  # (until sub_release: however slow the pushes below are)
             for v in (2, 3, 4):
                 report = await pub.push(seeded(TRAIN, v), v, timeout=3.0)
                 assert all(report.results[g.name].ok for g in rest), report.summary()
@@ -788,7 +791,7 @@ async def test_shared_mode_over_cuda_ipc_maps_the_bank_and_a_stuck_or_dead_subsc
                     assert all(g.call("sub_check", TRAIN, v).values()), "the next push heals the written bank"
                     assert _bank_of(g.call("sub_backing"), perms="rw-s") != stuck_bank
             assert re.search(r"bank \d+ added", caplog.text), caplog.text
-            await asyncio.sleep(max(0.0, held_until + 0.3 - time.monotonic()))
+            stuck.call("sub_release", timeout=30)
             assert stuck.call("sub_version", timeout=30) == 1, "the stuck subscriber's bank was rewritten"
             gens[2].kill()
             for v in (5, 6, 7):

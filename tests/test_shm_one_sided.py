@@ -147,7 +147,12 @@ async def test_an_initiator_frozen_mid_copy_holds_a_take_back_for_the_bound_only
             await asyncio.to_thread(ini.call, "connect", tgt.name)  # (our loop serves the handshake)
             ini.call("slow_shm_copies", REVOKE_WAIT_S + 1.0)
             ini.start("put_error", tgt.name, {"w": ("float32", (1 << 18,), 7)}, 30)
-            await asyncio.sleep(0.5)  # its copy sleeps with the slot locked
+            exp = tgt._registry.get("w").exports["shm"]
+            end = time.monotonic() + 20
+            while _lock(exp.table.fd, fcntl.F_WRLCK, exp.handle.slot):  # until its copy sleeps with the slot locked
+                _lock(exp.table.fd, fcntl.F_UNLCK, exp.handle.slot)
+                assert time.monotonic() < end, "the initiator's copy never locked the slot"
+                await asyncio.sleep(0.01)
             t0 = time.monotonic()
             with caplog.at_level(logging.WARNING, logger="transport.planes.shm_slots"):
                 tgt.unregister("w")
