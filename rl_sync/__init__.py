@@ -23,6 +23,7 @@ from .errors import (
     RlSyncError,
     StaleVersionError,
     SubscriberRejectedError,
+    SyncPhase,
 )
 from .publisher import WeightPublisher
 from .report import PushEvent, PushReport, SubscriberResult
@@ -39,6 +40,7 @@ __all__ = [
     "StaleVersionError",
     "SubscriberRejectedError",
     "SubscriberResult",
+    "SyncPhase",
     "WeightPublisher",
     "WeightSubscriber",
 ]

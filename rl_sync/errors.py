@@ -3,18 +3,25 @@
 Transport failures (a lost peer, a deadline) keep their :mod:`transport`
 types (:class:`transport.PeerLostError`, :class:`transport.TransportTimeoutError`);
 a commit that did not happen in time is a :class:`CommitTimeoutError`, a
-:class:`transport.TransportTimeoutError` whose ``phase`` is ``Phase.COMMIT``.
+:class:`transport.TransportTimeoutError` whose ``phase`` is :attr:`SyncPhase.COMMIT`.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 import transport
-from transport.errors import Phase
 
 __all__ = ["CommitTimeoutError", "PlanMismatchError", "PushAbortedError", "RlSyncError", "StaleVersionError",
-           "SubscriberRejectedError"]
+           "SubscriberRejectedError", "SyncPhase"]
+
+
+class SyncPhase(str, enum.Enum):
+    """The phases of a push that :mod:`transport`'s :class:`~transport.Phase` does not name (a
+    :class:`CommitTimeoutError`'s ``phase``); each compares equal to its string."""
+
+    COMMIT = "commit"
 
 
 class RlSyncError(Exception):
@@ -44,11 +51,11 @@ class CommitTimeoutError(RlSyncError, transport.TransportTimeoutError):
     """A commit did not happen in time: readers stayed in ``hold()`` past ``commit_timeout``, a
     subscriber's commit did not come back before the push's deadline, or ``hold()``/``wait_for``
     waited past their ``timeout``. Also a :class:`transport.TransportTimeoutError` (and a
-    ``TimeoutError``) whose ``phase`` is ``Phase.COMMIT`` (``== "commit"``), and an
+    ``TimeoutError``) whose ``phase`` is :attr:`SyncPhase.COMMIT` (``== "commit"``), and an
     :class:`RlSyncError`: catch it before ``RlSyncError`` where a timeout means something else."""
 
     def __init__(self, message: str) -> None:
-        transport.TransportTimeoutError.__init__(self, message, Phase.COMMIT)
+        transport.TransportTimeoutError.__init__(self, message, SyncPhase.COMMIT)
 
 
 class PushAbortedError(RlSyncError):

@@ -262,7 +262,7 @@ async def test_commit_waits_for_readers_and_times_out_without_applying(store_url
             gens[0].call("sub_hold", None)
             report = await pub.push(seeded(TRAIN, 3), 3)
             err = report.results[gens[0].name].error
-            assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit"
+            assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit" == rl_sync.SyncPhase.COMMIT
             assert isinstance(err, transport.TransportTimeoutError)  # (what code written before it catches)
             gens[0].call("sub_release", timeout=30)
             assert gens[0].call("sub_version", timeout=30) == 2
@@ -278,7 +278,7 @@ async def test_a_push_given_up_while_its_commit_waits_is_never_applied(store_url
             gens[0].call("sub_hold", None)
             report = await pub.push(seeded(TRAIN, 2), 2, timeout=1.0)
             err = report.results[gens[0].name].error
-            assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit"
+            assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit" == rl_sync.SyncPhase.COMMIT
             assert isinstance(err, transport.TransportTimeoutError)  # (what code written before it catches)
             gens[0].call("sub_release", timeout=30)
             await asyncio.sleep(0.5)  # the reader has left; an aborted commit must still not apply

@@ -55,7 +55,6 @@ class Phase(str, enum.Enum):
     HANDSHAKE = "handshake"
     TRANSFER = "transfer"
     NOTIFY = "notify"
-    COMMIT = "commit"  # (raised by rl_sync: rl_sync.CommitTimeoutError)
 
 
 class TransportError(Exception):
@@ -117,9 +116,11 @@ class RemoteError(TransportError):
 
 
 class TransportTimeoutError(TransportError, TimeoutError):
-    """A deadline passed. ``phase`` says what was being waited for."""
+    """A deadline passed. ``phase`` says what was being waited for: a :class:`Phase`, or the phase
+    of a library built on this one (``rl_sync.SyncPhase.COMMIT``); either compares equal to its
+    string."""
 
-    def __init__(self, message: str, phase: Phase = Phase.TRANSFER) -> None:
+    def __init__(self, message: str, phase: Phase | str = Phase.TRANSFER) -> None:
         super().__init__(message)
         self.phase = phase
 
