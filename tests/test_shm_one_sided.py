@@ -220,3 +220,44 @@ def _WORD_OF(table: SlotTable, slot: int) -> int:  # noqa: N802 (the word, as pe
     import struct
 
     return struct.unpack_from("<Q", table._mm, slot * 8)[0]
+
+
+async def test_kept_views_follow_the_peers_registry(store_url, uname, monkeypatch):
+    """The initiator keeps views of a peer's segment typed and shaped like its whole-buffer ops
+    (ShmPlane._remote; the puts here carry a notify, since the ops run_here takes copy by
+    address). A name re-registered at the same place with another dtype and shape gets a view of
+    its own; past the cap a segment's views start afresh; ranges keep none; a segment
+    the peer stops exporting has its views dropped with its mapping."""
+    from transport.planes import shm as shm_plane
+
+    monkeypatch.setattr(shm_plane, "_SHAPED_MAX", 3)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("shm",), timeout=10) as a:
+        async with transport.Endpoint(uname("b"), store=store_url, planes=("shm",), timeout=10) as b:
+            arena = torch.zeros(4096)
+            b.register("arena", arena)
+            b.register("w", arena[0:100])
+            await a.put(b.name, {"w": torch.full((100,), 1.0)}, notify=b"n")
+            plane = a._channels[b.name].plane
+            inode = b._registry.get("w").exports["shm"].handle.inode
+            assert len(plane._shaped[inode][1]) == 1
+            b.unregister("w")  # the same place, another dtype and shape
+            b.register("w", arena[0:100].view(torch.int32).view(10, 10))
+            await a.put(b.name, {"w": torch.arange(100, dtype=torch.int32).view(10, 10)}, notify=b"n")
+            assert torch.equal(arena[0:100].view(torch.int32), torch.arange(100, dtype=torch.int32))
+            for k in range(1, 8):  # names at new places of the arena: past the cap, it starts afresh
+                b.register(f"v{k}", arena[k * 100 : k * 100 + 50])
+                await a.put(b.name, {f"v{k}": torch.full((50,), float(k))}, notify=b"n")
+                assert torch.equal(arena[k * 100 : k * 100 + 50], torch.full((50,), float(k)))
+                assert 1 <= len(plane._shaped[inode][1]) <= 3
+            for k in range(1, 8):  # and every kept view still lands where its name is now
+                await a.put(b.name, {f"v{k}": torch.full((50,), -float(k))}, notify=b"n")
+                assert torch.equal(arena[k * 100 : k * 100 + 50], torch.full((50,), -float(k)))
+            n = len(plane._shaped[inode][1])
+            await a.put(b.name, {"arena": transport.At(torch.full((50,), 9.0), 200)}, notify=b"n")  # (a range: no view)
+            assert len(plane._shaped[inode][1]) == n and torch.equal(arena[200:250], torch.full((50,), 9.0))
+            for name in ["arena", "w"] + [f"v{k}" for k in range(1, 8)]:
+                b.unregister(name)
+            other = b.new_buffer("other", (10,), torch.float32)
+            await a.put(b.name, {"other": torch.ones(10)}, notify=b"n")  # (its registry update reached a first)
+            assert torch.equal(other, torch.ones(10))
+            assert inode not in plane._shaped and inode not in plane._maps

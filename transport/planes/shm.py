@@ -57,7 +57,7 @@ __all__ = ["ShmPlane", "StagedShmPlane"]
 # ones run on the loop (under 1 ms at memcpy speed: a thread hand-off costs more than a 1 MiB copy here).
 THREAD_COPY_BYTES = 8 << 20
 _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
-_SHAPED_MAX = 4096  # views kept per mapped segment (ShmPlane._remote)
+_SHAPED_MAX = 4096  # whole-buffer views kept per mapped segment (ShmPlane._remote; then it starts afresh)
 # What a cancelled or timed-out op waits, at most, for its copy to reach that boundary (a chunk
 # copies in tens of milliseconds; the bound is for a machine that is badly overloaded).
 _ABANDON_S = 10.0
@@ -115,14 +115,16 @@ class ShmPlane(DataPlane):
 
     def _remote(self, item: Item, h: ShmHandle, t: torch.Tensor) -> torch.Tensor:
         """The peer's bytes of ``item`` for :meth:`_copy_one` to copy to or from ``t``: for a copy of
-        one chunk, a view of the mapping typed and shaped like ``t`` (made once per place, dtype
-        and shape, and kept while the segment stays mapped: at a few microseconds per view, a
-        state dict of small tensors otherwise spends more making views than copying), else its
-        bytes (:meth:`_view`). Any thread."""
+        one chunk, a view of the mapping typed and shaped like ``t``; for a whole buffer (the
+        state dict case) that view is made once and kept while the segment stays mapped (at a few
+        microseconds per view, a state dict of small tensors otherwise spends more making views
+        than copying). A bigger copy gets the bytes (:meth:`_view`). Any thread."""
         size = t.element_size()
         if item.count * size > _CHUNK:
             return self._view(item, h, size)
-        key = (h.offset + item.offset * size, t.dtype, t.shape)
+        if item.shape is None:  # a range: its views are not kept (an op per offset would fill the cache)
+            return self._view(item, h, size).view(t.dtype).view(t.shape)
+        key = (h.offset, t.dtype, t.shape)
         seg = self._maps.get(h.inode)
         entry = self._shaped.get(h.inode)
         if seg is not None and entry is not None and entry[0] is seg:
@@ -134,8 +136,11 @@ class ShmPlane(DataPlane):
         if seg is not None:
             if entry is None or entry[0] is not seg:
                 entry = self._shaped[h.inode] = (seg, {})
-            if len(entry[1]) < _SHAPED_MAX:  # (ops on many ranges of one segment: the rest are made per op)
-                entry[1][key] = view
+            if len(entry[1]) >= _SHAPED_MAX:  # (a segment whose buffers the peer re-registers over and over)
+                entry[1].clear()
+            entry[1][key] = view
+            if self._maps.get(h.inode) is not seg:  # (registry_changed dropped the segment meanwhile: so do we)
+                self._shaped.pop(h.inode, None)
         return view
 
     async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
