@@ -194,6 +194,14 @@ def test_an_ops_slots_are_locked_all_or_nothing_a_run_at_a_time():
             view.enter(op, names)
         _lock(table.fd, fcntl.F_UNLCK, 5)
         assert all(owner_can_take(slot) for slot in range(1, 9)), "a failed enter left a slot locked"
+        view.enter([(3, ids[3]), (2, ids[2]), (3, ids[3])], ["w3", "w2", "w3"])  # another op: unsorted, a repeat
+        assert _lock(table.fd, fcntl.F_WRLCK, 5)
+        with pytest.raises(transport.StaleBufferError, match="taking the buffer back"):
+            view.enter(op, names)  # (fails while that op holds 2 and 3: their locks are that op's, kept)
+        _lock(table.fd, fcntl.F_UNLCK, 5)
+        assert [owner_can_take(slot) for slot in range(1, 9)] == [True, False, False, True, True, True, True, True]
+        view.leave([3, 2, 3])
+        assert all(owner_can_take(slot) for slot in range(1, 9)), "an op's leave did not give back its holds"
         view.enter(op, names)
         assert not any(owner_can_take(slot) for slot, _ in op) and owner_can_take(4) and owner_can_take(7)
         view.enter([(2, ids[2]), (3, ids[3]), (4, ids[4])], ["w2", "w3", "w4"])  # a second op, overlapping

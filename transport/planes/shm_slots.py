@@ -271,7 +271,9 @@ class TableView:
         :class:`StaleBufferError` if one is being revoked or no longer holds that export, and
         :class:`BufferMismatchError` if its owner re-pointed the tensor (``names``: the buffers').
         The slots this process does not hold yet are locked a run of consecutive slots per
-        system call (a state dict registered in order has its slots in one run)."""
+        system call (a state dict registered in order has its slots in one run). Every lock is
+        taken before any word is read, so an op with one slot being revoked and another re-pointed
+        raises :class:`StaleBufferError` (the caller re-reads the registry, then sees the mismatch)."""
         with self._lock:
             if self.fd < 0:
                 raise PeerLostError(f"{self.plane}: the channel to the peer is closed")
