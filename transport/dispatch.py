@@ -14,13 +14,13 @@ event loop. It sees the channel through :class:`ReadChannel`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError, StagingError
-from .flight_recorder import FlightRecorder, OpState
+from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError
+from .flight_recorder import OpState
+from .planes import SendingChannel
 from .wire import (
     Ack,
     Bye,
@@ -42,9 +42,7 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .loop_reads import LoopReads
-    from .op import Op
     from .op_table import OpTable
-    from .planes import PeerLink
     from .receiver import Receiver
     from .serving import Serving
 
@@ -53,22 +51,12 @@ __all__ = ["Dispatcher", "ReadChannel"]
 log = logging.getLogger("transport.channel")  # what is logged here is the channel's (as before it moved here)
 
 
-class ReadChannel(Protocol):
-    """What the reader reads and calls of its channel (:class:`transport.channel.Channel`)."""
+class ReadChannel(SendingChannel, Protocol):
+    """What the reader uses of its channel (:class:`transport.channel.Channel`) besides
+    :class:`~transport.planes.SendingChannel` (its ``core``: ``wire_registry()``, ``ipc_unmapped()``)."""
 
-    core: Any  # the endpoint: wire_registry(), ipc_unmapped()
     id: str
-    peer_name: str
-    recorder: FlightRecorder
-    link: PeerLink | None  # the channel's link (nccl's), or None
     orderly: bool  # set when the peer closed with a Bye
-
-    @property
-    def is_open(self) -> bool: ...
-
-    def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
-             op: Op | None = None, direct: bool = True,
-             early: Callable[[StagingError], None] | None = None) -> None: ...
 
     def lose(self, exc: BaseException) -> None: ...
 

@@ -16,7 +16,7 @@ writing into the caller's tensors once the caller abandoned the op).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -30,13 +30,13 @@ from .errors import (
     TransportError,
     error_kind,
 )
-from .flight_recorder import FlightRecorder, OpKind, OpState, Record
+from .flight_recorder import OpKind, OpState, Record
 from .peer import Notification
-from .planes import STAGED, PeerLink, WireSemantics, wire_semantics
+from .planes import STAGED, SendingChannel, WireSemantics, wire_semantics
 from .ranges import item_bytes, resolve_item
 from .registry import byte_slice
 from .staging import Staging
-from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Message, Notify, Put
+from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Notify, Put
 
 if TYPE_CHECKING:
     from .op import Op
@@ -47,25 +47,15 @@ __all__ = ["ServedChannel", "Serving"]
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
 
 
-class ServedChannel(Protocol):
-    """What the target's half reads and calls of its channel (:class:`transport.channel.Channel`)."""
+class ServedChannel(SendingChannel, Protocol):
+    """What the target's half uses of its channel (:class:`transport.channel.Channel`) besides
+    :class:`~transport.planes.SendingChannel` (its ``core``: ``deliver()``, ``name``)."""
 
-    core: Any  # the endpoint: deliver(), name
     id: str
-    peer_name: str
     plane: Any  # the channel's CPU plane (its name)
-    link: PeerLink | None  # the channel's link (nccl's), or None
     registry: Any  # the endpoint's LocalRegistry
-    recorder: FlightRecorder
     staging: Staging
     error: BaseException | None
-
-    @property
-    def is_open(self) -> bool: ...
-
-    def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
-             op: Op | None = None, direct: bool = True,
-             early: Callable[[StagingError], None] | None = None) -> None: ...
 
 
 class Serving:

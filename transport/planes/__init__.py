@@ -14,7 +14,7 @@ always available.
 
 from __future__ import annotations
 
-from .base import ChannelPort, DataPlane, Exporter, PeerLink
+from .base import ChannelPort, DataPlane, Exporter, PeerLink, SendingChannel
 from .choice import (
     CPU_PLANES,
     GPU_PLANES,
@@ -36,6 +36,6 @@ from .nccl_engine import LinkConn, LinkEngine, SocketLinkEngine, link_engine_pro
 from .nccl_offer import NcclOffer
 
 __all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "LinkConn",
-           "LinkEngine", "NcclOffer", "PeerLink", "PlaneChoice", "SocketLinkEngine", "link_engine_probe",
+           "LinkEngine", "NcclOffer", "PeerLink", "PlaneChoice", "SendingChannel", "SocketLinkEngine", "link_engine_probe",
            "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "make_link", "needs_unmap_acks",
            "plane_features", "validate_planes", "wants_link", "wire_semantics"]

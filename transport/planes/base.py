@@ -70,7 +70,7 @@ from ..registry import BufferSpec, LocalBuffer
 from ..staging import Staging
 from ..wire import Get, HostInfo, Item, Message, NcclReady, NcclSetup, Put, WireBuffer
 
-__all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink"]
+__all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink", "SendingChannel"]
 
 
 class PeerLink(Protocol):
@@ -115,20 +115,15 @@ class PeerLink(Protocol):
         """Reader thread: post our half of the peer's op and answer it from the completion."""
 
 
-class ChannelPort(Protocol):
-    """What a plane may use of the channel that owns it (:class:`transport.channel.Channel` is one).
-    Attributes are read on the event loop unless a plane's docs say otherwise; ``send``,
-    ``send_quietly``, ``lose`` and ``fail_op`` may be called from any thread."""
+class SendingChannel(Protocol):
+    """What every half of a channel uses of it (:class:`transport.channel.Channel` is one): the
+    reader (:class:`transport.dispatch.ReadChannel`), the target's half
+    (:class:`transport.serving.ServedChannel`) and its planes (:class:`ChannelPort`) each add
+    what only they use. ``is_open`` and ``send`` may be used from any thread."""
 
-    loop: asyncio.AbstractEventLoop
+    core: Any  # the endpoint (a plane's exporter: ``core.exporter(name)``; the target's ``deliver()``)
     peer_name: str
-    #: the peer's registry as last announced: specs, and the wire records (exports: shm, cuda_ipc)
-    peer_specs: dict[str, BufferSpec]
-    remote_wire: dict[str, WireBuffer]
-    error: BaseException | None  # why the channel broke (None while open)
-    staging: Staging  # the endpoint's bounce buffers (the staged path)
     recorder: FlightRecorder
-    core: Any  # the endpoint (a plane's exporter: ``core.exporter(name)``)
     link: PeerLink | None  # the channel's link (nccl's), or None
 
     @property
@@ -138,6 +133,19 @@ class ChannelPort(Protocol):
              op: Op | None = None, direct: bool = True,
              early: Callable[[StagingError], None] | None = None) -> None:
         """Send ``msg`` (and ``payload`` behind it) in the channel's order; never blocks."""
+
+
+class ChannelPort(SendingChannel, Protocol):
+    """What a plane may use of the channel that owns it: :class:`SendingChannel` and the below.
+    Attributes are read on the event loop unless a plane's docs say otherwise; ``send``,
+    ``send_quietly``, ``lose`` and ``fail_op`` may be called from any thread."""
+
+    loop: asyncio.AbstractEventLoop
+    #: the peer's registry as last announced: specs, and the wire records (exports: shm, cuda_ipc)
+    peer_specs: dict[str, BufferSpec]
+    remote_wire: dict[str, WireBuffer]
+    error: BaseException | None  # why the channel broke (None while open)
+    staging: Staging  # the endpoint's bounce buffers (the staged path)
 
     def send_quietly(self, msg: Message) -> None:
         """:meth:`send`, ignoring a channel that is gone."""
