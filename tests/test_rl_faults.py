@@ -143,6 +143,7 @@ async def test_one_frozen_or_killed_subscriber_never_holds_up_the_others(store_u
                                           fanout=fanout, observer=trap)
             version, bound = await warm_up(pub)
             base = (bound - 1.0) / 2  # a normal push
+            timeout = max(TIMEOUT, bound + 1.0)  # (a machine so loaded that a normal push nears TIMEOUT: later)
             victim = 1  # the middle of a chain: a relay and a dependent
             for sig in (signal.SIGSTOP, signal.SIGKILL):
                 for phase in phases:
@@ -152,7 +153,7 @@ async def test_one_frozen_or_killed_subscriber_never_holds_up_the_others(store_u
                     version += 1
                     weights = seeded(TRAIN, version)  # (made before the clock starts: making them takes a while)
                     t0 = time.monotonic()
-                    report = await pub.push(weights, version, timeout=TIMEOUT)
+                    report = await pub.push(weights, version, timeout=timeout)
                     wall = time.monotonic() - t0
                     assert trap.fired_at is not None, f"the {phase} trap never fired: {report.summary()}"
                     res = report.results[g.name]
@@ -163,7 +164,7 @@ async def test_one_frozen_or_killed_subscriber_never_holds_up_the_others(store_u
                                  f"push {wall:.2f} s; victim {res.stage}: {type(res.error).__name__}")
                     assert all(r.ok for r in healthy), f"{report.summary()}\n{trap.trace()}"
                     assert all(r.seconds <= bound for r in healthy), f"{lines[-1]}\n{report.summary()}\n{trap.trace()}"
-                    assert wall <= TIMEOUT + MARGIN, f"{lines[-1]}\n{report.summary()}\n{trap.trace()}"
+                    assert wall <= timeout + MARGIN, f"{lines[-1]}\n{report.summary()}\n{trap.trace()}"
                     if sig == signal.SIGSTOP:
                         assert not res.ok and res.stage == phase, f"{res}\n{lines[-1]}\n{trap.trace()}"
                         assert isinstance(res.error, transport.TransportTimeoutError), res
