@@ -27,7 +27,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 __all__ = ["FlightRecorder", "OpKind", "OpState", "Record", "default_dump_dir"]
 
@@ -135,18 +134,19 @@ class FlightRecorder:
             self._ring.append(rec)
         return rec
 
-    def record_done(self, *, t_posted: float, error: BaseException | None = None, **op: Any) -> Record:
+    def record_done(self, op_id: int, channel: str, seq: int, role: str, initiator: str, peer: str, kind: OpKind,
+                    names: list[str], nbytes: int, plane: str, t_posted: float,
+                    error: BaseException | None = None) -> Record:
         """Record an op that began at ``t_posted`` (``time.time()``) and is over now: done, or failed
-        with ``error``; ``op``: :meth:`record`'s other arguments. For an op done synchronously (a
+        with ``error``; the other arguments as for :meth:`record`. For an op done synchronously (a
         one-sided shm put or get on the event loop), which no dump can catch halfway."""
-        rec = self.record(state=OpState.POSTED, **op)
         now = time.time()
         state = "done" if error is None else "failed"
-        with self._lock:
-            rec.state, rec.t_posted, rec.t_updated = state, t_posted, now
-            rec.history = [("posted", t_posted), (state, now)]
-            if error is not None:
-                rec.error = f"{type(error).__name__}: {error}"
+        with self._lock:  # (made whole here, once, from positional arguments: every one-sided op comes here)
+            rec = Record(next(self._ids), op_id, channel, seq, role, initiator, peer, kind._value_, names, nbytes,
+                         plane, state, t_posted, now, [("posted", t_posted), (state, now)],
+                         None if error is None else f"{type(error).__name__}: {error}")
+            self._ring.append(rec)
         return rec
 
     def update(self, rec: Record, state: OpState, error: BaseException | str | None = None) -> None:

@@ -300,10 +300,9 @@ class OpTable:
         """The flight recorder's record of an op a plane did right here, with no op object
         (:meth:`~transport.planes.base.DataPlane.run_here`), from ``t_posted`` to now: done, or
         failed with ``error``. Any thread (one step under the recorder's lock)."""
-        return self.ch.recorder.record_done(
-            op_id=next(OpTable._op_ids), channel=self.ch.id, seq=next(self._seq), role="initiator",
-            initiator=self.ch.core.name, peer=self.ch.peer_name, kind=kind, names=names, nbytes=nbytes, plane=plane,
-            t_posted=t_posted, error=error)
+        ch = self.ch
+        return ch.recorder.record_done(next(OpTable._op_ids), ch.id, next(self._seq), "initiator", ch.core.name,
+                                       ch.peer_name, kind, names, nbytes, plane, t_posted, error)
 
     def in_order_now(self) -> bool:
         """Whether an op started now goes out at once (no earlier op of the channel is still held

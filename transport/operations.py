@@ -73,6 +73,15 @@ class Operations:
         """The channel that carries ops to ``peer``, dialled if there is none (bounded by ``deadline``)."""
         return await self._connector.channel(peer, deadline)
 
+    def _open_channel(self, peer: str) -> Channel | None:
+        """The open channel to ``peer`` if there is one, without awaiting (the common case of an op:
+        it saves the coroutines of :meth:`_channel`); None: call :meth:`_channel`."""
+        if self._state == "open" and isinstance(peer, str):
+            ch = self._connector.channels.get(peer)
+            if ch is not None and ch.is_open:
+                return ch
+        return None
+
     async def connect(self, peer: str, timeout: float | None = None) -> Peer:
         """Open (or reuse) the channel to ``peer``; return its :class:`Peer`.
 
@@ -124,7 +133,7 @@ class Operations:
         deadline = self._deadline(timeout)
         if notify is not None:
             _check_payload(notify)
-        ch = await self._channel(peer, deadline)
+        ch = self._open_channel(peer) or await self._channel(peer, deadline)
         await transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify),
                              here=notify is None)
 
@@ -144,7 +153,7 @@ class Operations:
         :meth:`put`.
         """
         deadline = self._deadline(timeout)
-        ch = await self._channel(peer, deadline)
+        ch = self._open_channel(peer) or await self._channel(peer, deadline)
         await transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs),
                              here=True)
 
