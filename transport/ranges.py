@@ -75,17 +75,20 @@ def plan_items(
                                      "tensor.detach() (the same memory) instead")
         if t.dtype != spec.dtype:
             raise BufferMismatchError(f"buffer {name!r} on {peer!r} holds {spec.dtype}, the tensor is {t.dtype}")
-        if shape is not None and t.shape != spec.shape:
+        # (the spec's derived fields, not the tensor's shape and dtype again: each torch attribute
+        # costs a fraction of a microsecond, and a state dict's put checks hundreds of tensors)
+        if shape is not None and shape != spec.shape_list:
             raise BufferMismatchError(
                 f"buffer {name!r} on {peer!r} has shape {tuple(spec.shape)}, the tensor has {tuple(t.shape)}"
                 " (use transport.At(tensor, offset) to address a sub-range)"
             )
-        if off + t.numel() > spec.numel:
+        n = t.numel()
+        if off + n > spec.numel:
             raise BufferMismatchError(
                 f"buffer {name!r} on {peer!r} holds {spec.numel} elements; elements "
-                f"[{off}, {off + t.numel()}) are out of range"
+                f"[{off}, {off + n}) are out of range"
             )
-        out.append((Item(name, dtype_name(t.dtype), off, t.numel(), shape), t))
+        out.append((Item(name, spec.dtype_name or dtype_name(t.dtype), off, n, shape), t))
     return out
 
 

@@ -66,10 +66,16 @@ class BufferSpec:
     shape: torch.Size
     device: str
     nbytes: int
+    # derived once (every op checks its tensors against these): the element count, the shape as a
+    # list (as an op's wire item carries it) and the dtype's wire name ("" for one that cannot move)
+    numel: int = field(init=False, compare=False, repr=False)
+    shape_list: list[int] = field(init=False, compare=False, repr=False)
+    dtype_name: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", self.shape.numel())
+        object.__setattr__(self, "shape_list", list(self.shape))
+        object.__setattr__(self, "dtype_name", _NAMES.get(self.dtype, ""))
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> BufferSpec:
