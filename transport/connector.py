@@ -197,13 +197,19 @@ class Connector:
                 ep._exports.closed(pending, orderly=False)
                 sock.close()  # (cancelled by close(), or an unexpected error: never left to the GC)
 
+    def open_channel(self, peer: str) -> Channel | None:
+        """The open channel to ``peer``, or None (then :meth:`channel` dials); non-blocking, so an
+        op to a connected peer needs no coroutine for it."""
+        ch = self.channels.get(peer) if isinstance(peer, str) else None
+        return ch if ch is not None and ch.is_open else None
+
     async def channel(self, peer: str, deadline: float) -> Channel:
         ep = self.ep
         ep._check_open()
         if not isinstance(peer, str) or not peer:
             raise PeerNotFoundError(f"peer names are non-empty strings, got {peer!r}")
-        ch = self.channels.get(peer)
-        if ch is not None and ch.is_open:
+        ch = self.open_channel(peer)
+        if ch is not None:
             return ch
         lock = self._dial_locks.setdefault(peer, asyncio.Lock())
         try:  # another op may be dialling this peer with a later deadline: wait for it only until ours

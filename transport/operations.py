@@ -74,13 +74,9 @@ class Operations:
         return await self._connector.channel(peer, deadline)
 
     def _open_channel(self, peer: str) -> Channel | None:
-        """The open channel to ``peer`` if there is one, without awaiting (the common case of an op:
-        it saves the coroutines of :meth:`_channel`); None: call :meth:`_channel`."""
-        if self._state == "open" and isinstance(peer, str):
-            ch = self._connector.channels.get(peer)
-            if ch is not None and ch.is_open:
-                return ch
-        return None
+        """The open channel to ``peer`` of an open endpoint, without awaiting (the common case of an
+        op: it saves the coroutines of :meth:`_channel`); None: call :meth:`_channel`."""
+        return self._connector.open_channel(peer) if self._state == "open" else None
 
     async def connect(self, peer: str, timeout: float | None = None) -> Peer:
         """Open (or reuse) the channel to ``peer``; return its :class:`Peer`.
