@@ -170,9 +170,9 @@ class BankSet:
     def path(self, bank: int) -> str:
         return self._banks[bank].path
 
-    def region(self, bank: int, bucket: Bucket) -> torch.Tensor:
-        """Where ``bucket`` lies in ``bank``."""
-        return self._banks[bank].tensors[bucket.arena][bucket.offset:bucket.offset + bucket.nbytes]
+    def arena(self, bank: int, bucket: Bucket) -> torch.Tensor:
+        """The arena of ``bank`` that ``bucket`` lies in (the same tensor object every time)."""
+        return self._banks[bank].tensors[bucket.arena]
 
     def seal(self, bank: int, version: int, push_id: int) -> None:
         """``bank`` holds every byte of ``version``: stamp it and let subscribers take it."""

@@ -18,11 +18,14 @@ import torch
 
 from . import messages as m
 from .errors import PushAbortedError, RlSyncError
-from .plan import Bucket, dtype_from_name
+from .packing import pack
+from .plan import Bucket
 from .push_state import Group, Target
 from .push_track import POLL, PushTracker
 
-__all__ = ["PushRun"]
+__all__ = ["INLINE_PACK", "PushRun"]
+
+INLINE_PACK = 512 << 10  # CPU buckets up to this size are packed on the event loop, larger ones on a worker thread
 
 log = logging.getLogger("rl_sync.publisher")
 
@@ -149,7 +152,7 @@ class PushRun(PushTracker):
             return
         if group.bank is not None and group.banks is not None:
             if k not in group.packed:
-                await self._pack_into(bucket, group.sources, group.banks.region(group.bank, bucket))
+                await self._pack_into(bucket, group.sources, group.banks.arena(group.bank, bucket), bucket.offset)
                 group.packed.add(k)
             buffer, offset = group.banks.names(group.bank)[bucket.arena], bucket.offset
         else:
@@ -158,7 +161,7 @@ class PushRun(PushTracker):
             slot = await self._free_slot(group, pick)
             if slot is None:  # nobody wants the bucket any more (failed, stalled meanwhile): a later beginner repairs it
                 return
-            await self._pack_into(bucket, group.sources, group.slot_tensors[slot])
+            await self._pack_into(bucket, group.sources, group.slot_tensors[slot], 0)
             buffer, offset = group.slots[slot], 0
             group.slot_ready[slot] = time.monotonic()
             group.slot_took[slot] = None
@@ -208,14 +211,21 @@ class PushRun(PushTracker):
             self._marks_wait = asyncio.ensure_future(asyncio.to_thread(lambda: [e.synchronize() for e in marks]))
         await asyncio.shield(self._marks_wait)
 
-    async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor) -> None:
-        # on a worker thread; with the weights on a GPU, on the copier's stream once the caller's work queued
-        # at push() is done: the pulls are sent only once the bytes are in the slot (packing on the loop, even
-        # small CPU buckets, measured slower: it then waits behind the Begins' sends instead of overlapping them)
-        pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest), self.marks))
-        self.pub._packing.add(pack)
-        pack.add_done_callback(self.pub._packing.discard)
-        await asyncio.shield(pack)
+    async def _pack_into(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], dest: torch.Tensor,
+                         start: int) -> None:
+        # a small CPU bucket on the loop (~50 us for the demo's 270 KiB of 30 tensors: less than the hand-over to a
+        # worker thread and back, which on a busy machine costs ~1 ms); else on a worker thread; with the weights
+        # on a GPU, on the copier's stream once the caller's work queued at push() is done. The pulls are sent only
+        # once the bytes are in the slot
+        if not self.copier.is_cuda and bucket.nbytes <= INLINE_PACK:
+            with torch.no_grad():
+                _pack(bucket, sources, dest, start)
+        else:
+            pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest, start),
+                                                         self.marks))
+            self.pub._packing.add(pack)
+            pack.add_done_callback(self.pub._packing.discard)
+            await asyncio.shield(pack)
         self.packed_bytes += bucket.nbytes
         if self.bar is not None:
             self.bar.update(bucket.nbytes)
@@ -241,13 +251,4 @@ class PushRun(PushTracker):
         await asyncio.sleep(0)  # let the Aborts go out before the push returns
 
 
-def _pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
-    """Copy (and cast) the pieces of ``bucket`` into ``slot``. Runs on a worker thread."""
-    with torch.no_grad():
-        for p in bucket.pieces:
-            e = p.entry
-            dt = dtype_from_name(e.dtype)
-            size = dt.itemsize
-            src = sources[e.name].reshape(-1)[p.start // size:p.stop // size]
-            at = e.offset + p.start - bucket.offset
-            slot[at:at + p.stop - p.start].view(dt).copy_(src)
+_pack = pack  # (a module attribute: bench/bench_rl_sync.py times the packs through it)

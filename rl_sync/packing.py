@@ -1,0 +1,79 @@
+"""Packing a bucket: the trainer's tensors copied (and cast) into a send slot or a shared bank.
+
+A bucket's pieces land at fixed places of a long-lived destination (a slot, a bank's arena), so
+the destination views of each bucket are made once per destination and kept: per piece, a view of
+the destination shaped like its source (the whole tensor, or a flat range of it). A pack is then
+one ``torch._foreach_copy_`` over the bucket (one dispatch, casts included) instead of slicing,
+viewing and copying piece by piece: the demo's 30-tensor bucket packs in ~50 us instead of
+~500 us here, nearly all of it the views.
+
+The kept views are keyed on the destination tensor object (weakly: they go with it) and the
+bucket object (held, so its id is never reused while kept); a view holds its memory alive, so
+a destination address seen again is the same memory. At most :data:`MAX_KEPT` buckets are kept
+per destination; past that the destination's views start afresh.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .plan import Bucket, dtype_from_name
+
+__all__ = ["MAX_KEPT", "pack"]
+
+MAX_KEPT = 1024  # buckets whose views are kept per destination tensor
+
+_lock = threading.Lock()  # (packs run on worker threads, several at once for several groups)
+# destination tensor -> (id(bucket), start, dest address) -> (the bucket, its pieces' destination views)
+_kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _views(bucket: Bucket, base: torch.Tensor, start: int) -> list[torch.Tensor]:
+    """Each piece's destination in ``base[start:start + bucket.nbytes]`` (uint8), shaped like its
+    source: the entry's shape for a whole entry, else flat."""
+    out = []
+    for p in bucket.pieces:
+        e = p.entry
+        dt = dtype_from_name(e.dtype)
+        at = start + e.offset + p.start - bucket.offset
+        view = base[at:at + p.stop - p.start].view(dt)
+        out.append(view.view(e.shape) if p.start == 0 and p.stop == e.nbytes else view)
+    return out
+
+
+def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor, start: int = 0) -> None:
+    """Copy (and cast) the pieces of ``bucket`` from ``sources`` (entry name -> the trainer's
+    tensor) into ``base[start:start + bucket.nbytes]`` (a flat uint8 tensor). Blocks until the
+    copies are queued (CPU: done); call it on a worker thread (CUDA: inside the copier's stream).
+    Raises what ``copy_`` raises for a source that does not fit its piece."""
+    key = (id(bucket), start, base.data_ptr())
+    with _lock:
+        per = _kept.get(base)
+        hit = per.get(key) if per is not None else None
+    if hit is None:
+        hit = (bucket, _views(bucket, base, start))
+        with _lock:
+            per = _kept.get(base)
+            if per is None or len(per) >= MAX_KEPT:
+                per = _kept[base] = {}
+            per[key] = hit
+    dests = hit[1]
+    srcs = []
+    for p, d in zip(bucket.pieces, dests, strict=True):
+        src = sources[p.entry.name]
+        if src.shape != d.shape:  # a range of a large entry (or a source shaped otherwise): flat
+            size = d.element_size()
+            src = src.reshape(-1)[p.start // size:p.stop // size]
+            if d.dim() != 1:
+                d = d.view(-1)
+            if src.shape != d.shape:
+                raise ValueError(f"{p.entry.name}: {src.numel()} elements for a piece of {d.numel()}")
+            d.copy_(src)
+            continue
+        srcs.append((d, src))
+    if srcs:
+        torch._foreach_copy_([d for d, _ in srcs], [s for _, s in srcs])
