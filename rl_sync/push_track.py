@@ -276,7 +276,7 @@ class PushTracker:
 
         async def send() -> None:
             try:
-                await self.ep.notify(t.name, m.encode(msg), timeout=limit)
+                await self.ep.post(t.name, m.encode(msg), timeout=limit)  # (answered by its Reply, not an Ack)
             except transport.TransportTimeoutError as exc:
                 if not best_effort and t.alive:  # (it ran into the push's deadline)
                     err = self._overdue(t, time.monotonic())

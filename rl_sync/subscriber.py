@@ -449,7 +449,7 @@ class WeightSubscriber(Holding):
     def _reply(self, peer: str, reply: m.Reply) -> None:
         async def send() -> None:
             try:
-                await self.endpoint.notify(peer, m.encode(reply))
+                await self.endpoint.post(peer, m.encode(reply))  # (answers a message: nothing answers it)
             except transport.TransportError as exc:
                 log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
 

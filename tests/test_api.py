@@ -208,6 +208,30 @@ async def test_notifications_stream_and_callback(pair):
         await a.notify(b.name, b"x" * (2 << 20))
 
 
+async def test_posted_notifications_arrive_in_order_unanswered(pair):
+    """``post`` is ``notify`` without the answer: the target's flight recorder has each one done
+    and nothing goes back (no Ack), the initiator's has it done once handed to the channel."""
+    a, b = pair
+    w = torch.zeros(3)
+    b.register("w", w)
+    await a.post(b.name, b"p0")
+    await a.put(b.name, {"w": torch.full((3,), 7.0)}, notify=b"n1")
+    for i in range(2, 40):
+        await a.post(b.name, b"p%d" % i)
+    got = [(await b.next_notification(timeout=10)).payload for _ in range(40)]
+    assert got == [b"p0", b"n1"] + [b"p%d" % i for i in range(2, 40)]
+    assert torch.equal(w, torch.full((3,), 7.0))
+    ini = [r for r in a.recorder.snapshot() if r["kind"] == "notify" and r["role"] == "initiator"]
+    tgt = [r for r in b.recorder.snapshot() if r["kind"] == "notify" and r["role"] == "target"]
+    assert len(ini) == len(tgt) == 39 and all(r["state"] == "done" for r in ini + tgt)
+    with pytest.raises(transport.InvalidTensorError):
+        await a.post(b.name, "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(transport.InvalidTensorError):
+        await a.post(b.name, b"x" * (2 << 20))
+    with pytest.raises(transport.PeerNotFoundError):
+        await a.post("nobody-" + a.name, b"x", timeout=0.5)
+
+
 async def test_notification_routes_by_prefix(pair):
     """A library takes its own messages by prefix (longest wins); the application reads the rest."""
     a, b = pair
@@ -233,7 +257,7 @@ async def test_use_after_close(store_url, uname):
     async with ep:
         pass
     for call in (ep.connect("x"), ep.put("x", {"w": torch.zeros(1)}), ep.get("x", {"w": torch.zeros(1)}),
-                 ep.notify("x", b""), ep.next_notification()):
+                 ep.notify("x", b""), ep.post("x", b""), ep.next_notification()):
         with pytest.raises(transport.EndpointClosedError):
             await call
     with pytest.raises(transport.EndpointClosedError):

@@ -318,10 +318,18 @@ async def test_put_notification_arrives_after_bytes(ep, targets, plane, uname):
     await ep.notify(tgt.name, b"plain")
     await ep.put(tgt.name, {other: mk(plane, "uint8", (MiB,), s2), name: mk(plane, "float32", (1024,), s)},
                  notify=b"v2")
-    # (the target reads its notifications, then its buffers: both puts' bytes were in before "v2")
-    notes = tgt.call("notifications", 3, 10)
-    assert notes == [(ep.name, b"v1"), (ep.name, b"plain"), (ep.name, b"v2")]
-    assert tgt.call("check", name, s) and tgt.call("check", other, s2)
+    # a posted notification (nothing answers it) keeps the order too: after the put called before it,
+    # before the put called after it, whose bytes it does not wait for
+    s3 = seed()
+    await ep.put(tgt.name, {other: mk(plane, "uint8", (MiB,), s3)})
+    await ep.post(tgt.name, b"posted")
+    await ep.put(tgt.name, {name: mk(plane, "float32", (1024,), s)}, notify=b"v3")
+    # (the target reads its notifications, then its buffers: every put's bytes were in before "v3")
+    notes = tgt.call("notifications", 5, 10)
+    assert notes == [(ep.name, b"v1"), (ep.name, b"plain"), (ep.name, b"v2"), (ep.name, b"posted"), (ep.name, b"v3")]
+    assert tgt.call("check", name, s) and tgt.call("check", other, s3)
+    posted = [r for r in op_records(ep, "notify") if r["nbytes"] == len(b"posted")]
+    assert posted and posted[-1]["state"] == "done", posted
     assert took(ep, "put") == {plane.name}
 
 

@@ -178,6 +178,41 @@ async def test_a_full_notification_queue_is_back_pressure_not_loss(store_url, un
             assert tgt.peers and ini.peers  # nobody was declared lost
 
 
+@pytest.mark.parametrize("plane", PLANES)
+async def test_a_post_never_waits_for_a_frozen_peer_and_loses_nothing(store_url, uname, plane):
+    """``post`` hands the message to the channel and returns: a frozen peer (SIGSTOP) holds up a
+    notify until its deadline, never a post; once it thaws, every posted message is there, in order."""
+    frozen = RemoteEndpoint(uname("frozen"), store=store_url, planes=(plane,))
+    try:
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=(plane,), heartbeat_timeout=30) as ep:
+            await ep.connect(frozen.name)
+            frozen.signal(signal.SIGSTOP)
+            with pytest.raises(transport.TransportTimeoutError):
+                await ep.notify(frozen.name, b"n0", timeout=0.5)
+            t0 = time.monotonic()
+            for i in range(200):
+                await ep.post(frozen.name, b"p%03d" % i, timeout=0.5)
+            assert time.monotonic() - t0 < 2.0
+            frozen.signal(signal.SIGCONT)
+            got = await asyncio.to_thread(frozen.call, "notifications", 201, 10)
+            # (the notify timed out on this side; the peer still queued it once it thawed, first)
+            assert [p for _, p in got] == [b"n0"] + [b"p%03d" % i for i in range(200)]
+    finally:
+        frozen.kill()
+
+
+async def test_posts_behind_a_full_notification_queue_return_and_all_arrive(store_url, uname):
+    async with transport.Endpoint(uname("tgt"), store=store_url, max_pending_notifications=1) as tgt:
+        async with transport.Endpoint(uname("ini"), store=store_url) as ini:
+            for i in range(5):  # nobody reads: the target's channel waits for room, the posts do not
+                await asyncio.wait_for(ini.post(tgt.name, b"%d" % i), 2.0)
+            await asyncio.sleep(0.5)
+            got = [(await tgt.next_notification(10)).payload for _ in range(5)]
+            assert got == [b"0", b"1", b"2", b"3", b"4"]
+            await ini.notify(tgt.name, b"after")  # the channel still works both ways
+            assert (await tgt.next_notification(10)).payload == b"after"
+
+
 async def test_idle_connections_do_not_starve_the_endpoint(store_url, uname):
     import socket as _socket
 

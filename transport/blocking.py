@@ -227,6 +227,10 @@ class BlockingEndpoint:
         """See :meth:`Endpoint.notify`."""
         self._call(self._ep.notify(peer, payload, timeout=timeout), timeout)
 
+    def post(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+        """See :meth:`Endpoint.post`."""
+        self._call(self._ep.post(peer, payload, timeout=timeout), timeout)
+
     def next_notification(self, timeout: float | None = None) -> Notification:
         """See :meth:`Endpoint.next_notification`."""
         return self._call(self._ep.next_notification(timeout), timeout)

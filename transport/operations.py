@@ -1,5 +1,5 @@
 """The one-sided operations of an endpoint: ``connect``, ``put``, ``get``, ``route``, ``map``,
-``map_route`` and ``notify``, each a coroutine on the endpoint's event loop, bounded by its
+``map_route``, ``notify`` and ``post``, each a coroutine on the endpoint's event loop, bounded by its
 ``timeout`` (or the endpoint's) and cancellable as each docstring says.
 
 :class:`Operations` is the base class of :class:`transport.Endpoint`, which supplies the state it
@@ -227,6 +227,32 @@ class Operations:
 
         async def _send() -> None:
             ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
+
+        await ch.run(op, _send, deadline)
+
+    async def post(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+        """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications without waiting for it to arrive.
+
+        Returns once it is handed to the channel to ``peer`` (dialled first if none is open,
+        bounded by ``timeout``, default the endpoint's), in order with this endpoint's ops to
+        ``peer`` as :meth:`notify` is: it arrives after the bytes of every put called before
+        it. Unlike :meth:`notify`, the peer answers nothing, which saves a round trip per
+        message: it is lost with no error here if the channel breaks before the peer read it
+        or the peer is closing (the peer logs the drop); a broken channel fails the next op
+        to the peer with :class:`PeerLostError`. For protocols whose messages are answered by
+        messages of their own (rl_sync's). Cancelled before it is handed to the channel
+        (waiting to dial, or behind a staged op still waiting for the caller's CUDA work):
+        not sent. Raises :class:`InvalidTensorError` for a payload that is not bytes or too
+        large, :class:`PeerLostError` if the channel is broken, and what dialling raises.
+        """
+        _check_payload(payload)
+        deadline = self._deadline(timeout)
+        ch = await self._channel(peer, deadline)
+        op = ch.new_op(OpKind.NOTIFY, [], len(payload))
+
+        async def _send() -> None:
+            ch.send(Notify(op.op_id, op.seq, bytes(payload), False))
+            ch.finish_here(op)  # (recorded done once handed to the channel: nothing comes back)
 
         await ch.run(op, _send, deadline)
 

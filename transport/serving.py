@@ -6,8 +6,9 @@ and served: a ``tcp`` or staged put's payload is received straight into the regi
 drained into scratch if the header was rejected, so the stream never desynchronises), an ``shm``
 put or get was done by the initiator already and is only confirmed, a get's bytes are sent back
 (staged ones through the pinned bounce buffers, by the writer thread), an ``nccl`` op is posted on
-the channel's link. Every op is answered with ``Ack``, ``Fail`` or ``Data``, in stream order. The
-application's code takes no part in any of it.
+the channel's link. Every op is answered with ``Ack``, ``Fail`` or ``Data``, in stream order, but a
+posted notification (``Notify.answer`` False: ``Endpoint.post``), which is answered with nothing (one
+that cannot be queued is dropped and logged). The application's code takes no part in any of it.
 
 :meth:`Serving.receive` also receives a get reply's payload on the initiator's side (it stops
 writing into the caller's tensors once the caller abandoned the op).
@@ -15,6 +16,7 @@ writing into the caller's tensors once the caller abandoned the op).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from .receiver import Receiver
 
 __all__ = ["ServedChannel", "Serving"]
+
+log = logging.getLogger("transport.channel")
 
 _RX_CHUNK = 4 << 20  # a get's payload is received in chunks so that an abandoned get stops writing
 
@@ -353,7 +357,15 @@ class Serving:
         if len(msg.payload) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
         if not self.ch.core.deliver(Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch):
-            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered"))
+            error = EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered")
+            if msg.answer:
+                self._reject(rec, msg.op_id, error)
+            else:  # (posted: its sender waits for nothing)
+                self.ch.recorder.update(rec, OpState.REJECTED, error)
+                self.current = None
+                log.warning("endpoint %s: a notification posted by %s was dropped: %s", self.ch.core.name,
+                            self.ch.peer_name, error)
             return
         self._done(rec)
-        self.ch.send(Ack(msg.op_id))
+        if msg.answer:
+            self.ch.send(Ack(msg.op_id))

@@ -101,7 +101,8 @@ __all__ = [
 # 3: the handshake starts with Challenge/Proof (the job's secret), the acceptor sends its Hello first
 # 4: ShmHandle's slot-table fields (shm puts without a notification, and gets, need no round trip)
 # 5: IpcHandle's slot-table fields (cuda_ipc puts without a notification, and gets, likewise)
-PROTOCOL_VERSION = 5
+# 6: Notify.answer (a posted notification: no Ack, no Fail)
+PROTOCOL_VERSION = 6
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
@@ -230,6 +231,9 @@ class Notify(msgspec.Struct, tag="notify"):
     op_id: int
     seq: int
     payload: bytes
+    # False: posted (``Endpoint.post``): the sender does not wait, so the target answers nothing
+    # (no Ack; a notification it cannot queue is dropped and logged, not answered with Fail)
+    answer: bool = True
 
 
 class Sync(msgspec.Struct, tag="sync"):
