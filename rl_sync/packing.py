@@ -48,32 +48,36 @@ def _views(bucket: Bucket, base: torch.Tensor, start: int) -> list[torch.Tensor]
 def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor, start: int = 0) -> None:
     """Copy (and cast) the pieces of ``bucket`` from ``sources`` (entry name -> the trainer's
     tensor) into ``base[start:start + bucket.nbytes]`` (a flat uint8 tensor). Blocks until the
-    copies are queued (CPU: done); call it on a worker thread (CUDA: inside the copier's stream).
-    Raises what ``copy_`` raises for a source that does not fit its piece."""
+    copies are queued (CPU: done); any thread (CUDA: inside the copier's stream). Raises what
+    ``copy_`` raises for a source that does not fit its piece."""
     key = (id(bucket), start, base.data_ptr())
     with _lock:
         per = _kept.get(base)
         hit = per.get(key) if per is not None else None
-    if hit is None:
-        hit = (bucket, _views(bucket, base, start))
-        with _lock:
-            per = _kept.get(base)
-            if per is None or len(per) >= MAX_KEPT:
-                per = _kept[base] = {}
-            per[key] = hit
-    dests = hit[1]
-    srcs = []
-    for p, d in zip(bucket.pieces, dests, strict=True):
-        src = sources[p.entry.name]
-        if src.shape != d.shape:  # a range of a large entry (or a source shaped otherwise): flat
-            size = d.element_size()
-            src = src.reshape(-1)[p.start // size:p.stop // size]
-            if d.dim() != 1:
-                d = d.view(-1)
-            if src.shape != d.shape:
-                raise ValueError(f"{p.entry.name}: {src.numel()} elements for a piece of {d.numel()}")
-            d.copy_(src)
-            continue
-        srcs.append((d, src))
-    if srcs:
-        torch._foreach_copy_([d for d, _ in srcs], [s for _, s in srcs])
+    with torch.no_grad():
+        if hit is None:
+            hit = (bucket, _views(bucket, base, start))
+            with _lock:
+                per = _kept.get(base)
+                if per is None or len(per) >= MAX_KEPT:
+                    per = _kept[base] = {}
+                per[key] = hit
+        # one _foreach_copy_ per (destination dtype, source dtype): its CUDA fast path takes the kernel's
+        # types from the first pair only in some torch versions (pytorch#173383), so each call is uniform
+        batches: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p, d in zip(bucket.pieces, hit[1], strict=True):
+            src = sources[p.entry.name]
+            if src.shape != d.shape:  # a range of a large entry (or a source shaped otherwise): flat
+                size = d.element_size()
+                src = src.reshape(-1)[p.start // size:p.stop // size]
+                if d.dim() != 1:
+                    d = d.view(-1)
+                if src.shape != d.shape:
+                    raise ValueError(f"{p.entry.name}: {src.numel()} elements for a piece of {d.numel()}")
+            batch = batches.get((d.dtype, src.dtype))
+            if batch is None:
+                batch = batches[(d.dtype, src.dtype)] = ([], [])
+            batch[0].append(d)
+            batch[1].append(src)
+        for dests, srcs in batches.values():
+            torch._foreach_copy_(dests, srcs)

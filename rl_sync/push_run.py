@@ -218,8 +218,10 @@ class PushRun(PushTracker):
         # on a GPU, on the copier's stream once the caller's work queued at push() is done. The pulls are sent only
         # once the bytes are in the slot
         if not self.copier.is_cuda and bucket.nbytes <= INLINE_PACK:
-            with torch.no_grad():
-                _pack(bucket, sources, dest, start)
+            # (first a turn of the loop: the previous bucket's pulls go out, the watchdog and replies run, so that
+            # a bank of many small buckets never holds the loop for long)
+            await asyncio.sleep(0)
+            _pack(bucket, sources, dest, start)
         else:
             pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest, start),
                                                          self.marks))

@@ -1,0 +1,104 @@
+"""rl_sync.packing.pack: a bucket's bytes, as the subscriber's layout wants them, whatever the
+sources look like; its kept destination views never write into memory other than the destination's.
+
+In-process (the pack is pure tensor work); the pushes that use it run in tests/test_rl_sync.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from rl_sync import packing
+from rl_sync.plan import build_manifest, dtype_from_name, make_buckets
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "emb": torch.randn(37, 16, generator=g),  # large: split across buckets at small bucket sizes
+        "norm": torch.randn(16, generator=g).to(torch.bfloat16),
+        "steps": torch.randint(0, 1 << 40, (5,), generator=g),
+        "half": torch.randn(3, 7, generator=g).to(torch.float16),
+        "scalar": torch.tensor(3.5),
+        "flag": torch.tensor([True, False, True]),
+        "w": torch.randn(9, 11, generator=g),
+    }
+
+
+def _layout(state: dict[str, torch.Tensor], want: dict[str, torch.dtype], bucket_bytes: int):  # type: ignore[no-untyped-def]
+    manifest = build_manifest({k: torch.empty(v.shape, dtype=want.get(k, v.dtype)) for k, v in state.items()},
+                              1 << 30)
+    return manifest, make_buckets(manifest, bucket_bytes)
+
+
+def _expected(manifest, state: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The arena the subscriber's layout wants: each entry in its dtype at its offset (made without pack)."""
+    out = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+    for e in manifest.entries:
+        dt = dtype_from_name(e.dtype)
+        out[e.offset:e.offset + e.nbytes].view(dt).copy_(state[e.name].to(dt).reshape(-1))
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 256, 1 << 20])
+def test_pack_casts_each_piece_into_its_place(bucket_bytes: int) -> None:
+    """Mixed destination dtypes in one bucket (fp32 -> bf16 next to fp32 -> fp32, fp16 -> fp32),
+    integer and bool pieces, a 0-dim entry, a transposed (non-contiguous) source, a source shaped
+    otherwise with the same numel, and large entries split across buckets."""
+    state = _state(1)
+    want = {"emb": torch.bfloat16, "half": torch.float32, "w": torch.bfloat16}
+    manifest, buckets = _layout(state, want, bucket_bytes)
+    sources = dict(state)
+    sources["w"] = state["w"].t().contiguous().t()  # the same values, column-major
+    assert not sources["w"].is_contiguous()
+    sources["half"] = state["half"].reshape(7, 3).reshape(21)  # (21,) where the layout says (3, 7)
+    expected = _expected(manifest, {**state, "half": state["half"]})
+    base = torch.zeros(manifest.arenas[0] + 64, dtype=torch.uint8)
+    for _ in range(2):  # the second pass uses the kept views
+        base.zero_()
+        for b in buckets:
+            packing.pack(b, sources, base, b.offset)
+        assert torch.equal(base[:manifest.arenas[0]], expected)
+        assert not base[manifest.arenas[0]:].any(), "a pack wrote past its bucket"
+    if bucket_bytes == 64:
+        assert len(buckets) > len(manifest.entries), "the entries must be split across buckets here"
+
+
+def test_pack_into_a_slot_at_offset_zero_and_refusals() -> None:
+    """Slots take every bucket at their start; a source with fewer elements than its piece is refused."""
+    state = _state(2)
+    manifest, buckets = _layout(state, {}, 256)
+    expected = _expected(manifest, state)
+    slot = torch.zeros(max(b.nbytes for b in buckets), dtype=torch.uint8)
+    for b in buckets:
+        slot.zero_()  # (the layout's alignment gaps stay as they were)
+        packing.pack(b, state, slot, 0)
+        assert torch.equal(slot[:b.nbytes], expected[b.offset:b.offset + b.nbytes])
+    short = dict(state, w=torch.zeros(50))
+    with pytest.raises((ValueError, RuntimeError)):
+        for b in buckets:
+            packing.pack(b, short, slot, 0)
+
+
+def test_kept_views_follow_their_destination_and_die_with_it() -> None:
+    """Views are kept per destination object: a new destination (a slot made again) gets its own and
+    the old one's memory is not written; once a destination is dropped its views go with it."""
+    state = _state(3)
+    manifest, buckets = _layout(state, {}, 1 << 20)
+    old = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+    packing.pack(buckets[0], state, old, 0)
+    snapshot = old.clone()
+    new = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+    other = _state(4)
+    packing.pack(buckets[0], other, new, 0)
+    assert torch.equal(new, _expected(manifest, other)) and torch.equal(old, snapshot)
+    kept = len(packing._kept)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None, "the kept views must not keep their destination alive"
+    assert len(packing._kept) < kept and packing._kept.get(new) is not None, "a dead destination's views must go"
