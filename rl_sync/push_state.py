@@ -69,6 +69,9 @@ class Target:
         self.begun = False
         self.begin_sent = False  # an Abort is owed from here on (a Begin may be waiting for readers)
         self.begin_at = 0.0
+        # the channel its Begin went over: messages are posted (no answer per message), so one lost with a broken
+        # channel shows as another channel (or none) to the subscriber, which the watchdog takes as losing it
+        self.channel: str | None = None
         self.bank = 0  # the subscriber's arena bank this push fills
         self.have: set[int] = set()
         self.inflight: dict[int, Pull] = {}  # bucket -> its outstanding pull (the newest attempt)

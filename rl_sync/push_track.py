@@ -277,6 +277,11 @@ class PushTracker:
         async def send() -> None:
             try:
                 await self.ep.post(t.name, m.encode(msg), timeout=limit)  # (answered by its Reply, not an Ack)
+                if t.channel is None and not best_effort:  # (no await since the post: the channel it went over)
+                    p = self.ep.peers.get(t.name)
+                    if p is None:
+                        raise transport.PeerLostError(f"the channel to {t.name!r} broke as the push began")
+                    t.channel = p.channel_id
             except transport.TransportTimeoutError as exc:
                 if not best_effort and t.alive:  # (it ran into the push's deadline)
                     err = self._overdue(t, time.monotonic())
@@ -312,7 +317,8 @@ class PushTracker:
                 if not t.alive:
                     continue
                 p = peers.get(t.name)
-                if p is None or p.incarnation != t.layout.incarnation:
+                if (p is None or p.incarnation != t.layout.incarnation
+                        or (t.channel is not None and p.channel_id != t.channel)):  # (what was posted may be lost)
                     self.fail(t, self._lost_error(t, now))
                 elif now >= self.deadline:
                     self.fail(t, self._overdue(t, now))

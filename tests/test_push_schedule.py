@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import transport
 from rl_sync import messages as m
 from rl_sync.push_run import PushRun
 from rl_sync.push_state import Group, Layout, Target
@@ -41,8 +42,9 @@ class Sub:
     Begin answered ``begin_delay`` s late, silent from ``frozen_at`` s on; ``source``: its relay."""
 
     def __init__(self, name: str, per: float, begin_delay: float = 0.0, frozen_at: float | None = None,
-                 source: str | None = None) -> None:
+                 source: str | None = None, break_at_commit: bool = False) -> None:
         self.name, self.per, self.begin_delay, self.frozen_at, self.source = name, per, begin_delay, frozen_at, source
+        self.break_at_commit = break_at_commit  # its channel breaks with the Commit in it (lost), then a new one opens
         self.link_free = 0.0
         self.latest: dict[int, int] = {}
         self.t0 = 0.0
@@ -83,8 +85,12 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
         name = "pub"
         peers: dict[str, Any] = {}
 
-        async def notify(self, name: str, payload: bytes, timeout: float) -> None:
-            asyncio.ensure_future(_deliver(run, subs[name], m.decode(payload)))
+        async def post(self, name: str, payload: bytes, timeout: float) -> None:  # (what PushRun sends with)
+            msg = m.decode(payload)
+            if isinstance(msg, m.Commit) and subs[name].break_at_commit:
+                self.peers[name] = types.SimpleNamespace(incarnation=1, channel_id="c2")  # (redialled at once)
+                return
+            asyncio.ensure_future(_deliver(run, subs[name], msg))
 
     ep = _Endpoint()
     digests = [f"d{i}" for i in range(len(groups_spec))]
@@ -95,7 +101,7 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
     t0 = time.monotonic()
     run = PushRun(pub, 1, 1, t0 + DEADLINE, t0)  # type: ignore[arg-type]
 
-    async def pack(self: PushRun, bucket: Any, sources: Any, dest: Any) -> None:
+    async def pack(self: PushRun, bucket: Any, sources: Any, dest: Any, start: int) -> None:
         await asyncio.sleep(0.002)
 
     run._pack_into = types.MethodType(pack, run)  # type: ignore[method-assign]
@@ -108,7 +114,7 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
         for sub in spec:
             sub.t0 = t0
             subs[sub.name] = sub
-            ep.peers[sub.name] = types.SimpleNamespace(incarnation=1)
+            ep.peers[sub.name] = types.SimpleNamespace(incarnation=1, channel_id="c1")
             t = Target(sub.name, layout)
             t.group = g
             g.targets.append(t)
@@ -206,3 +212,16 @@ async def test_a_subscriber_slow_on_its_own_is_never_stalled():
     out = await _push([[Sub("s", 0.2)]], 0.005)
     _ok(out, "s")
     assert not out["s"][2].stalled
+
+
+@pytest.mark.timeout(60)
+async def test_a_message_lost_with_its_channel_fails_the_subscriber_at_once_not_at_the_deadline():
+    """The publisher posts its messages (nothing answers a message itself): a Commit lost with a
+    channel that broke, the subscriber redialled at once by the same incarnation, shows only as
+    another channel. The watchdog takes that as losing the subscriber within a poll, long before
+    the deadline; the other subscriber commits."""
+    out = await _push([[Sub("lost", 0.005, break_at_commit=True), Sub("fine", 0.005)]], 0.01)
+    _ok(out, "fine")
+    ok, seconds, t = out["lost"]
+    assert not ok and isinstance(t.error, transport.PeerLostError), t.error
+    assert seconds < DEADLINE / 4, seconds

@@ -203,14 +203,17 @@ class Channel:
         return self.state is ChannelState.OPEN
 
     # ---------------------------------------------------------------- initiator side
-    def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane | None = None) -> Op:
-        """Allocate an op (event loop) that moves its bytes over ``plane`` (default: the channel's).
-        Raises :class:`PeerLostError` if the channel is down."""
+    def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane | None = None, *,
+               answered: bool = True) -> Op:
+        """Allocate an op (event loop) that moves its bytes over ``plane`` (default: the channel's);
+        ``answered`` False: the peer answers nothing (a posted notification), so the loop does not
+        ask for the socket's reads (:mod:`transport.loop_reads`). Raises :class:`PeerLostError` if
+        the channel is down."""
         plane = plane or self.plane
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
         op = self.ops.new_op(kind, names, nbytes, plane)
-        if self.reads is not None:
+        if self.reads is not None and answered:
             self.reads.want_replies()
         return op
 

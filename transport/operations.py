@@ -239,8 +239,11 @@ class Operations:
         it. Unlike :meth:`notify`, the peer answers nothing, which saves a round trip per
         message: it is lost with no error here if the channel breaks before the peer read it
         or the peer is closing (the peer logs the drop); a broken channel fails the next op
-        to the peer with :class:`PeerLostError`. For protocols whose messages are answered by
-        messages of their own (rl_sync's). Cancelled before it is handed to the channel
+        to the peer with :class:`PeerLostError` (and a new channel to it has another
+        :attr:`Peer.channel_id`). There is no back-pressure: a peer that reads nothing (its
+        notification queue full, or frozen) leaves posts queued in this process, so post in a
+        loop only what answers come back for; :meth:`notify` waits. For protocols whose
+        messages are answered by messages of their own (rl_sync's). Cancelled before it is handed to the channel
         (waiting to dial, or behind a staged op still waiting for the caller's CUDA work):
         not sent. Raises :class:`InvalidTensorError` for a payload that is not bytes or too
         large, :class:`PeerLostError` if the channel is broken, and what dialling raises.
@@ -248,7 +251,7 @@ class Operations:
         _check_payload(payload)
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
-        op = ch.new_op(OpKind.NOTIFY, [], len(payload))
+        op = ch.new_op(OpKind.NOTIFY, [], len(payload), answered=False)
 
         async def _send() -> None:
             ch.send(Notify(op.op_id, op.seq, bytes(payload), False))
