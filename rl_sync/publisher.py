@@ -313,7 +313,9 @@ class WeightPublisher(PublisherBuffers):
         self._committed.update({n: version for n, r in report.results.items() if r.ok})
         self._lost = {n for n, r in report.results.items()
                       if isinstance(r.error, (transport.PeerLostError, transport.PeerNotFoundError))}
-        (log.info if report.ok else log.warning)("push %s", report.summary())
+        level = logging.INFO if report.ok else logging.WARNING
+        if log.isEnabledFor(level):  # (the summary costs more than the rest of a small push's ending)
+            log.log(level, "push %s", report.summary())
         return report
 
     async def _prepare(self, run: PushRun, tensors: dict[str, torch.Tensor], report: PushReport) -> list[Group]:
@@ -343,13 +345,13 @@ class WeightPublisher(PublisherBuffers):
                 report.results[name] = SubscriberResult(error=RlSyncError(why), seconds=time.monotonic() - run.t0,
                                                         stage="plan")
                 continue
-            try:
-                sources = check_sources(tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map,
-                                        subscriber=name)
+            group = groups.get(layout.digest)
+            try:  # (one check per layout: its subscribers' manifests have the same entries)
+                sources = group.sources if group is not None else check_sources(
+                    tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map, subscriber=name)
             except PlanMismatchError as exc:
                 mismatches += [f"{name}: {d}" for d in exc.differences]
                 continue
-            group = groups.get(layout.digest)
             if group is None:
                 group = groups[layout.digest] = Group(layout.digest, layout, sources)
                 group.live = self._live_buffers(layout, sources)

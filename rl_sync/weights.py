@@ -22,8 +22,8 @@ def live_tensors(model_or_state_dict: Any, *, keep_vars: bool = False) -> dict[s
     ``keep_vars=True`` returns the module's own parameter and buffer objects (not detached
     aliases), so that they can be re-pointed in place.
     """
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        state = model_or_state_dict.state_dict(keep_vars=keep_vars)
+    if isinstance(model_or_state_dict, torch.nn.Module):  # (its objects, detached once below)
+        state = model_or_state_dict.state_dict(keep_vars=True)
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
     else:
@@ -74,14 +74,18 @@ def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
             arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> None:
     """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``."""
     moves = []  # every place is checked before any tensor moves: a bad layout leaves them all as they were
+    places: dict[int, tuple[Any, int, int]] = {}  # arena -> (its storage, offset, bytes)
     for e in entries:
-        arena = arenas[e.arena]
+        if e.arena not in places:
+            arena = arenas[e.arena]
+            places[e.arena] = (arena.untyped_storage(), int(arena.storage_offset()), arena.numel())
+        storage, base, n = places[e.arena]
         size = dtype_from_name(e.dtype).itemsize
-        start = arena.storage_offset() + e.offset
-        if start % size or e.offset + e.nbytes > arena.numel():
+        start = base + e.offset
+        if start % size or e.offset + e.nbytes > n:
             raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}, or the entry "
-                               f"overruns its arena of {arena.numel()} bytes")
-        moves.append((live[e.name], arena.untyped_storage(), start // size, e.shape))
+                               f"overruns its arena of {n} bytes")
+        moves.append((live[e.name], storage, start // size, e.shape))
     with torch.no_grad():
         for t, storage, offset, shape in moves:
             t.set_(storage, offset, shape, contiguous_strides(shape))
