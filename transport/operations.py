@@ -220,15 +220,7 @@ class Operations:
         Ordered with this endpoint's puts to ``peer``: a notification sent after
         a put arrives after that put's bytes.
         """
-        _check_payload(payload)
-        deadline = self._deadline(timeout)
-        ch = await self._channel(peer, deadline)
-        op = ch.new_op(OpKind.NOTIFY, [], len(payload))
-
-        async def _send() -> None:
-            ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
-
-        await ch.run(op, _send, deadline)
+        await self._notification(peer, payload, timeout, answer=True)
 
     async def post(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
         """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications without waiting for it to arrive.
@@ -248,14 +240,21 @@ class Operations:
         not sent. Raises :class:`InvalidTensorError` for a payload that is not bytes or too
         large, :class:`PeerLostError` if the channel is broken, and what dialling raises.
         """
+        await self._notification(peer, payload, timeout, answer=False)
+
+    async def _notification(self, peer: str, payload: bytes, timeout: float | None, *, answer: bool) -> None:
+        """:meth:`notify` (``answer``: wait for the peer's Ack) or :meth:`post` (done once handed over)."""
         _check_payload(payload)
         deadline = self._deadline(timeout)
         ch = await self._channel(peer, deadline)
-        op = ch.new_op(OpKind.NOTIFY, [], len(payload), answered=False)
+        op = ch.new_op(OpKind.NOTIFY, [], len(payload), answered=answer)
 
         async def _send() -> None:
-            ch.send(Notify(op.op_id, op.seq, bytes(payload), False))
-            ch.finish_here(op)  # (recorded done once handed to the channel: nothing comes back)
+            if answer:
+                ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
+            else:
+                ch.send(Notify(op.op_id, op.seq, bytes(payload), False))
+                ch.finish_here(op)  # (recorded done once handed to the channel: nothing comes back)
 
         await ch.run(op, _send, deadline)
 

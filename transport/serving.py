@@ -213,10 +213,15 @@ class Serving:
         self.ch.recorder.update(rec, OpState.DONE)
         self.current = None
 
-    def _reject(self, rec: Record, op_id: int, error: TransportError) -> None:
+    def _reject(self, rec: Record, op_id: int, error: TransportError, *, answer: bool = True) -> None:
+        """Record the op rejected and answer ``Fail``; ``answer`` False (a posted notification, whose
+        sender waits for nothing): log it instead."""
         self.ch.recorder.update(rec, OpState.REJECTED, error)
         self.current = None
-        self.ch.send(Fail(op_id, error_kind(error), str(error)))
+        if answer:
+            self.ch.send(Fail(op_id, error_kind(error), str(error)))
+        else:
+            log.warning("endpoint %s: an op posted by %s was dropped: %s", self.ch.core.name, self.ch.peer_name, error)
 
     def serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
@@ -357,14 +362,8 @@ class Serving:
         if len(msg.payload) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
         if not self.ch.core.deliver(Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch):
-            error = EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered")
-            if msg.answer:
-                self._reject(rec, msg.op_id, error)
-            else:  # (posted: its sender waits for nothing)
-                self.ch.recorder.update(rec, OpState.REJECTED, error)
-                self.current = None
-                log.warning("endpoint %s: a notification posted by %s was dropped: %s", self.ch.core.name,
-                            self.ch.peer_name, error)
+            self._reject(rec, msg.op_id, EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not "
+                                                             "delivered"), answer=msg.answer)
             return
         self._done(rec)
         if msg.answer:
