@@ -242,6 +242,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     options = backend_options(args.backend, args.plane)
+    if options.get("plane") == "tcp":  # over TCP, as from another host (transport.local_socket), in both processes
+        os.environ["TRANSPORT_UNIX_SOCKETS"] = "0"
     remote_cls = _remote_cls(args.backend)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     reps = [int(s) for s in args.reps.split(",") if s]

@@ -511,7 +511,15 @@ def peer_gloo(rank: int, cfg: dict[str, Any], port_q: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- transport
+def _tcp_over_tcp(plane: str) -> None:
+    """The ``tcp`` plane is measured over TCP, as a peer on another host reaches it: both processes
+    of this host turn the Unix-socket channels to same-host peers off (``transport.local_socket``)."""
+    if plane == "tcp":
+        os.environ["TRANSPORT_UNIX_SOCKETS"] = "0"
+
+
 def transport_target(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    _tcp_over_tcp(plane)
     srv = None
     if plane == "tcp":  # the raw-socket reference, interleaved with the puts and gets (see _raw_receiver)
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -643,6 +651,7 @@ async def _target_main(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any
 
 
 def transport_initiator(plane: str, cfg: dict[str, Any], ctrl_q: Any, resp_q: Any) -> dict[str, Any]:
+    _tcp_over_tcp(plane)
     return asyncio.run(_initiator_main(plane, cfg, ctrl_q, resp_q))
 
 

@@ -77,6 +77,8 @@ def _instrument(stamps: list[tuple[str, int]]) -> None:
 
 
 def _target(store: str, plane: str, size: int, q: Any, stop: Any) -> None:
+    if plane == "tcp":  # over TCP, as from another host (not a same-host Unix socket: transport.local_socket)
+        os.environ["TRANSPORT_UNIX_SOCKETS"] = "0"
     import transport
 
     torch.set_num_threads(1)
@@ -95,6 +97,8 @@ def _target(store: str, plane: str, size: int, q: Any, stop: Any) -> None:
 
 
 async def _initiator(args: argparse.Namespace) -> None:
+    if args.plane == "tcp":
+        os.environ["TRANSPORT_UNIX_SOCKETS"] = "0"
     from torch.distributed import TCPStore
 
     import transport

@@ -81,6 +81,7 @@ async def _run(args: argparse.Namespace) -> None:
     import transport
 
     sizes = [int(s) for s in args.sizes.split(",")]
+    os.environ["TRANSPORT_UNIX_SOCKETS"] = "0"  # over TCP, as from other hosts (inherited by the targets)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     async with transport.Endpoint("store-host", store="tcp://127.0.0.1:0", host_store=True, planes=("tcp",),

@@ -40,7 +40,7 @@ def digest(tensors: dict[str, Any]) -> str:
 
 
 def peer_planes(ep: Any) -> dict[str, dict[str, str]]:
-    return {n: {"plane": p.plane, "reason": p.plane_reason} for n, p in ep.peers.items()}
+    return {n: {"plane": p.plane, "reason": p.plane_reason, "socket": p.socket} for n, p in ep.peers.items()}
 
 
 async def main() -> None:

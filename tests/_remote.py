@@ -268,7 +268,7 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return {"in_use": st.in_use, "peak_in_use": st.peak_in_use, "allocated": st.allocated}
         if cmd == "peer_planes":
             p = await ep.connect(args[0])
-            return {"plane": p.plane, "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason}
+            return {"plane": p.plane, "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason, "socket": p.socket}
         if cmd == "peer_specs_local":  # the names this endpoint has registered
             return sorted(ep.buffers)
         if cmd == "op_planes":  # the planes this side's ops of a kind took, as its flight recorder has them

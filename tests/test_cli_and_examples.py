@@ -72,6 +72,7 @@ def test_doctor_names_the_plane_for_a_live_peer(store_url):
     assert r.returncode == 0, r.stderr
     assert "peer doctor-peer" in r.stdout and "plane tcp" in r.stdout
     assert "GPU buffers: plane staged because cuda_ipc: not allowed here" in r.stdout
+    assert "channel socket: unix (same host, same network namespace)" in r.stdout
 
 
 def test_cli_usage():

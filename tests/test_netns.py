@@ -110,6 +110,7 @@ def test_a_cut_link_fails_only_that_subscriber_and_the_next_push_delivers_everyt
             st = read(g)
             assert st["version"] == 1 and st["sha256"] == want[1], (n, st)
             assert g.call("peers")["trainer"]["plane"] == "tcp"
+            assert g.call("peers")["trainer"]["socket"] == "tcp"  # (another pid namespace: no Unix socket tried)
 
         victim_name = "gen2"
         victim, victim_host = gens[victim_name], 2

@@ -75,6 +75,8 @@ def decode_address(data: bytes) -> tuple[EndpointRecord, bytes]:
         raise ValueError(f"the address record names an invalid endpoint {ep.name!r}")
     if not ep.host or not 0 < ep.port < 65536:
         raise ValueError(f"the address record holds an invalid address {ep.host!r}:{ep.port}")
+    if ep.unix and (len(ep.unix) > 100 or "\0" in ep.unix):
+        raise ValueError(f"the address record holds an invalid Unix socket name {ep.unix!r}")
     if not rec.secret:
         raise ValueError("the address record holds an empty secret")
     return ep, rec.secret

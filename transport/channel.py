@@ -53,6 +53,7 @@ from .errors import (
 from .flight_recorder import OpKind, OpState, Record
 from .handshake import specs_from_wire
 from .hostinfo import local_host, same_host
+from .local_socket import family_name
 from .loop_reads import LoopReads
 from .loop_reads import enabled as loop_reads_enabled
 from .op import Op
@@ -180,6 +181,7 @@ class Channel:
         self.link: PeerLink | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
         self.planes = PlaneChoice(self)  # the GPU planes and the choice of a plane per op
         self._sock = sock
+        self.socket_kind = family_name(sock)  # "unix" (a same-host peer: transport.local_socket) or "tcp"
         self._lock = threading.Lock()
         self.ops = OpTable(self, self._lock)  # the initiator's pending ops and their lifecycle
         self._tx = Sender(sock, self.peer_name, self._send_failed)

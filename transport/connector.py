@@ -26,6 +26,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from . import local_socket
 from .channel import Channel, CoreProtocol
 from .errors import (
     AuthenticationError,
@@ -66,6 +67,7 @@ class Owner(CoreProtocol, Protocol):
     _book: Any  # AddressBook: peers added from their address records
     _exports: Any  # Exports: the holders of a handshake in progress
     _listener: socket.socket | None
+    _unix_listener: socket.socket | None  # (transport.local_socket)
     _rdv: Any  # Rendezvous
     _record: Any  # our EndpointRecord
     _registry: Any  # LocalRegistry
@@ -92,6 +94,7 @@ class Connector:
         self._dial_locks: dict[str, asyncio.Lock] = {}
         self._handshaking = 0
         self._holder_ids = itertools.count(1)
+        self.unix_name = ""  # the abstract name of the Unix-socket listener ("" none)
 
     def hello(self, channel_id: str) -> Hello:
         ep = self.ep
@@ -138,14 +141,15 @@ class Connector:
             ch.send(Registry(epoch, bufs))
         return ch
 
-    async def accept_loop(self) -> None:
+    async def accept_loop(self, unix: bool = False) -> None:
+        """Accept connections on the endpoint's TCP listener (``unix``: its Unix-socket one) until cancelled."""
         ep = self.ep
-        listener = ep._listener
+        listener = ep._unix_listener if unix else ep._listener
         if listener is None:  # (open() failed, or close() cut it short, before this task first ran)
             return
         while True:
             sock, addr = await ep.loop.sock_accept(listener)
-            ep._spawn(self._accept_one(sock, addr))
+            ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr))
 
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
         ep = self.ep
@@ -155,7 +159,7 @@ class Connector:
             return
         self._handshaking += 1
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _no_delay(sock)
             await ep._nccl.late(ep._state == "open")
             hello = self.hello("")
         except BaseException:
@@ -234,22 +238,24 @@ class Connector:
             if rec is None:
                 rec = await ep._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
             channel_id = f"{ep.name}#{ep.incarnation:x}->{peer}#{rec.incarnation:x}/{secrets.token_hex(3)}"
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await ep.loop.sock_connect(sock, (rec.host, rec.port))
-            except TimeoutError:
-                sock.close()
-                raise TransportTimeoutError(f"connecting to {peer!r} at {rec.host}:{rec.port} timed out",
-                                            Phase.CONNECT) from None
-            except OSError as exc:
-                sock.close()
-                log.info("endpoint %r (incarnation %#x) at %s:%d refused: %s; waiting for a new incarnation",
-                         peer, rec.incarnation, rec.host, rec.port, exc)
-                skip.add(rec.incarnation)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = await self._connect_unix(peer, rec, deadline)
+            if sock is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await ep.loop.sock_connect(sock, (rec.host, rec.port))
+                except TimeoutError:
+                    sock.close()
+                    raise TransportTimeoutError(f"connecting to {peer!r} at {rec.host}:{rec.port} timed out",
+                                                Phase.CONNECT) from None
+                except OSError as exc:
+                    sock.close()
+                    log.info("endpoint %r (incarnation %#x) at %s:%d refused: %s; waiting for a new incarnation",
+                             peer, rec.incarnation, rec.host, rec.port, exc)
+                    skip.add(rec.incarnation)
+                    continue
+                _no_delay(sock)
             pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
             adopted = False
             try:
@@ -263,6 +269,31 @@ class Connector:
                     ep._exports.forget(pending)
                 else:  # it may have had our Hello and adopted its side: as a channel closed without a Bye
                     ep._exports.closed(pending, orderly=False)
+
+    async def _connect_unix(self, peer: str, rec: Any, deadline: float) -> socket.socket | None:
+        """A connected socket to ``rec``'s Unix-socket listener, if it has one, is on this host, and
+        takes the connection (:mod:`transport.local_socket`); None: dial TCP (logged when a Unix
+        socket was there to try)."""
+        name = getattr(rec, "unix", "")
+        if not name or not isinstance(name, str) or not local_socket.enabled():
+            return None
+        if not same_host(local_host(), rec.hostinfo)[0]:
+            return None
+        if len(name) > 100 or "\0" in name:
+            log.warning("endpoint %r publishes an invalid Unix socket name %r; dialling TCP", peer, name)
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.ep.loop.sock_connect(sock, local_socket.unix_address(name))
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            if time.monotonic() < deadline:
+                log.info("endpoint %r is on this host, but its Unix socket refused (%s: another network namespace, "
+                         "or gone); dialling TCP at %s:%d", peer, exc or type(exc).__name__, rec.host, rec.port)
+            return None
+        return sock
 
     async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
                          deadline: float, skip: set[int]) -> Channel:
@@ -325,6 +356,15 @@ class Connector:
         threading.Thread(target=ch.join, args=(2.0,), name="transport-join", daemon=True).start()
 
     # ---------------------------------------------------------------- every channel
+    def listen_unix(self) -> socket.socket | None:
+        """The endpoint's Unix-socket listener (None: off or unavailable), its name kept for the record."""
+        got = local_socket.listen(self.ep.incarnation)
+        if got is None:
+            self.unix_name = ""
+            return None
+        lsock, self.unix_name = got
+        return lsock
+
     def listen(self, host: str) -> socket.socket:
         """A non-blocking socket listening on ``host`` and a port the OS picks."""
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -379,3 +419,9 @@ class Connector:
             ch.close("endpoint closed", max(0.0, min(1.0, end - time.monotonic())))
         for ch in chans:
             ch.join(max(0.0, end - time.monotonic()))
+
+
+def _no_delay(sock: socket.socket) -> None:
+    """TCP_NODELAY on a TCP socket (a Unix socket has no Nagle to turn off)."""
+    if sock.family != getattr(socket, "AF_UNIX", None):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -177,7 +177,7 @@ async def _peer_choice(store: str, peer: str, planes: tuple[str, ...] | None, ti
         p = await ep.connect(peer, timeout=timeout)
         return {"peer": p.name, "incarnation": hex(p.incarnation), "plane": p.plane, "reason": p.plane_reason,
                 "gpu_plane": p.gpu_plane, "gpu_reason": p.gpu_plane_reason, "buffers": len(p.buffers),
-                "secret": ep.secret_source}
+                "socket": p.socket, "secret": ep.secret_source}
 
 
 def _print_features(p: dict[str, Any], indent: str) -> None:
@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"peer {p['peer']} (incarnation {p['incarnation']}, {p['buffers']} buffers): "
                   f"plane {p['plane']} because {p['reason']}")
             print(f"  GPU buffers: plane {p['gpu_plane']} because {p['gpu_reason']}")
+            print(f"  channel socket: {p['socket']}" + (" (same host, same network namespace)" if p["socket"] == "unix"
+                                                         else ""))
             print(f"  the job's secret: from {p['secret']} (the peer proved it holds the same)")
     return 0
 

@@ -174,6 +174,7 @@ class Endpoint(Operations):
         self._all = self._connector.all
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
+        self._unix_listener: socket.socket | None = None  # same-host peers dial it (transport.local_socket)
         self._record: EndpointRecord | None = None
         self._state = "new"
         self._opening: asyncio.Task[Any] | None = None  # the task running open(), while it runs
@@ -212,10 +213,14 @@ class Endpoint(Operations):
                 self._secret = stored
             host = self._listen_host or self._connector.guess_listen_host()
             self._listener = lsock = self._connector.listen(host)
-            self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host())
+            self._unix_listener = self._connector.listen_unix()
+            self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host(),
+                                          self._connector.unix_name)
             self._nccl.at_open()
             self._exports.start()  # export the buffers registered before open, and every later one at once
             self._spawn(self._connector.accept_loop())
+            if self._unix_listener is not None:
+                self._spawn(self._connector.accept_loop(unix=True))
             self._spawn(self._monitor())
             publishing = True
             await self._rdv.publish(self._record, time.monotonic() + self.timeout)
@@ -302,6 +307,9 @@ class Endpoint(Operations):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._unix_listener is not None:
+            self._unix_listener.close()
+            self._unix_listener = None
         self._exports.close()  # (live same-host peers may keep some memory until they exit)
         self._rdv.close()
 

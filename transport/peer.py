@@ -46,6 +46,7 @@ class _Channel(Protocol):
     def gpu_plane_reason(self) -> str | None: ...
     id: str
     state: Any  # its ChannelState (.value)
+    socket_kind: str
 
     @property
     def is_open(self) -> bool: ...
@@ -85,6 +86,13 @@ class Peer:
         return self._channel.plane_reason
 
     @property
+    def socket(self) -> str:
+        """What the channel's socket is: ``"unix"`` (a peer on this host, in the same network
+        namespace) or ``"tcp"`` (:mod:`transport.local_socket`). Frames, the ``tcp`` plane's bytes
+        included, go over it either way."""
+        return self._channel.socket_kind
+
+    @property
     def same_host(self) -> bool:
         """Whether the peer runs on this host (same kernel boot and pid namespace, from the host identity its
         ``Hello`` carried: :func:`transport.hostinfo.same_host`), whatever plane its channel runs."""
@@ -117,4 +125,4 @@ class Peer:
 
     def __repr__(self) -> str:
         state = "open" if self.connected else self._channel.state.value
-        return f"<Peer {self.name!r} incarnation={self.incarnation:#x} plane={self.plane} {state} buffers={len(self._channel.peer_specs)}>"
+        return f"<Peer {self.name!r} incarnation={self.incarnation:#x} plane={self.plane} socket={self.socket} {state} buffers={len(self._channel.peer_specs)}>"

@@ -52,6 +52,8 @@ class Receiver:
         self._end = 0
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._rx_cap = 0  # the largest SO_RCVLOWAT for the payload being received
+        # a Unix socket's readiness ignores SO_RCVLOWAT (Linux's unix_poll): large payloads are read as they come
+        self._use_lowat = sock.family != getattr(socket, "AF_UNIX", None)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self.last_rx = time.monotonic()  # the last time bytes arrived
@@ -189,7 +191,7 @@ class Receiver:
                 return
         sock = self._sock
         cap = 0
-        if total >= LOWAT_FROM:
+        if total >= LOWAT_FROM and self._use_lowat:
             if n + more == total:  # the payload's first part: size its chunks once
                 self._rx_cap = min(LOWAT_MAX, total // 4, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
             cap = self._rx_cap

@@ -164,6 +164,7 @@ class EndpointRecord(msgspec.Struct, frozen=True):
     port: int
     incarnation: int
     hostinfo: HostInfo
+    unix: str = ""  # the abstract Unix socket it also accepts channels on ("" none; transport.local_socket)
 
 
 _rec_encoder = msgspec.json.Encoder()

@@ -1,0 +1,109 @@
+"""Channels to same-host peers run on a Unix-domain socket (transport.local_socket), and fall back
+to TCP, saying so, where that socket cannot be reached."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import pytest
+import torch
+from _remote import RemoteEndpoint, make_tensor, same_bytes
+from torch.distributed import HashStore
+
+import transport
+from transport.address import decode_address, encode_address
+
+pytestmark = pytest.mark.timeout(120)
+
+BIG = (3 << 20) + 5  # float32 elements: a 12 MiB payload, above the receiver's SO_RCVLOWAT threshold
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+async def test_a_spawned_same_host_peer_is_reached_over_a_unix_socket_both_ways(store_url, uname, plane):
+    target = RemoteEndpoint(uname("tgt"), store=store_url, planes=(plane,), timeout=30)
+    try:
+        target.call("register", "small", "float32", [1024])
+        target.call("register", "big", "float32", [BIG])
+        async with transport.Endpoint(uname("init"), store=store_url, planes=(plane,), timeout=30) as ep:
+            peer = await ep.connect(target.name)
+            assert (peer.plane, peer.socket) == (plane, "unix"), peer
+            assert "socket=unix" in repr(peer)
+            small, big = make_tensor("float32", (1024,), 1), make_tensor("float32", (BIG,), 2)
+            await ep.put(target.name, {"small": small, "big": big}, notify=b"landed")
+            assert target.call("check", "small", 1)
+            assert target.call("check", "big", 2)
+            out = torch.zeros(BIG)
+            await ep.get(target.name, {"big": out})
+            assert same_bytes(out, big)
+            # the target's half of the one channel is the same Unix socket
+            assert target.call("peer_planes", ep.name)["socket"] == "unix"
+            # and the target's ops to us go over it too
+            back = torch.zeros(1024)
+            ep.register("back", back)
+            target.call("put", ep.name, {"back": ("float32", [1024], 3)}, 30)
+            assert same_bytes(back, make_tensor("float32", (1024,), 3))
+    finally:
+        target.kill()
+
+
+async def test_with_unix_sockets_off_a_same_host_peer_is_dialled_over_tcp(store_url, uname, monkeypatch):
+    target = RemoteEndpoint(uname("tgt"), store=store_url, timeout=30)  # (it listens on a Unix socket)
+    try:
+        target.call("register", "t", "float32", [256])
+        monkeypatch.setenv("TRANSPORT_UNIX_SOCKETS", "0")  # read when the dialer dials
+        async with transport.Endpoint(uname("init"), store=store_url, timeout=30) as ep:
+            peer = await ep.connect(target.name)
+            assert peer.socket == "tcp" and peer.same_host
+            await ep.put(target.name, {"t": make_tensor("float32", (256,), 5)})
+            assert target.call("check", "t", 5)
+            assert target.call("peer_planes", ep.name)["socket"] == "tcp"
+    finally:
+        target.kill()
+
+
+async def test_a_unix_socket_that_refuses_falls_back_to_tcp_and_the_log_says_why(caplog):
+    async with (
+        transport.Endpoint("a", store=HashStore(), timeout=10) as a,
+        transport.Endpoint("b", store=HashStore(), timeout=10) as b,
+    ):
+        rec, secret = decode_address(b.address_record())
+        assert rec.unix, "an open endpoint on Linux listens on a Unix socket and publishes its name"
+        gone = msgspec.structs.replace(rec, unix="transport-rl/nobody-listens-here")
+        a.add_peer(encode_address(gone, secret))
+        target = torch.zeros(8)
+        b.register("t", target)
+        with caplog.at_level(logging.INFO, logger="transport.endpoint"):
+            await a.put("b", {"t": torch.ones(8)}, timeout=10)
+        assert torch.equal(target, torch.ones(8))
+        assert (await a.connect("b")).socket == "tcp"
+        assert any("Unix socket refused" in r.getMessage() and "dialling TCP" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("bad", ["x" * 101, "transport-rl/\0hidden"])
+async def test_an_address_record_with_an_invalid_unix_name_is_refused(bad):
+    async with transport.Endpoint("b", store=HashStore(), timeout=10) as b:
+        rec, secret = decode_address(b.address_record())
+        with pytest.raises(ValueError, match="Unix socket name"):
+            decode_address(encode_address(msgspec.structs.replace(rec, unix=bad), secret))
+
+
+async def test_a_closed_endpoint_stops_listening_on_its_unix_socket():
+    import socket
+
+    from transport.local_socket import unix_address
+
+    b = transport.Endpoint("b", store=HashStore(), timeout=10)
+    await b.open()
+    rec, _ = decode_address(b.address_record())
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.connect(unix_address(rec.unix))  # listening while open
+    probe.close()
+    await b.close()
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with pytest.raises(ConnectionRefusedError):
+        probe.connect(unix_address(rec.unix))
+    probe.close()
+    await asyncio.sleep(0)
