@@ -273,15 +273,32 @@ class PushTracker:
             if p is None or p.incarnation != t.layout.incarnation:
                 return
         limit = 2.0 if best_effort else max(0.5, self.deadline - time.monotonic())
+        payload = m.encode(msg)
+
+        def sent() -> None:
+            if t.channel is None and not best_effort:  # (no await since the post: the channel it went over)
+                p = self.ep.peers.get(t.name)
+                if p is None:
+                    raise transport.PeerLostError(f"the channel to {t.name!r} broke as the push began")
+                t.channel = p.channel_id
+
+        try:  # the common case: the channel is open and nothing is held back on it: posted right here
+            if self.ep.post_nowait(t.name, payload):
+                sent()
+                return
+        except transport.PeerLostError as exc:
+            if not best_effort and t.alive:
+                self.fail(t, self._lost_error(t, time.monotonic(), exc))
+            return
+        except Exception as exc:  # (a message too large to post, ...)
+            if not best_effort:
+                self.fail(t, exc)
+            return
 
         async def send() -> None:
             try:
-                await self.ep.post(t.name, m.encode(msg), timeout=limit)  # (answered by its Reply, not an Ack)
-                if t.channel is None and not best_effort:  # (no await since the post: the channel it went over)
-                    p = self.ep.peers.get(t.name)
-                    if p is None:
-                        raise transport.PeerLostError(f"the channel to {t.name!r} broke as the push began")
-                    t.channel = p.channel_id
+                await self.ep.post(t.name, payload, timeout=limit)  # (answered by its Reply, not an Ack)
+                sent()
             except transport.TransportTimeoutError as exc:
                 if not best_effort and t.alive:  # (it ran into the push's deadline)
                     err = self._overdue(t, time.monotonic())

@@ -447,9 +447,17 @@ class WeightSubscriber(Holding):
             self._live_bank = bank
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
+        payload = m.encode(reply)
+        try:  # (answers a message: nothing answers it) right here where the channel is open, else in a task
+            if self.endpoint.post_nowait(peer, payload):
+                return
+        except transport.TransportError as exc:
+            log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
+            return
+
         async def send() -> None:
             try:
-                await self.endpoint.post(peer, m.encode(reply))  # (answers a message: nothing answers it)
+                await self.endpoint.post(peer, payload)
             except transport.TransportError as exc:
                 log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
 

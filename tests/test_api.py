@@ -232,6 +232,30 @@ async def test_posted_notifications_arrive_in_order_unanswered(pair):
         await a.post("nobody-" + a.name, b"x", timeout=0.5)
 
 
+async def test_post_nowait_posts_only_over_an_open_channel_and_keeps_the_order(pair):
+    """``post_nowait`` sends right away where a channel is open (True), never dials (False, nothing
+    sent), keeps the channel's order with ops before it, and is recorded like ``post``."""
+    a, b = pair
+    w = torch.zeros(5)
+    b.register("w", w)
+    assert a.post_nowait(b.name, b"never sent") is False  # no channel yet: not dialled, nothing sent
+    assert b.name not in a.peers
+    await a.put(b.name, {"w": torch.full((5,), 3.0)}, notify=b"n0")
+    sent = [a.post_nowait(b.name, b"q%d" % i) for i in range(1, 30)]
+    assert all(sent)
+    got = [(await b.next_notification(timeout=10)).payload for _ in range(30)]
+    assert got == [b"n0"] + [b"q%d" % i for i in range(1, 30)]
+    assert torch.equal(w, torch.full((5,), 3.0))
+    ini = [r for r in a.recorder.snapshot() if r["kind"] == "notify" and r["role"] == "initiator"]
+    assert len(ini) == 29 and all(r["state"] == "done" for r in ini)  # (n0 went with its put)
+    with pytest.raises(transport.InvalidTensorError):
+        a.post_nowait(b.name, b"x" * (2 << 20))
+    with pytest.raises(transport.InvalidTensorError):
+        a.post_nowait(b.name, "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(transport.TransportTimeoutError):
+        await b.next_notification(timeout=0.2)  # (nothing else arrived: the refused ones were not sent)
+
+
 async def test_notification_routes_by_prefix(pair):
     """A library takes its own messages by prefix (longest wins); the application reads the rest."""
     a, b = pair

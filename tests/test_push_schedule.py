@@ -85,6 +85,9 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
         name = "pub"
         peers: dict[str, Any] = {}
 
+        def post_nowait(self, name: str, payload: bytes) -> bool:  # (no channel is ever open "right now" here)
+            return False
+
         async def post(self, name: str, payload: bytes, timeout: float) -> None:  # (what PushRun sends with)
             msg = m.decode(payload)
             if isinstance(msg, m.Commit) and subs[name].break_at_commit:

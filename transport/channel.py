@@ -71,6 +71,7 @@ from .wire import (
     HostInfo,
     Item,
     Message,
+    Notify,
     Ping,
     Registry,
     Sync,
@@ -340,6 +341,14 @@ class Channel:
         """Whether an op started now goes out at once (no earlier op of the channel is still held
         back, waiting before it is handed over: see :meth:`run`)."""
         return self.ops.in_order_now()
+
+    def post_here(self, payload: bytes) -> None:
+        """Event loop: send ``payload`` as a notification nothing answers, right now (nothing of
+        the channel is held back: :meth:`in_order_now`), recorded in the flight recorder as done
+        (or failed) in one step (:meth:`~transport.op_table.OpTable.post_here`). Raises
+        :class:`PeerLostError` if the channel is down."""
+        self.ops.post_here(lambda op_id, seq: self.send(Notify(op_id, seq, bytes(payload), False)), len(payload),
+                           self.plane.name)
 
     def finish_here(self, op: Op) -> None:
         """Event loop: ``op`` completed on this side alone (a one-sided shm put or get): it leaves

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -303,6 +304,21 @@ class OpTable:
         ch = self.ch
         return ch.recorder.record_done(next(OpTable._op_ids), ch.id, next(self._seq), "initiator", ch.core.name,
                                        ch.peer_name, kind, names, nbytes, plane, t_posted, error)
+
+    def post_here(self, send: Callable[[int, int], None], nbytes: int, plane: str) -> None:
+        """Event loop: ``send(op_id, seq)`` a notification nothing answers, with no op object, and
+        record it done (or failed with what ``send`` raised, re-raised) in one step."""
+        ch = self.ch
+        op_id, seq, t0 = next(OpTable._op_ids), next(self._seq), time.time()
+        error: BaseException | None = None
+        try:
+            send(op_id, seq)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            ch.recorder.record_done(op_id, ch.id, seq, "initiator", ch.core.name, ch.peer_name, OpKind.NOTIFY, [],
+                                    nbytes, plane, t0, error)
 
     def in_order_now(self) -> bool:
         """Whether an op started now goes out at once (no earlier op of the channel is still held

@@ -242,10 +242,27 @@ class Operations:
         """
         await self._notification(peer, payload, timeout, answer=False)
 
+    def post_nowait(self, peer: str, payload: bytes) -> bool:
+        """:meth:`post` ``payload`` to ``peer`` right now, without a coroutine, if it can be: True
+        once it is handed to the channel (the same guarantees as :meth:`post`); False, with
+        nothing sent, if no channel to ``peer`` is open yet (or this endpoint is not open) or an
+        earlier op of the channel is still held back: then ``await post(...)`` instead, which
+        dials and waits its turn. Never blocks; call it on the endpoint's event loop. Raises
+        :class:`InvalidTensorError` for a payload that is not bytes or too large, and
+        :class:`PeerLostError` if the channel broke just now."""
+        _check_payload(payload)
+        ch = self._open_channel(peer)
+        if ch is None or not ch.in_order_now():
+            return False
+        ch.post_here(payload)
+        return True
+
     async def _notification(self, peer: str, payload: bytes, timeout: float | None, *, answer: bool) -> None:
         """:meth:`notify` (``answer``: wait for the peer's Ack) or :meth:`post` (done once handed over)."""
         _check_payload(payload)
         deadline = self._deadline(timeout)
+        if not answer and self.post_nowait(peer, payload):  # the common case: sent right here, no op object
+            return
         ch = await self._channel(peer, deadline)
         op = ch.new_op(OpKind.NOTIFY, [], len(payload), answered=answer)
 
