@@ -107,3 +107,48 @@ async def test_a_closed_endpoint_stops_listening_on_its_unix_socket():
         probe.connect(unix_address(rec.unix))
     probe.close()
     await asyncio.sleep(0)
+
+
+async def test_a_peer_that_closes_while_we_send_is_closed_orderly_not_lost(store_url, uname, caplog):
+    """A peer says Bye and closes its socket while this side keeps posting: a post that meets the
+    closed socket (EPIPE on a Unix socket, at once) must not turn the peer's orderly close into a
+    lost channel (a WARNING at every shutdown): the reader still reads the Bye. Five peers in a row,
+    each closed in the middle of a stream of posts."""
+    async with transport.Endpoint(uname("init"), store=store_url, timeout=30) as ep:
+        for _ in range(5):
+            target = RemoteEndpoint(uname("tgt"), store=store_url, timeout=30)
+            try:
+                peer = await ep.connect(target.name)
+                assert peer.socket == "unix"
+                stop = asyncio.Event()
+
+                async def flood(name: str = target.name) -> int:
+                    n = 0
+                    while not stop.is_set():
+                        try:
+                            if not ep.post_nowait(name, b"x" * 512):
+                                break  # (the channel is gone)
+                        except transport.PeerLostError:
+                            break
+                        n += 1
+                        if n % 16 == 0:
+                            await asyncio.sleep(0)
+                    return n
+
+                with caplog.at_level(logging.INFO, logger="transport.endpoint"):
+                    caplog.clear()
+                    task = asyncio.ensure_future(flood())
+                    await asyncio.sleep(0.05)
+                    await asyncio.to_thread(target.stop)  # an orderly close: Bye, then the socket closes
+                    for _ in range(200):  # (bounded: 10 s)
+                        if target.name not in ep.peers:
+                            break
+                        await asyncio.sleep(0.05)
+                    stop.set()
+                    posted = await asyncio.wait_for(task, 10)
+                assert posted > 0 and target.name not in ep.peers
+                msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+                assert any("closed by" in m and target.name in m for m in msgs), msgs
+                assert not any(" lost: " in m and target.name in m for m in msgs), msgs
+            finally:
+                target.kill()

@@ -89,6 +89,9 @@ log = logging.getLogger(__name__)
 
 
 
+_HUNG_UP_GRACE = 0.5  # s the reader has to find the Bye of a peer that closed while we sent, before it is lost
+
+
 class ChannelState(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
@@ -177,6 +180,7 @@ class Channel:
         self.orderly = False  # closed by a Bye, not by a failure
         self.plane: DataPlane = plane_cls(self)
         self._bye = False  # say_bye ran
+        self._hung_up: PeerLostError | None = None  # the peer closed its end while we sent (_peer_hung_up)
         self.plane_reason = plane_reason
         self.staging = core.staging
         self.link: PeerLink | None = None  # the channel's NCCL link, if both endpoints offer nccl (set by the endpoint)
@@ -278,7 +282,7 @@ class Channel:
         # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
         frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload), early)
         if not self._tx.submit(frames, on_sent, direct=direct):
-            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
+            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error or self._hung_up}")
 
     def send_quietly(self, msg: Message) -> None:
         """:meth:`send`, for answers that do not matter once the channel is gone (any thread)."""
@@ -288,6 +292,8 @@ class Channel:
             pass
 
     def _send_failed(self, exc: Exception) -> None:
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and self._peer_hung_up(exc):
+            return
         if isinstance(exc, StagingError):
             lost = PeerLostError(f"channel to {self.peer_name!r} closed: a staged payload could not be completed "
                                  f"and the peer had seen part of it ({exc})")
@@ -295,6 +301,23 @@ class Channel:
             lost = PeerLostError(f"sending to {self.peer_name!r} failed: {exc}")
         lost.__cause__ = exc
         self.lose(lost)
+
+    def _peer_hung_up(self, exc: OSError) -> bool:
+        """The peer closed its end while we sent (any thread): nothing more goes out, and the reader,
+        which reads what the peer sent before it closed (a Bye: an orderly close, not a loss), ends
+        the channel; failing that, :data:`_HUNG_UP_GRACE` s from now it is lost with ``exc``. False
+        (lose it at once) if the event loop is gone."""
+        lost = PeerLostError(f"sending to {self.peer_name!r} failed: the peer closed its end ({exc})")
+        lost.__cause__ = exc
+        self._hung_up = lost
+        self._tx.close()  # (later sends fail at once with PeerLostError)
+        try:
+            self.loop.call_soon_threadsafe(self.loop.call_later, _HUNG_UP_GRACE, self.lose, lost)
+        except RuntimeError:
+            return False
+        if self.reads is not None:
+            self.reads.wake()
+        return True
 
     @property
     def last_tx(self) -> float:
