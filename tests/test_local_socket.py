@@ -122,7 +122,7 @@ async def test_a_peer_that_closes_while_we_send_is_closed_orderly_not_lost(store
                 assert peer.socket == "unix"
                 stop = asyncio.Event()
 
-                async def flood(name: str = target.name) -> int:
+                async def flood(name: str = target.name, stop: asyncio.Event = stop) -> int:
                     n = 0
                     while not stop.is_set():
                         try:
