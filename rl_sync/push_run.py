@@ -64,8 +64,8 @@ class PushRun(PushTracker):
             for t in self.targets.values():
                 t.begin_sent = True
                 t.begin_at = now
+                self.emit(t, "begin_sent")  # (before the send: an observer sees it before any answer)
                 self._send(t, m.Begin(self.push_id, self.version, t.layout.digest, self.pub.bucket_bytes))
-                self.emit(t, "begin_sent")
             await asyncio.gather(*(self._run_group(g) for g in groups))
             await self._until(lambda: not any(t.alive for t in self.targets.values()))
         finally:

@@ -61,6 +61,7 @@ class PushTracker:
         self.copier: Copier = Copier(torch.device("cpu"))  # where packs run (set by push())
         self.marks: list[Any] = []  # the caller's GPU work queued when push() was called
         self._marks_wait: asyncio.Future[Any] | None = None  # live pulls: the host wait for those marks
+        self._posting: dict[str, int] = {}  # subscriber -> its messages still being posted by a task (_send)
 
     # ------------------------------------------------------------------ events
     def emit(self, t: Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:
@@ -105,8 +106,8 @@ class PushTracker:
               live: tuple[str, ...] = ()) -> None:
         t.orphaned.discard(k)
         p = t.inflight[k] = Pull(next(t.attempts), source, slot, time.monotonic())
-        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt, live))
         self.emit(t, "pull_sent", k, source)
+        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt, live))
 
     def _stall(self, t: Target, why: str) -> None:
         """Take every slot back from ``t``: its slot pulls are superseded (repaired once it answers)."""
@@ -246,8 +247,8 @@ class PushTracker:
             if msg is not None:
                 t.committing = True
                 t.commit_at = time.monotonic()
-                self._send(t, msg)
                 self.emit(t, "commit_sent")
+                self._send(t, msg)
 
     def fail(self, t: Target, exc: BaseException) -> None:
         if t.error is not None or t.committed:
@@ -282,18 +283,18 @@ class PushTracker:
                     raise transport.PeerLostError(f"the channel to {t.name!r} broke as the push began")
                 t.channel = p.channel_id
 
-        try:  # the common case: the channel is open and nothing is held back on it: posted right here
-            if self.ep.post_nowait(t.name, payload):
-                sent()
+        # the common case: the channel is open and nothing is held back on it, and no earlier message to
+        # this subscriber still waits in a task (it would be overtaken): posted right here. A failure is
+        # taken on the next turn of the loop, as a task's would be (not inside the caller's loops)
+        if not self._posting.get(t.name):
+            try:
+                if self.ep.post_nowait(t.name, payload):
+                    sent()
+                    return
+            except Exception as exc:  # (the channel broke just now, a message too large to post, ...)
+                if not best_effort:
+                    asyncio.get_running_loop().call_soon(self._post_failed, t, exc)
                 return
-        except transport.PeerLostError as exc:
-            if not best_effort and t.alive:
-                self.fail(t, self._lost_error(t, time.monotonic(), exc))
-            return
-        except Exception as exc:  # (a message too large to post, ...)
-            if not best_effort:
-                self.fail(t, exc)
-            return
 
         async def send() -> None:
             try:
@@ -311,9 +312,23 @@ class PushTracker:
                 if not best_effort:
                     self.fail(t, exc)
 
+        self._posting[t.name] = self._posting.get(t.name, 0) + 1  # (later messages queue behind it)
+
+        def done(task: asyncio.Task[Any], name: str = t.name) -> None:
+            self.tasks.discard(task)
+            self._posting[name] -= 1
+
         task = asyncio.ensure_future(send())
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(done)
+
+    def _post_failed(self, t: Target, exc: Exception) -> None:
+        """A message to ``t`` could not be posted (raised by ``post_nowait``): ``t`` fails."""
+        if isinstance(exc, transport.PeerLostError):
+            if t.alive:
+                self.fail(t, self._lost_error(t, time.monotonic(), exc))
+        else:
+            self.fail(t, exc)
 
     async def _until(self, cond: Callable[[], bool]) -> None:
         while not cond():

@@ -182,6 +182,7 @@ class WeightSubscriber(Holding):
         self._draining: set[asyncio.Task[Any]] = set()  # pulls of dropped pushes, cancelled, not yet over
         self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._posting: dict[str, int] = {}  # publisher -> replies to it still being posted by a task (_reply)
         self._closed = False
         self._names: list[str] = []
         manifest_bytes = encode_manifest(self.manifest)
@@ -448,12 +449,15 @@ class WeightSubscriber(Holding):
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
         payload = m.encode(reply)
-        try:  # (answers a message: nothing answers it) right here where the channel is open, else in a task
-            if self.endpoint.post_nowait(peer, payload):
+        # (answers a message: nothing answers it) right here where the channel is open and no earlier reply
+        # to that peer still waits in a task (it would be overtaken), else in a task
+        if not self._posting.get(peer):
+            try:
+                if self.endpoint.post_nowait(peer, payload):
+                    return
+            except transport.TransportError as exc:
+                log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
                 return
-        except transport.TransportError as exc:
-            log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
-            return
 
         async def send() -> None:
             try:
@@ -461,7 +465,11 @@ class WeightSubscriber(Holding):
             except transport.TransportError as exc:
                 log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
 
-        self._spawn(send())
+        def done(_: asyncio.Task[Any]) -> None:  # (a callback: it runs even for a task cancelled before it began)
+            self._posting[peer] -= 1
+
+        self._posting[peer] = self._posting.get(peer, 0) + 1
+        self._spawn(send()).add_done_callback(done)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -152,3 +152,85 @@ async def test_a_peer_that_closes_while_we_send_is_closed_orderly_not_lost(store
                 assert not any(" lost: " in m and target.name in m for m in msgs), msgs
             finally:
                 target.kill()
+
+
+def _listen_abstract(name: str):
+    import socket
+
+    from transport.local_socket import unix_address
+
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(unix_address(name))
+    lsock.listen(8)
+    return lsock
+
+
+async def test_a_process_squatting_on_a_published_unix_name_is_not_dialled(store_url, uname, caplog):
+    """Anyone on the host may listen on an abstract name: a record whose Unix name leads to another
+    process than the endpoint it names (checked with SO_PEERCRED) is dialled over TCP instead."""
+    target = RemoteEndpoint(uname("tgt"), store=store_url, timeout=30)
+    squat = _listen_abstract(f"transport-rl/squat-{uname('x')}")
+    try:
+        target.call("register", "t", "float32", [64])
+        async with transport.Endpoint(uname("init"), store=HashStore(), timeout=30) as ep:
+            async with transport.Endpoint(uname("book"), store=store_url, timeout=30) as reader:
+                # the target's record as the store has it, its Unix name pointed at the squatter
+                rec = await reader._rdv.lookup(target.name, __import__("time").monotonic() + 10)
+            assert rec.unix and rec.hostinfo.pid == target.pid
+            squatted = msgspec.structs.replace(rec, unix=squat.getsockname()[1:].decode())
+            secret = reader._secret  # (the job's secret: the store's)
+            ep.add_peer(encode_address(squatted, secret))
+            with caplog.at_level(logging.WARNING, logger="transport.endpoint"):
+                await ep.put(target.name, {"t": make_tensor("float32", (64,), 9)}, timeout=10)
+            assert target.call("check", "t", 9)
+            assert (await ep.connect(target.name)).socket == "tcp"
+            assert any("is not the endpoint's" in r.getMessage() for r in caplog.records), caplog.records
+    finally:
+        squat.close()
+        target.kill()
+
+
+async def test_a_proof_made_for_a_unix_socket_fails_at_the_real_endpoints_tcp_listener():
+    """The handshake's proofs are bound to the listener they were made for: a relay that listens
+    on a Unix name (and passes the peer-process check, being the process the record names) and
+    forwards the bytes to the real endpoint's TCP port gets the handshake refused there."""
+    import socket
+    import threading
+
+    async with (
+        transport.Endpoint("a", store=HashStore(), timeout=10) as a,
+        transport.Endpoint("b", store=HashStore(), timeout=10) as b,
+    ):
+        rec, secret = decode_address(b.address_record())
+        relay = _listen_abstract("transport-rl/relay-test-" + __import__("secrets").token_hex(4))
+        relay_name = relay.getsockname()[1:].decode()
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        def serve() -> None:
+            try:
+                conn, _ = relay.accept()
+            except OSError:
+                return
+            up = socket.create_connection((rec.host, rec.port))
+            threading.Thread(target=pump, args=(conn, up), daemon=True).start()
+            pump(up, conn)
+
+        threading.Thread(target=serve, daemon=True).start()
+        try:  # (both in this process: the record's pid is the relay's, so only the proof can refuse it)
+            a.add_peer(encode_address(msgspec.structs.replace(rec, unix=relay_name), secret))
+            with pytest.raises(transport.AuthenticationError):
+                await a.connect("b", timeout=5)
+        finally:
+            relay.close()

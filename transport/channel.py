@@ -1,6 +1,7 @@
 """One channel per connected peer: op sequencing, acks, deadlines, abort, heartbeats.
 
-A channel owns one TCP connection to one incarnation of a peer and two
+A channel owns one connection to one incarnation of a peer (a Unix-domain
+socket to a peer on this host, else TCP: :mod:`transport.local_socket`) and two
 threads: a *reader* that parses frames (and receives bulk bytes straight into
 registered tensors; :class:`~transport.dispatch.Dispatcher`) and the writer of
 its :class:`~transport.sender.Sender`, which sends frames in order (small ones
@@ -15,6 +16,7 @@ Theory of operation (channel states)::
     OPEN      op posted                      OPEN      frames queued in order
     OPEN      Bye received / close()         CLOSED    pending ops fail (PeerLost / EndpointClosed)
     OPEN      EOF, socket error              BROKEN    pending ops fail with PeerLostError
+    OPEN      a send meets the peer's close  OPEN      the reader ends it (its Bye: CLOSED), else BROKEN in 0.5 s
     OPEN      no traffic for hb timeout      BROKEN    pending ops fail with PeerLostError
     OPEN      malformed frame                BROKEN    ProtocolError logged, pending ops fail
     CLOSED/BROKEN  anything                  same      ignored; the endpoint dials anew
@@ -282,7 +284,7 @@ class Channel:
         # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
         frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload), early)
         if not self._tx.submit(frames, on_sent, direct=direct):
-            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error or self._hung_up}")
+            raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
     def send_quietly(self, msg: Message) -> None:
         """:meth:`send`, for answers that do not matter once the channel is gone (any thread)."""
@@ -303,20 +305,22 @@ class Channel:
         self.lose(lost)
 
     def _peer_hung_up(self, exc: OSError) -> bool:
-        """The peer closed its end while we sent (any thread): nothing more goes out, and the reader,
-        which reads what the peer sent before it closed (a Bye: an orderly close, not a loss), ends
-        the channel; failing that, :data:`_HUNG_UP_GRACE` s from now it is lost with ``exc``. False
-        (lose it at once) if the event loop is gone."""
+        """The peer closed its end while we sent (any thread). The reader reads what the peer sent
+        before it closed, usually a Bye (an orderly close, not a loss), and ends the channel;
+        meanwhile sends fail here again and are taken the same way (the reader's own answers too,
+        so it gets to that Bye; a posted notification is then lost, as ``post`` allows; an op
+        waiting for an answer fails when the channel ends). Failing that, :data:`_HUNG_UP_GRACE` s
+        from the first failure the channel is lost with ``exc``. False (lose it at once) if the
+        event loop is gone."""
+        if self._hung_up is not None:
+            return True
         lost = PeerLostError(f"sending to {self.peer_name!r} failed: the peer closed its end ({exc})")
         lost.__cause__ = exc
         self._hung_up = lost
-        self._tx.close()  # (later sends fail at once with PeerLostError)
         try:
             self.loop.call_soon_threadsafe(self.loop.call_later, _HUNG_UP_GRACE, self.lose, lost)
         except RuntimeError:
             return False
-        if self.reads is not None:
-            self.reads.wake()
         return True
 
     @property

@@ -149,9 +149,9 @@ class Connector:
             return
         while True:
             sock, addr = await ep.loop.sock_accept(listener)
-            ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr))
+            ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr, unix))
 
-    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
+    async def _accept_one(self, sock: socket.socket, addr: Any, unix: bool = False) -> None:
         ep = self.ep
         if self._handshaking >= _MAX_HANDSHAKES:
             log.warning("refusing a connection from %s: %d handshakes already in progress", addr, self._handshaking)
@@ -172,7 +172,9 @@ class Connector:
         try:
             assert ep._secret is not None and ep._record is not None
             remote = await handshake(sock, hello, time.monotonic() + min(ep.timeout, _ACCEPT_HANDSHAKE_S), dialer=False,
-                                     secret=ep._secret, address=(ep._record.host, ep._record.port))
+                                     secret=ep._secret,
+                                     address=local_socket.proof_address(self.unix_name) if unix
+                                     else (ep._record.host, ep._record.port))
             ep._exports.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
                                       else None)
             if ep._state != "open":
@@ -271,9 +273,10 @@ class Connector:
                     ep._exports.closed(pending, orderly=False)
 
     async def _connect_unix(self, peer: str, rec: Any, deadline: float) -> socket.socket | None:
-        """A connected socket to ``rec``'s Unix-socket listener, if it has one, is on this host, and
-        takes the connection (:mod:`transport.local_socket`); None: dial TCP (logged when a Unix
-        socket was there to try)."""
+        """A connected socket to ``rec``'s Unix-socket listener, if it has one, is on this host,
+        takes the connection and is the process the record names (:mod:`transport.local_socket`);
+        None: dial TCP (logged when a Unix socket was there to try). A full backlog is retried
+        until ``deadline``."""
         name = getattr(rec, "unix", "")
         if not name or not isinstance(name, str) or not local_socket.enabled():
             return None
@@ -282,16 +285,33 @@ class Connector:
         if len(name) > 100 or "\0" in name:
             log.warning("endpoint %r publishes an invalid Unix socket name %r; dialling TCP", peer, name)
             return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self.ep.loop.sock_connect(sock, local_socket.unix_address(name))
-        except (OSError, TimeoutError) as exc:
-            sock.close()
-            if time.monotonic() < deadline:
+        delay = 0.002
+        while True:
+            try:
+                sock = local_socket.connect(name)
+                break
+            except BlockingIOError:  # the listener's backlog is full (its loop is busy accepting): again, shortly
+                if time.monotonic() + delay >= deadline:
+                    log.info("endpoint %r: its Unix socket's backlog stayed full until the deadline; dialling TCP",
+                             peer)
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            except OSError as exc:
                 log.info("endpoint %r is on this host, but its Unix socket refused (%s: another network namespace, "
-                         "or gone); dialling TCP at %s:%d", peer, exc or type(exc).__name__, rec.host, rec.port)
+                         "or gone); dialling TCP at %s:%d", peer, exc, rec.host, rec.port)
+                return None
+        want = getattr(rec.hostinfo, "pid", 0)
+        try:
+            got = local_socket.peer_pid(sock)
+        except OSError as exc:
+            got, why = -1, str(exc)
+        else:
+            why = f"pid {got}"
+        if want and got != want:
+            sock.close()
+            log.warning("endpoint %r: the process listening on its Unix socket %r is not the endpoint's (%s, the "
+                        "record says pid %d); dialling TCP at %s:%d", peer, name, why, want, rec.host, rec.port)
             return None
         return sock
 
@@ -305,8 +325,10 @@ class Connector:
             ep._exports.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             assert ep._secret is not None
+            unix = sock.family == getattr(socket, "AF_UNIX", None)
             remote = await handshake(sock, hello, deadline, dialer=True,
-                                     secret=ep._book.secret_for(peer) or ep._secret, address=(rec.host, rec.port))
+                                     secret=ep._book.secret_for(peer) or ep._secret,
+                                     address=local_socket.proof_address(rec.unix) if unix else (rec.host, rec.port))
             sock.setblocking(True)
         except TimeoutError:
             sock.close()

@@ -5,8 +5,11 @@ an abstract Unix-domain socket too (:func:`listen`; its name goes in the record'
 dialer whose peer is on the same host (:func:`transport.hostinfo.same_host`) connects to that
 socket first: a small ``sendmsg`` on a Unix socket costs about 3 us where loopback TCP's costs
 15-25 us on an idle 2-core VM and over 100 us under load (the whole TCP receive path runs in the
-sender's system call), and a round trip takes half as long (``bench/README.md``). What goes over the socket is the same either way: the same
-handshake with the same secret, the same frames; only the socket's family differs.
+sender's system call), and a round trip takes half as long. What goes over the socket is the same either way: the same
+handshake with the same secret (its proofs bound to the Unix name instead of ``host:port``), the
+same frames; only the socket's family differs. The dialer also checks that the process at the
+other end (``SO_PEERCRED``) is the one the record names: anyone on the host can listen on an
+abstract name, and a process squatting on a published one is not dialled.
 
 Abstract Unix names belong to a network namespace: a same-host peer in another one (a container,
 or the test suite's namespaces standing in for other hosts) refuses the Unix connect, and the
@@ -20,9 +23,10 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import struct
 import sys
 
-__all__ = ["enabled", "family_name", "listen", "unix_address"]
+__all__ = ["connect", "enabled", "family_name", "listen", "peer_pid", "proof_address", "unix_address"]
 
 _PREFIX = "transport-rl/"
 
@@ -45,7 +49,10 @@ def listen(incarnation: int) -> tuple[socket.socket, str] | None:
     if not enabled():
         return None
     name = f"{_PREFIX}{os.getpid()}/{incarnation:x}/{secrets.token_hex(4)}"
-    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:  # (a sandbox that forbids AF_UNIX, no descriptor left)
+        return None
     try:
         lsock.bind(unix_address(name))
         lsock.listen(128)
@@ -54,6 +61,34 @@ def listen(incarnation: int) -> tuple[socket.socket, str] | None:
         lsock.close()
         return None
     return lsock, name
+
+
+def connect(name: str) -> socket.socket:
+    """A non-blocking socket connected to the abstract name ``name``. A Unix connect completes at
+    once or fails: ``BlockingIOError`` when the listener's backlog is full (try again later),
+    another ``OSError`` when nobody listens there (or Unix sockets cannot be made here)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.connect(unix_address(name))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a connected Unix socket (its listener's, as
+    of ``listen``), as this pid namespace numbers it (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return int(pid)
+
+
+def proof_address(name: str) -> tuple[str, int]:
+    """What the handshake's proofs bind a connection over the Unix socket ``name`` to, in place of
+    the TCP ``(host, port)``: a proof made for one listener never passes at another."""
+    return f"unix:{name}", 0
 
 
 def family_name(sock: socket.socket) -> str:
