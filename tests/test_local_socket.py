@@ -223,14 +223,18 @@ async def test_a_proof_made_for_a_unix_socket_fails_at_the_real_endpoints_tcp_li
                 conn, _ = relay.accept()
             except OSError:
                 return
-            up = socket.create_connection((rec.host, rec.port))
-            threading.Thread(target=pump, args=(conn, up), daemon=True).start()
-            pump(up, conn)
+            with conn, socket.create_connection((rec.host, rec.port)) as up:
+                back = threading.Thread(target=pump, args=(conn, up), daemon=True)
+                back.start()
+                pump(up, conn)
+                back.join(10)
 
-        threading.Thread(target=serve, daemon=True).start()
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
         try:  # (both in this process: the record's pid is the relay's, so only the proof can refuse it)
             a.add_peer(encode_address(msgspec.structs.replace(rec, unix=relay_name), secret))
             with pytest.raises(transport.AuthenticationError):
                 await a.connect("b", timeout=5)
         finally:
             relay.close()
+            await asyncio.to_thread(server.join, 10)

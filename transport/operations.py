@@ -244,12 +244,15 @@ class Operations:
 
     def post_nowait(self, peer: str, payload: bytes) -> bool:
         """:meth:`post` ``payload`` to ``peer`` right now, without a coroutine, if it can be: True
-        once it is handed to the channel (the same guarantees as :meth:`post`); False, with
-        nothing sent, if no channel to ``peer`` is open yet (or this endpoint is not open) or an
-        earlier op of the channel is still held back: then ``await post(...)`` instead, which
-        dials and waits its turn. Never blocks; call it on the endpoint's event loop. Raises
-        :class:`InvalidTensorError` for a payload that is not bytes or too large, and
-        :class:`PeerLostError` if the channel broke just now."""
+        once it is handed to the channel (the same guarantees as :meth:`post`: behind every frame
+        already handed to the channel); False, with nothing sent, if no channel to ``peer`` is
+        open yet (or this endpoint is not open) or a staged op of the channel is still held back
+        waiting for its CUDA work: then ``await post(...)`` instead, which dials and waits its
+        turn. A caller that falls back to such a task for one message keeps its later messages
+        to ``peer`` behind it (a ``post_nowait`` made before the task ran would overtake it).
+        Never blocks; call it on the endpoint's event loop. Raises :class:`InvalidTensorError`
+        for a payload that is not bytes or too large, and :class:`PeerLostError` if the channel
+        broke just now."""
         _check_payload(payload)
         ch = self._open_channel(peer)
         if ch is None or not ch.in_order_now():
