@@ -24,6 +24,7 @@ from . import messages as m
 from .device import Copier
 from .errors import CommitTimeoutError, SubscriberRejectedError
 from .plan import arena_name
+from .posting import InOrder
 from .push_state import Group, Publisher, Pull, Target, rejection
 from .report import PushEvent
 
@@ -61,7 +62,7 @@ class PushTracker:
         self.copier: Copier = Copier(torch.device("cpu"))  # where packs run (set by push())
         self.marks: list[Any] = []  # the caller's GPU work queued when push() was called
         self._marks_wait: asyncio.Future[Any] | None = None  # live pulls: the host wait for those marks
-        self._posting: dict[str, int] = {}  # subscriber -> its messages still being posted by a task (_send)
+        self._order = InOrder(self.ep)  # each subscriber's messages in order (_send)
 
     # ------------------------------------------------------------------ events
     def emit(self, t: Target, kind: str, bucket: int = -1, source: str | None = None, detail: str = "") -> None:
@@ -286,15 +287,14 @@ class PushTracker:
         # the common case: the channel is open and nothing is held back on it, and no earlier message to
         # this subscriber still waits in a task (it would be overtaken): posted right here. A failure is
         # taken on the next turn of the loop, as a task's would be (not inside the caller's loops)
-        if not self._posting.get(t.name):
-            try:
-                if self.ep.post_nowait(t.name, payload):
-                    sent()
-                    return
-            except Exception as exc:  # (the channel broke just now, a message too large to post, ...)
-                if not best_effort:
-                    asyncio.get_running_loop().call_soon(self._post_failed, t, exc)
+        try:
+            if self._order.now(t.name, payload):
+                sent()
                 return
+        except Exception as exc:  # (the channel broke just now, a message too large to post, ...)
+            if not best_effort:
+                asyncio.get_running_loop().call_soon(self._post_failed, t, exc)
+            return
 
         async def send() -> None:
             try:
@@ -312,15 +312,10 @@ class PushTracker:
                 if not best_effort:
                     self.fail(t, exc)
 
-        self._posting[t.name] = self._posting.get(t.name, 0) + 1  # (later messages queue behind it)
-
-        def done(task: asyncio.Task[Any], name: str = t.name) -> None:
-            self.tasks.discard(task)
-            self._posting[name] -= 1
-
         task = asyncio.ensure_future(send())
         self.tasks.add(task)
-        task.add_done_callback(done)
+        task.add_done_callback(self.tasks.discard)
+        self._order.behind(t.name, task)  # (later messages queue behind it)
 
     def _post_failed(self, t: Target, exc: Exception) -> None:
         """A message to ``t`` could not be posted (raised by ``post_nowait``): ``t`` fails."""

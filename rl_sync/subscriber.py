@@ -48,6 +48,7 @@ from .plan import (
     make_buckets,
     plan_hash,
 )
+from .posting import InOrder
 from .rwlock import RWLock
 from .weights import live_tensors, repoint, shared_memory
 
@@ -182,7 +183,7 @@ class WeightSubscriber(Holding):
         self._draining: set[asyncio.Task[Any]] = set()  # pulls of dropped pushes, cancelled, not yet over
         self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._posting: dict[str, int] = {}  # publisher -> replies to it still being posted by a task (_reply)
+        self._order = InOrder(endpoint)  # replies to each publisher in order (_reply)
         self._closed = False
         self._names: list[str] = []
         manifest_bytes = encode_manifest(self.manifest)
@@ -451,13 +452,12 @@ class WeightSubscriber(Holding):
         payload = m.encode(reply)
         # (answers a message: nothing answers it) right here where the channel is open and no earlier reply
         # to that peer still waits in a task (it would be overtaken), else in a task
-        if not self._posting.get(peer):
-            try:
-                if self.endpoint.post_nowait(peer, payload):
-                    return
-            except transport.TransportError as exc:
-                log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
+        try:
+            if self._order.now(peer, payload):
                 return
+        except transport.TransportError as exc:
+            log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
+            return
 
         async def send() -> None:
             try:
@@ -465,11 +465,7 @@ class WeightSubscriber(Holding):
             except transport.TransportError as exc:
                 log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
 
-        def done(_: asyncio.Task[Any]) -> None:  # (a callback: it runs even for a task cancelled before it began)
-            self._posting[peer] -= 1
-
-        self._posting[peer] = self._posting.get(peer, 0) + 1
-        self._spawn(send()).add_done_callback(done)
+        self._order.behind(peer, self._spawn(send()))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

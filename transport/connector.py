@@ -277,8 +277,8 @@ class Connector:
         takes the connection and is the process the record names (:mod:`transport.local_socket`);
         None: dial TCP (logged when a Unix socket was there to try). A full backlog is retried
         until ``deadline``."""
-        name = getattr(rec, "unix", "")
-        if not name or not isinstance(name, str) or not local_socket.enabled():
+        name = rec.unix
+        if not name or not local_socket.enabled():
             return None
         if not same_host(local_host(), rec.hostinfo)[0]:
             return None
@@ -301,7 +301,7 @@ class Connector:
                 log.info("endpoint %r is on this host, but its Unix socket refused (%s: another network namespace, "
                          "or gone); dialling TCP at %s:%d", peer, exc, rec.host, rec.port)
                 return None
-        want = getattr(rec.hostinfo, "pid", 0)
+        want = rec.hostinfo.pid
         try:
             got = local_socket.peer_pid(sock)
         except OSError as exc:
@@ -325,7 +325,7 @@ class Connector:
             ep._exports.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             assert ep._secret is not None
-            unix = sock.family == getattr(socket, "AF_UNIX", None)
+            unix = local_socket.is_unix(sock)
             remote = await handshake(sock, hello, deadline, dialer=True,
                                      secret=ep._book.secret_for(peer) or ep._secret,
                                      address=local_socket.proof_address(rec.unix) if unix else (rec.host, rec.port))
@@ -445,5 +445,5 @@ class Connector:
 
 def _no_delay(sock: socket.socket) -> None:
     """TCP_NODELAY on a TCP socket (a Unix socket has no Nagle to turn off)."""
-    if sock.family != getattr(socket, "AF_UNIX", None):
+    if not local_socket.is_unix(sock):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -26,7 +26,7 @@ import socket
 import struct
 import sys
 
-__all__ = ["connect", "enabled", "family_name", "listen", "peer_pid", "proof_address", "unix_address"]
+__all__ = ["connect", "enabled", "family_name", "is_unix", "listen", "peer_pid", "proof_address", "unix_address"]
 
 _PREFIX = "transport-rl/"
 
@@ -91,6 +91,11 @@ def proof_address(name: str) -> tuple[str, int]:
     return f"unix:{name}", 0
 
 
+def is_unix(sock: socket.socket) -> bool:
+    """Whether ``sock`` is a Unix-domain socket (else TCP)."""
+    return sock.family == getattr(socket, "AF_UNIX", None)
+
+
 def family_name(sock: socket.socket) -> str:
     """``"unix"`` or ``"tcp"``: the kind of socket a channel runs on."""
-    return "unix" if sock.family == getattr(socket, "AF_UNIX", None) else "tcp"
+    return "unix" if is_unix(sock) else "tcp"

@@ -27,6 +27,7 @@ import struct
 import time
 from collections.abc import Callable
 
+from .local_socket import is_unix
 from .wire import MAX_FRAME
 
 __all__ = ["LOWAT_FROM", "READ_AHEAD", "RX_POLL_S", "Receiver"]
@@ -53,7 +54,7 @@ class Receiver:
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._rx_cap = 0  # the largest SO_RCVLOWAT for the payload being received
         # a Unix socket's readiness ignores SO_RCVLOWAT (Linux's unix_poll): large payloads are read as they come
-        self._use_lowat = sock.family != getattr(socket, "AF_UNIX", None)
+        self._use_lowat = not is_unix(sock)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self.last_rx = time.monotonic()  # the last time bytes arrived
