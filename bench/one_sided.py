@@ -41,7 +41,7 @@ def _kwargs(plane: str) -> dict[str, Any]:
         return {"planes": ("shm",)}
     from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
-    return {"ipc_engine": MemfdIpcEngine}  # (CPU buffers take cuda_ipc: its exports are preferred)
+    return {"engines": {"cuda_ipc": MemfdIpcEngine}}  # (CPU buffers take cuda_ipc: its exports are preferred)
 
 
 def _target(name: str, url: str, plane: str, sizes: list[int], ready: Any, stop: Any, headers: Any) -> None:

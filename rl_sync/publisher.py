@@ -402,7 +402,7 @@ class WeightPublisher(PublisherBuffers):
         manifest = decode_manifest(raw.numpy().tobytes())
         buckets = make_buckets(manifest, self.bucket_bytes)
         layout = Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.same_host,
-                         peer.plane == "shm", peer.gpu_plane == "cuda_ipc")
+                        peer.maps_memory(), peer.maps_memory(gpu=True))
         self._layouts[name] = layout
         log.info("publisher %s: planned %s (%d tensors, %d buckets, %.1f MiB, via %s)", ep.name, name,
                  len(manifest.entries), len(buckets), sum(manifest.arenas) / 2**20, peer.plane)

@@ -32,17 +32,19 @@ class Layout:
     """A subscriber's manifest and buckets, cached for one incarnation."""
 
     def __init__(self, incarnation: int, manifest: Manifest, buckets: list[Bucket], digest: str, same_host: bool,
-                 shm: bool, cuda_ipc: bool) -> None:
+                 maps_cpu: bool, maps_gpu: bool) -> None:
         self.incarnation = incarnation
         self.manifest = manifest
         self.buckets = buckets
         self.digest = digest
         self.same_host = same_host  # on the publisher's host (transport's Peer.same_host)
-        self.shm = shm  # ... and its channel runs shm (what mode="shared" maps CPU banks through)
-        self.cuda_ipc = cuda_ipc  # ... and its GPU plane is cuda_ipc (what mode="shared" maps GPU banks through)
+        # ... and its CPU (GPU) buffers are mapped into ours and ours into it (transport's Peer.maps_memory:
+        # shm, cuda_ipc), what mode="shared" maps the CPU (GPU) banks through
+        self.maps_cpu = maps_cpu
+        self.maps_gpu = maps_gpu
         # fan-out: it reads the publisher's slots with its own copy engine (shm, or cuda_ipc for GPU
         # buffers), so it never costs the publisher a send: "auto" serves it from the publisher
-        self.local = same_host and (shm or cuda_ipc)
+        self.local = same_host and (maps_cpu or maps_gpu)
         self.shared = manifest.shared  # mode="shared": it reads the publisher's banks
 
 
@@ -174,10 +176,10 @@ def unshareable(ep: transport.Endpoint, name: str, layout: Layout, device: torch
     p = ep.peers.get(name)
     if not layout.same_host:
         where = f"it is not on the publisher's host (reached over {p.plane if p is not None else 'no channel'})"
-    elif device.type == "cuda" and not layout.cuda_ipc:
+    elif device.type == "cuda" and not layout.maps_gpu:
         where = (f"GPU buffers with it use {p.gpu_plane} ({p.gpu_plane_reason}), not cuda_ipc" if p is not None
                  else "it has no channel")
-    elif device.type != "cuda" and not (layout.shm or layout.cuda_ipc):
+    elif device.type != "cuda" and not (layout.maps_cpu or layout.maps_gpu):
         where = (f"its channel runs {p.plane if p is not None else 'no plane'}, not shm (planes= must allow shm "
                  "on both sides)")
     else:

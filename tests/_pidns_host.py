@@ -32,8 +32,7 @@ async def generator(store: str, mode: str, names: list[str]) -> None:
     from transport.planes import SocketLinkEngine
     from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
-    kw = {"store": store, "timeout": 30, "planes": ("tcp", "cuda_ipc", "nccl"), "ipc_engine": MemfdIpcEngine,
-          "nccl_engine": SocketLinkEngine}
+    kw = {"store": store, "timeout": 30, "planes": ("tcp", "cuda_ipc", "nccl"), "engines": {"cuda_ipc": MemfdIpcEngine, "nccl": SocketLinkEngine}}
     eps = [transport.Endpoint(n, **kw) for n in names]
     for ep in eps:
         await ep.open()

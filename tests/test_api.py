@@ -114,6 +114,7 @@ async def test_route_names_the_plane_an_op_takes_and_why(pair):
     assert isinstance(route, transport.Route) and route == (peer.plane, peer.plane_reason) and route.reason
     assert route.plane == a.planes[0]
     assert peer.same_host is True  # (two endpoints of this process)
+    assert peer.maps_memory() is (route.plane == "shm")  # (shm maps the peer's segments; tcp moves bytes)
     assert await a.route(b.name, {"w": transport.At(torch.zeros(2), 3)}) == route  # ranges too
     with pytest.raises(transport.UnknownBufferError):  # checked like put and get
         await a.route(b.name, {"nope": torch.zeros(1)})
@@ -328,6 +329,42 @@ def test_bad_arguments():
         transport.Endpoint("")
     with pytest.raises(ValueError):
         transport.Endpoint("a/b")
+    with pytest.raises(ValueError, match="takes no engine"):
+        transport.Endpoint("x", engines={"shm": object})
+    with pytest.raises(ValueError, match="must be a zero-argument factory"):
+        transport.Endpoint("x", engines={"nccl": 3})
+    with pytest.raises(ValueError, match="engines must map"):
+        transport.Endpoint("x", engines=[("nccl", object)])
+
+
+def test_plane_status_says_what_each_plane_came_to():
+    from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
+
+    ep = transport.Endpoint("x", planes=("shm", "cuda_ipc"), engines={"cuda_ipc": MemfdIpcEngine})
+    assert ep.plane_status("shm") == (True, "allowed")
+    offered, why = ep.plane_status("cuda_ipc")
+    assert offered and "memfd" in why
+    offered, why = ep.plane_status("tcp")
+    assert not offered and "not allowed here" in why
+    offered, why = ep.plane_status("nccl")
+    assert not offered and "not allowed here" in why
+    assert ep.plane_status("staged")[0]
+    with pytest.raises(ValueError, match="unknown plane"):
+        ep.plane_status("carrier-pigeon")
+    with pytest.raises(ValueError, match="is a str"):
+        ep.plane_status(["shm"])  # type: ignore[arg-type]
+
+
+def test_plane_status_reports_a_failing_engine_factory_and_never_starts_cuda():
+    def broken():
+        raise RuntimeError("no engine today")
+
+    ep = transport.Endpoint("x", engines={"cuda_ipc": broken, "nccl": None})  # (None: the default)
+    offered, why = ep.plane_status("cuda_ipc")
+    assert not offered and "RuntimeError: no engine today" in why
+    default = transport.Endpoint("y")
+    offered, why = default.plane_status("cuda_ipc")
+    assert offered and "CUDA is not in use" in why and not torch.cuda.is_initialized()
 
 
 async def test_store_url_must_be_tcp(uname):

@@ -88,12 +88,12 @@ def staged() -> Plane:
 
 
 def cuda_ipc() -> Plane:
-    kw = {"ipc_engine": MemfdIpcEngine}  # (all planes allowed: CPU buffers take cuda_ipc over shm)
+    kw = {"engines": {"cuda_ipc": MemfdIpcEngine}}  # (all planes allowed: CPU buffers take cuda_ipc over shm)
     return Plane("cuda_ipc", kw, kw, one_sided=True, race_bytes=64 * MiB)
 
 
 def nccl() -> Plane:
-    kw = {"planes": ("tcp", "nccl"), "nccl_engine": SocketLinkEngine}
+    kw = {"planes": ("tcp", "nccl"), "engines": {"nccl": SocketLinkEngine}}
     return Plane("nccl", kw, kw, timeout_closes_channel=True)
 
 

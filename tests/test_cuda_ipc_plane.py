@@ -1,6 +1,6 @@
 """The ``cuda_ipc`` plane's protocol through real endpoints and processes, on CPU.
 
-``Endpoint(ipc_engine=MemfdIpcEngine)`` (both sides) exports CPU buffers through ``memfd`` segments
+``Endpoint(engines={"cuda_ipc": MemfdIpcEngine})`` (both sides) exports CPU buffers through ``memfd`` segments
 the way the CUDA engine exports GPU allocations, so every op on them takes the ``cuda_ipc`` plane:
 the same plane choice, export ids, stale-export retry, mapping cache, retention of unregistered
 exports until the peer sends ``Unmapped``, copies on an ordered queue awaited through a completion
@@ -29,12 +29,12 @@ from tests._remote import RemoteEndpoint, make_tensor, poisoned
 from tests._remote import op_records as _ops
 from tests._remote import until as _until
 from transport.errors import PlaneUnavailableError, TransportTimeoutError, UnknownBufferError
-from transport.ipc import MappingCache
 from transport.planes import choose_gpu_plane, validate_planes
+from transport.planes.cuda_ipc_engine import MappingCache
 from transport.planes.cuda_ipc_holds import PeerSlots
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
+from transport.planes.cuda_ipc_retention import Retention
 from transport.planes.shm_slots import new_slot_table
-from transport.retention import Retention
 from transport.wire import HostInfo, IpcHandle
 
 _seeds = itertools.count(7000)
@@ -46,7 +46,7 @@ def seed() -> int:
 
 @pytest.fixture(scope="module")
 def target(store_url):
-    t = RemoteEndpoint(f"ipc-tgt-{uuid.uuid4().hex[:6]}", store=store_url, ipc_engine=MemfdIpcEngine)
+    t = RemoteEndpoint(f"ipc-tgt-{uuid.uuid4().hex[:6]}", store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
     try:
         yield t
     finally:
@@ -55,17 +55,17 @@ def target(store_url):
 
 @pytest.fixture
 async def init(store_url, uname):
-    async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=MemfdIpcEngine) as ep:
+    async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, engines={"cuda_ipc": MemfdIpcEngine}) as ep:
         yield ep
 
 
 @contextlib.asynccontextmanager
 async def slow_copies(store_url: str, uname, copy_delay: float):
     """A target process and an initiator here, over cuda_ipc, whose copies each take ``copy_delay`` s."""
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
     try:
         slow = functools.partial(MemfdIpcEngine, copy_delay=copy_delay)
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, engines={"cuda_ipc": slow}) as ep:
             yield t, ep
     finally:
         t.stop()
@@ -100,9 +100,9 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
     # the copy takes 6 s: the unregister waits up to REVOKE_WAIT_S (2 s) for it to leave the export's
     # slot, and the checks below must still see it running on a slow, loaded machine (3 s did not)
     slow = functools.partial(MemfdIpcEngine, copy_delay=6.0)
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
     try:
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=slow) as ep:
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, engines={"cuda_ipc": slow}) as ep:
             name = uname("w")
             t.call("register", name, "float32", (1000,))
             await ep.connect(t.name)
@@ -123,9 +123,9 @@ async def test_unregister_during_a_copy_holds_the_memory_until_it_is_done(store_
 async def test_a_killed_initiator_releases_what_it_held(store_url, uname):
     """The initiator dies mid-copy into an export the target has just unregistered: the target held
     the memory while the copy ran, and releases it once that process is gone (pidfd)."""
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
     slow = functools.partial(MemfdIpcEngine, copy_delay=6.0)
-    i = RemoteEndpoint(uname("ipc-init"), store=store_url, ipc_engine=slow)
+    i = RemoteEndpoint(uname("ipc-init"), store=store_url, engines={"cuda_ipc": slow})
     try:
         name = uname("w")
         t.call("register", name, "uint8", (4096,))
@@ -182,10 +182,10 @@ async def test_get_abandoned_mid_copy_writes_nothing_after_it_raised(store_url, 
 
 
 async def test_planes_without_cuda_ipc_use_shm(store_url, uname):
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, ipc_engine=MemfdIpcEngine)
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
     try:
         async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, planes=("shm", "tcp"),
-                                      ipc_engine=MemfdIpcEngine) as ep:
+                                      engines={"cuda_ipc": MemfdIpcEngine}) as ep:
             name = uname("w")
             t.call("register", name, "float32", (64,))
             s = seed()
@@ -193,16 +193,22 @@ async def test_planes_without_cuda_ipc_use_shm(store_url, uname):
             assert t.call("check", name, s)
             peer = await ep.connect(t.name)
             assert peer.gpu_plane == "staged" and "not allowed here" in peer.gpu_plane_reason
+            assert peer.maps_memory() and not peer.maps_memory(gpu=True)
             assert {r["plane"] for r in _ops(ep, "put")} == {"shm"}
     finally:
         t.stop()
+
+
+async def test_peer_says_its_gpu_buffers_are_mapped_over_cuda_ipc(init, target):
+    peer = await init.connect(target.name)
+    assert peer.gpu_plane == "cuda_ipc" and peer.maps_memory(gpu=True) and peer.maps_memory()
 
 
 async def test_a_peer_without_the_engine_gets_no_exports(store_url, uname):
     """A target without cuda_ipc exports nothing; our CPU ops then take the CPU plane."""
     t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, planes=("shm", "tcp"))
     try:
-        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, ipc_engine=MemfdIpcEngine) as ep:
+        async with transport.Endpoint(uname("ipc-init"), store=store_url, timeout=30, engines={"cuda_ipc": MemfdIpcEngine}) as ep:
             name = uname("w")
             t.call("register", name, "float32", (64,))
             s = seed()
@@ -288,7 +294,7 @@ def test_retention_at_shutdown_holds_for_live_peer_processes():
     import subprocess
     import sys
 
-    from transport.retention import NEVER
+    from transport.planes.cuda_ipc_retention import NEVER
 
     released = []
     r = Retention(released.append)
@@ -523,7 +529,7 @@ def test_mapping_cache_an_opener_woken_on_a_gate_that_has_served_does_not_open_a
 
 
 def test_mapping_cache_an_unmap_that_lasts_too_long_refuses_only_while_it_lasts(monkeypatch):
-    import transport.ipc as ipc
+    import transport.planes.cuda_ipc_engine as ipc
 
     monkeypatch.setattr(ipc, "_UNMAP_WAIT_S", 0.05)
     engine = _SlowUnmap()  # an unmap takes 0.3 s

@@ -36,6 +36,7 @@ from transport import auth, wire
 from transport.errors import ProtocolError
 from transport.handshake import check_hello, specs_from_wire
 from transport.hostinfo import local_host
+from transport.planes import nccl_frames
 from transport.ranges import item_bytes
 
 _HOST = local_host()
@@ -62,8 +63,8 @@ def _samples() -> list[wire.Message]:
         wire.Ack(7),
         wire.Fail(8, "unknown_buffer", "no such buffer"),
         wire.Unmapped(9),
-        wire.NcclSetup(b"u" * 128),
-        wire.NcclReady(True, "cuda:0", ""),
+        nccl_frames.encode(nccl_frames.Setup(b"u" * 128)),
+        nccl_frames.encode(nccl_frames.Ready(True, "cuda:0", "")),
         wire.Go(10),
         wire.Ping(),
         wire.Bye("done"),
@@ -165,6 +166,8 @@ def _judge(body: bytes) -> str:
         elif isinstance(msg, (wire.Put, wire.Get)):
             for it in msg.items:
                 item_bytes(it)
+        elif isinstance(msg, wire.LinkFrame):  # (its body is decoded by its plane, as the reader hands it over)
+            nccl_frames.decode(msg.body)
     except ProtocolError:
         return "refused"
     return "accepted"
@@ -217,6 +220,24 @@ def test_fuzz_decoder_structure_mutations_of_every_message_type(capsys):
     run()
     assert sum(tally.values()) >= 1000 and tally["accepted"] and tally["rejected"], tally
     _report(capsys, f"decoder, structure mutations of {len(BODIES)} valid frames", tally)
+
+
+def test_fuzz_link_frame_bodies(capsys):
+    """A link frame's body is the plane's to decode (the core carries it opaque): byte and
+    structure mutations of its valid bodies, judged as the reader would hand them over."""
+    link_bodies = [nccl_frames.encode(m).body for m in (nccl_frames.Setup(b"u" * 128),
+                                                        nccl_frames.Ready(True, "cuda:0", ""),
+                                                        nccl_frames.Ready(False, "", "why not"))]
+    tally: Counter[str] = Counter()
+
+    @_FAST
+    @given(body=st.one_of(byte_mutant(link_bodies), tree_mutant(link_bodies)))
+    def run(body: bytes) -> None:
+        tally[_judge(wire.encode_frame(wire.LinkFrame(body))[4:])] += 1
+
+    run()
+    assert sum(tally.values()) >= 1000 and tally["accepted"] and tally["refused"], tally
+    _report(capsys, "link frame bodies, byte and structure mutations", tally)
 
 
 # --------------------------------------------------------------------------- the handshake, over sockets

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import transport
 from tests import _wire_peer as peer
 from transport import wire
+from transport.planes import nccl_frames
 
 
 @pytest.fixture(scope="module")
@@ -327,23 +328,26 @@ def test_fuzzed_get_headers_never_hang(target, friend, offset, count, dtype):
     wire.Get(2, 1, [wire.Item("w", "float32", 0, 4)], "nccl"),
     wire.Go(3),
     wire.Put(4, 1, "cuda_ipc", [wire.Item("w", "float32", 0, 4)]),  # no segments
-], ids=["nccl-put", "nccl-get", "go", "ipc-put-no-segments"])
+    wire.LinkFrame(b"\xc1 not a link frame"),  # (the link's plane decodes the body)
+], ids=["nccl-put", "nccl-get", "go", "ipc-put-no-segments", "link-frame-garbage"])
 def test_gpu_plane_frames_out_of_place_close_the_channel(target, friend, caplog, frame):
     _assert_frame_closes_the_channel(target, friend, caplog, frame)
 
 
 def test_nccl_setup_to_an_endpoint_without_a_link_is_refused(target, friend):
-    """A peer that offers no nccl (mallory's Hello) gets no link: its NcclSetup is answered
-    NcclReady(False), and the channel goes on."""
+    """A peer that offers no nccl (mallory's Hello) gets no link: its link Setup is answered
+    Ready(False), and the channel goes on."""
     s = _handshaken(target)
     try:
-        s.sendall(wire.encode_frame(wire.NcclSetup(b"x" * 128)))
+        s.sendall(wire.encode_frame(nccl_frames.encode(nccl_frames.Setup(b"x" * 128))))
         s.settimeout(10)
         while True:
             head = s.recv(4, socket.MSG_WAITALL)
             (n,) = struct.unpack("<I", head)
             msg = wire.decode(s.recv(n, socket.MSG_WAITALL))
-            if isinstance(msg, wire.NcclReady):
+            if isinstance(msg, wire.LinkFrame):
+                msg = nccl_frames.decode(msg.body)
+                assert isinstance(msg, nccl_frames.Ready)
                 break
         assert msg.ok is False and "does not offer" in msg.reason
     finally:

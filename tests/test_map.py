@@ -75,11 +75,11 @@ async def test_map_over_cuda_ipc_aliases_writably_and_holds_the_export(store_url
     buffer, and writes through it reach the peer (CUDA maps peer memory read-write). While the
     view lives the peer's memory stays retained for us, even unregistered; once the last view
     dies we confirm (Unmapped) and the peer lets it go."""
-    p = RemoteEndpoint(uname("peer"), store=store_url, timeout=20, ipc_engine=MemfdIpcEngine)
+    p = RemoteEndpoint(uname("peer"), store=store_url, timeout=20, engines={"cuda_ipc": MemfdIpcEngine})
     try:
         p.call("register_data", "w", "float32", [4, 256], 1)
         p.call("register_data", "empty", "int32", [0], 2)
-        async with transport.Endpoint(uname("me"), store=store_url, timeout=20, ipc_engine=MemfdIpcEngine) as ep:
+        async with transport.Endpoint(uname("me"), store=store_url, timeout=20, engines={"cuda_ipc": MemfdIpcEngine}) as ep:
             route = await ep.map_route(p.name, "w")
             assert route.plane == "cuda_ipc" and route.reason, route
             view = await ep.map(p.name, "w")

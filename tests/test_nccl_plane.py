@@ -1,6 +1,6 @@
 """The ``nccl`` plane's protocol through real endpoints and processes, on CPU.
 
-``Endpoint(nccl_engine=SocketLinkEngine)`` (both sides) gives each channel a link whose
+``Endpoint(engines={"nccl": SocketLinkEngine})`` (both sides) gives each channel a link whose
 "communicator" is a second TCP connection with NCCL's semantics where they matter here: posted
 operations run in posting order, one at a time per side, and a send completes only once the peer's
 receive took the bytes, so two sides that post in different orders deadlock (reported there as a
@@ -49,7 +49,7 @@ class RefusingLinkEngine(SocketLinkEngine):
 @pytest.fixture(scope="module")
 def target(store_url):
     t = RemoteEndpoint(f"nccl-tgt-{uuid.uuid4().hex[:6]}", store=store_url, planes=PLANES,
-                       nccl_engine=SocketLinkEngine)
+                       engines={"nccl": SocketLinkEngine})
     try:
         yield t
     finally:
@@ -59,7 +59,7 @@ def target(store_url):
 @pytest.fixture
 async def init(store_url, uname):
     async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                  nccl_engine=SocketLinkEngine) as ep:
+                                  engines={"nccl": SocketLinkEngine}) as ep:
         yield ep
 
 
@@ -128,10 +128,10 @@ async def test_a_listener_get_given_up_before_its_go_writes_nothing(store_url, u
     """We are the listener; the dialer is slow to answer our get's request. We give up (cancel):
     the Go comes later and the receive must still be posted (the link must follow the dialer), but
     into scratch memory, never into our tensor; the next get works."""
-    t = RemoteEndpoint(uname("nccl-dialer"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    t = RemoteEndpoint(uname("nccl-dialer"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-listener"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine) as ep:
+                                      engines={"nccl": SocketLinkEngine}) as ep:
             s = seed()
             t.call("register_data", "w", "uint8", (4096,), s)
             await asyncio.to_thread(t.call, "connect", ep.name)  # it dials: we are the listener
@@ -158,11 +158,11 @@ async def test_a_peer_killed_mid_transfer_fails_the_op_at_once_and_restarted_get
     a new link, and the bytes move over it."""
     name = uname("nccl-restart")
     slow = functools.partial(SocketLinkEngine, delay=2.0)
-    t = RemoteEndpoint(name, store=store_url, planes=PLANES, nccl_engine=slow)
+    t = RemoteEndpoint(name, store=store_url, planes=PLANES, engines={"nccl": slow})
     t2 = None
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine) as ep:
+                                      engines={"nccl": SocketLinkEngine}) as ep:
             t.call("register", "w", "uint8", (1 << 16,))
             first = await ep.connect(name)
             old = ep._channels[name]
@@ -177,7 +177,7 @@ async def test_a_peer_killed_mid_transfer_fails_the_op_at_once_and_restarted_get
             assert time.monotonic() - t0 < 10
             await _until(lambda: conn.aborted, 10,
                          "the old link's communicator aborted")
-            t2 = RemoteEndpoint(name, store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+            t2 = RemoteEndpoint(name, store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
             t2.call("register", "w", "uint8", (1 << 16,))
             s = seed()
             await ep.put(name, {"w": make_tensor("uint8", (1 << 16,), s)}, timeout=30)
@@ -197,11 +197,11 @@ async def test_a_frozen_peer_times_out_aborts_the_link_and_a_new_channel_works(s
     """A frozen peer: the op times out, the channel's link is aborted and the channel closed
     (other ops on it fail with PeerLostError), another peer's channel is untouched, and once the
     peer runs again the next op gets a new channel with a new link."""
-    a = RemoteEndpoint(uname("nccl-frozen"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
-    b = RemoteEndpoint(uname("nccl-other"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    a = RemoteEndpoint(uname("nccl-frozen"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
+    b = RemoteEndpoint(uname("nccl-other"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine, heartbeat_timeout=60) as ep:
+                                      engines={"nccl": SocketLinkEngine}, heartbeat_timeout=60) as ep:
             for r in (a, b):
                 r.call("register", "w", "uint8", (1 << 20,))
                 await ep.put(r.name, {"w": make_tensor("uint8", (1 << 20,), seed())})
@@ -242,10 +242,10 @@ async def test_a_get_cancelled_while_its_peer_is_frozen_aborts_the_link_at_once(
     the 0.25 s grace plus the abort, not at the endpoint's timeout or the heartbeat's; the link is
     aborted and the channel closed, nothing lands in the tensor afterwards, and once the peer runs
     again a new channel serves it (rl_sync relies on this when a relay freezes)."""
-    t = RemoteEndpoint(uname("nccl-frozen"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    t = RemoteEndpoint(uname("nccl-frozen"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine, heartbeat_timeout=60) as ep:
+                                      engines={"nccl": SocketLinkEngine}, heartbeat_timeout=60) as ep:
             s = seed()
             t.call("register_data", "w", "uint8", (1 << 20,), s)
             await ep.get(t.name, {"w": poisoned("uint8", (1 << 20,))})  # the channel and its link are up
@@ -277,10 +277,10 @@ async def test_a_get_cancelled_while_its_peer_is_frozen_aborts_the_link_at_once(
 
 
 async def test_a_link_that_cannot_be_set_up_is_reported_and_ops_take_another_plane(store_url, uname):
-    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=RefusingLinkEngine)
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, engines={"nccl": RefusingLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine) as ep:
+                                      engines={"nccl": SocketLinkEngine}) as ep:
             t.call("register", "w", "float32", (100,))
             s = seed()
             await ep.put(t.name, {"w": make_tensor("float32", (100,), s)})
@@ -304,10 +304,10 @@ async def test_a_cpu_op_racing_the_link_going_down_takes_the_channel_plane(store
     channel's plane, not the staged path meant for GPU bytes (seen once in CI as a flaky
     test_a_link_that_cannot_be_set_up_is_reported_and_ops_take_another_plane). Deterministic here:
     the choice itself marks the link down first, as the reader thread would just before it."""
-    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine) as ep:
+                                      engines={"nccl": SocketLinkEngine}) as ep:
             t.call("register", "w", "float32", (100,))
             peer = await ep.connect(t.name)
             ch = ep._channels[t.name]
@@ -339,10 +339,10 @@ async def test_an_op_meeting_a_link_just_gone_down_is_staged_and_the_channel_liv
     op and closed the whole channel."""
     from transport.staging import StagingConfig, ThreadCopyEngine
 
-    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine,
+                                      engines={"nccl": SocketLinkEngine},
                                       staging=StagingConfig(cpu_engine=ThreadCopyEngine)) as ep:
             t.call("register", "w", "float32", (100,))
             await ep.connect(t.name)
@@ -384,7 +384,7 @@ async def test_no_link_without_nccl_on_both_sides(store_url, uname):
     t = RemoteEndpoint(uname("nccl-tgt"), store=store_url, planes=("tcp",))
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES,
-                                      nccl_engine=SocketLinkEngine) as ep:
+                                      engines={"nccl": SocketLinkEngine}) as ep:
             peer = await ep.connect(t.name)
             assert ep._channels[t.name].link is None
             assert "nccl: the peer does not offer it" in peer.gpu_plane_reason
@@ -402,18 +402,20 @@ async def test_an_endpoint_created_before_cuda_was_in_use_offers_nccl_once_it_is
     monkeypatch.setattr(E, "current_cuda_device", lambda: state["device"])
     monkeypatch.setattr(E, "link_engine_probe",
                         lambda factory, device=None: (SocketLinkEngine(), f"socket engine on device {device}"))
-    early = RemoteEndpoint(uname("nccl-early"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
-    late = RemoteEndpoint(uname("nccl-late"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
-    dialer = RemoteEndpoint(uname("nccl-dialer"), store=store_url, planes=PLANES, nccl_engine=SocketLinkEngine)
+    early = RemoteEndpoint(uname("nccl-early"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
+    late = RemoteEndpoint(uname("nccl-late"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
+    dialer = RemoteEndpoint(uname("nccl-dialer"), store=store_url, planes=PLANES, engines={"nccl": SocketLinkEngine})
     try:
         async with transport.Endpoint(uname("nccl-init"), store=store_url, timeout=30, planes=PLANES) as ep:
-            assert ep.nccl_engine is None and "CUDA was not in use" in ep.nccl_reason
+            offered, why = ep.plane_status("nccl")
+            assert not offered and "CUDA was not in use" in why
             first = await ep.connect(early.name)
             assert ep._channels[early.name].link is None and "nccl: the peer" not in first.gpu_plane_reason
             state["device"] = 0  # the application starts using CUDA
             peer = await ep.connect(late.name)
             ch = ep._channels[late.name]
-            assert ep.nccl_engine is not None and "device 0" in ep.nccl_reason
+            offered, why = ep.plane_status("nccl")
+            assert offered and "device 0" in why
             assert ch.link is not None
             await _until(lambda: ch.link.state == "ready", 10, "the link is up")
             late.call("register", "w", "uint8", (4096,))

@@ -1,8 +1,8 @@
 """rl_sync over the GPU planes' protocols, on CPU: ``cuda_ipc`` and ``nccl`` with their CPU stand-in engines.
 
-``Endpoint(ipc_engine=MemfdIpcEngine)`` runs the ``cuda_ipc`` plane's whole protocol (exports in the
+``Endpoint(engines={"cuda_ipc": MemfdIpcEngine})`` runs the ``cuda_ipc`` plane's whole protocol (exports in the
 registry, the peer's allocation mapped once, copies on an ordered queue awaited through a completion
-bridge, header after the copy) on memfd-backed CPU memory; ``Endpoint(nccl_engine=SocketLinkEngine)``
+bridge, header after the copy) on memfd-backed CPU memory; ``Endpoint(engines={"nccl": SocketLinkEngine})``
 runs the ``nccl`` plane's (a 2-rank link per channel, the dialer's post order, ``Go`` frames, abort)
 over a second socket, with ``shm`` left out as between hosts. Trainer and generators are real
 processes; only the engine differs from a GPU run (tests/gpu/test_rl_sync_gpu.py runs CUDA's).
@@ -47,8 +47,8 @@ from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {
-    "cuda_ipc": {"ipc_engine": MemfdIpcEngine},
-    "nccl": {"nccl_engine": SocketLinkEngine, "planes": ("tcp", "nccl")},  # no shm: as between two hosts
+    "cuda_ipc": {"engines": {"cuda_ipc": MemfdIpcEngine}},
+    "nccl": {"engines": {"nccl": SocketLinkEngine}, "planes": ("tcp", "nccl")},  # no shm: as between two hosts
 }
 CASES = [(e, m, f) for e in ENGINES for m in ("staged", "swap", "direct", "shared") for f in ("direct", "chain")
          if not (e == "nccl" and m == "shared")]  # (shared maps the publisher's banks: one host only)
@@ -236,7 +236,7 @@ async def test_on_another_host_one_pulls_over_nccl_and_its_neighbour_relays_over
 
     try:
         assert await line() == "ready"
-        kw = {**ENGINES["cuda_ipc"], **ENGINES["nccl"], "planes": ("tcp", "cuda_ipc", "nccl")}
+        kw = {"engines": {"cuda_ipc": MemfdIpcEngine, "nccl": SocketLinkEngine}, "planes": ("tcp", "cuda_ipc", "nccl")}
         async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **kw) as ep:
             pub = rl_sync.WeightPublisher(ep, names, dtype="auto", bucket_bytes=BUCKET)
             for version in (1, 2):

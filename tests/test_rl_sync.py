@@ -41,7 +41,7 @@ def generators(store_url, uname, n, spec=GEN, *, planes=None, heartbeat_timeout=
     if planes:
         kw["planes"] = planes
     if ipc_engine is not None:
-        kw["ipc_engine"] = ipc_engine
+        kw["engines"] = {"cuda_ipc": ipc_engine}
     gens = [RemoteEndpoint(uname(f"gen{i}"), **kw) for i in range(n)]
     try:
         for g in gens:
@@ -766,7 +766,7 @@ async def test_shared_mode_over_cuda_ipc_maps_the_bank_and_a_stuck_or_dead_subsc
     read-write: a write through one subscriber's weights reaches the bank, so every subscriber
     reading that bank sees it, until the next push re-points them into a freshly written bank."""
     with generators(store_url, uname, 3, mode="shared", commit_timeout=0.5, ipc_engine=MemfdIpcEngine) as gens:
-        async with trainer(store_url, uname, ipc_engine=MemfdIpcEngine) as ep:
+        async with trainer(store_url, uname, engines={"cuda_ipc": MemfdIpcEngine}) as ep:
             pub = cast_pub(ep, gens, connect_timeout=2.0)
             report = await pub.push(seeded(TRAIN, 1), 1)
             assert report.ok, report.summary()

@@ -63,7 +63,7 @@ async def test_a_plain_put_and_get_need_nothing_of_a_frozen_target(store_url, un
 
 # cuda_ipc's one-sided ops use the same slot words (its exporter's own table): its CPU stand-in
 # engine runs them here, copies on a worker thread as a CUDA stream would run them
-_PLANES = {"shm": {"planes": ("shm",)}, "cuda_ipc": {"ipc_engine": MemfdIpcEngine}}
+_PLANES = {"shm": {"planes": ("shm",)}, "cuda_ipc": {"engines": {"cuda_ipc": MemfdIpcEngine}}}
 
 
 @pytest.mark.parametrize("plane", list(_PLANES))

@@ -112,7 +112,7 @@ class CoreProtocol(Protocol):
 
     def exporter(self, plane: str) -> Exporter | None: ...  # a plane's exporter (None: not allowed, exports nothing)
 
-    def ipc_unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
+    def unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
     def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
@@ -166,10 +166,10 @@ class Channel:
         self.incarnation = remote.incarnation
         self.host: HostInfo = remote.host
         self.remote_planes: tuple[str, ...] = tuple(remote.planes)
-        # same-host peers that both offer cuda_ipc confirm each registry update (Unmapped): the
-        # owner of an unregistered export holds its memory until they did (transport.retention.Retention)
+        # a same-host peer that may map our exports confirms each registry update (Unmapped): the
+        # owner of an unregistered export holds its memory until it did (transport.planes.needs_unmap_acks)
         here = local_host()
-        self.ipc_acks = needs_unmap_acks(core.planes, self.remote_planes,
+        self.unmap_acks = needs_unmap_acks(core.planes, self.remote_planes,
                                          same_host(here, remote.host)[0] and here.pid != remote.host.pid)
         self.holder: str | None = None  # its key in the endpoint's Retention, if it is a holder
         self.remote_epoch = remote.epoch
@@ -195,8 +195,8 @@ class Channel:
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
         # while ops of ours wait here, the loop reads their answers itself (transport.loop_reads), where
-        # the channel's plane allows it (DataPlane.answers_on_loop) and no cuda_ipc unmap acks flow
-        loop_reads = loop_reads_enabled() and self.plane.answers_on_loop and not self.ipc_acks
+        # the channel's plane allows it (DataPlane.answers_on_loop) and no unmap acks flow
+        loop_reads = loop_reads_enabled() and self.plane.answers_on_loop and not self.unmap_acks
         self.reads: LoopReads | None = LoopReads(self, sock, self._rx, self.ops) if loop_reads else None
         self._frames = Dispatcher(self, self._rx, self._target, self.ops, self.reads)  # the reader thread's frames
         self._reader = threading.Thread(target=self._frames.read_loop, name=f"transport-rx-{self.peer_name}",
@@ -432,15 +432,16 @@ class Channel:
 
     def say_bye(self, reason: str) -> None:
         """First step of an orderly close: queue a Bye behind everything already queued (any
-        thread but the loop's: it may wait, at most 1 s, for our cuda_ipc copies to be over, since
-        a Bye tells the peer that nothing of ours writes into its memory any more; if they are not,
-        no Bye is sent and the peer holds its unregistered exports until this process exits).
-        Once called, no new cuda_ipc copy starts on this channel. Idempotent."""
+        thread but the loop's: it may wait, at most 1 s, for our planes' copies into the peer's mapped memory to be over
+        (:meth:`PlaneChoice.quiesce`), since a Bye tells the peer that nothing of ours writes into
+        its memory any more; if they are not, no Bye is sent and the peer holds its unregistered
+        exports until this process exits). Once called, no new such copy starts on this channel.
+        Idempotent."""
         if not self.is_open or self._bye:
             return
         self._bye = True
         if not self.planes.quiesce(1.0):
-            log.warning("channel %s: cuda_ipc copies to %r still running at close; closing without a Bye",
+            log.warning("channel %s: copies into %r's mapped memory still running at close; closing without a Bye",
                         self.id, self.peer_name)
             return
         self._tx.submit([encode_frame(Bye(reason))])
@@ -476,8 +477,6 @@ class Channel:
         old = self.remote_wire
         self.remote_wire, self.peer_specs, self.remote_epoch = wire, specs, msg.epoch
         self.plane.registry_changed()
-        if self.ipc_acks:  # confirm the epoch once nothing of ours uses the exports that left it
-            gone = [wb.ipc for name, wb in old.items()
-                    if wb.ipc is not None and ((nb := wire.get(name)) is None or nb.ipc != wb.ipc)]
-            if not self.planes.retire(gone, msg.epoch):  # nothing of ours ever mapped them
+        if self.unmap_acks:  # confirm the epoch once nothing of ours uses the exports that left it
+            if not self.planes.retire(old, wire, msg.epoch):  # nothing of ours ever mapped them
                 self.send(Unmapped(msg.epoch))

@@ -41,7 +41,7 @@ from .errors import (
 )
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
-from .planes import NcclOffer, choose_cpu_plane, make_link, wants_link
+from .planes import PlaneOffers, choose_cpu_plane
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
 __all__ = ["Connector"]
@@ -60,7 +60,7 @@ class Owner(CoreProtocol, Protocol):
     incarnation: int
     planes: tuple[str, ...]
     timeout: float
-    _nccl: NcclOffer  # whether (and with which engine) this endpoint offers nccl
+    _offers: PlaneOffers  # what each plane offers here: the planes a Hello offers, the links' engine
     secret_source: str
     recorder: Any
     loop: asyncio.AbstractEventLoop
@@ -99,25 +99,17 @@ class Connector:
     def hello(self, channel_id: str) -> Hello:
         ep = self.ep
         epoch, bufs = ep.wire_registry()
-        return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._nccl.offered(), epoch, bufs,
+        return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._offers.offered(), epoch, bufs,
                      channel_id)
-
-    def wants_link(self, remote: Hello, offered: list[str]) -> bool:
-        """Whether a channel to ``remote`` gets an NCCL link; both sides decide alike, from both Hellos
-        (``offered``: the planes our Hello offered): both offer nccl, and they are not two same-host
-        endpoints that both allow cuda_ipc."""
-        if self.ep._nccl.engine is None:
-            return False
-        return wants_link(offered, remote.planes, same_host(local_host(), remote.host)[0])
 
     def adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
                dialer: bool, offered: list[str]) -> Channel:
         ep = self.ep
         plane, reason = choose_cpu_plane(local_host(), remote.host, ep.planes, tuple(remote.planes))
         ch = Channel(ep, sock, remote, channel_id, plane, reason, registry=ep._registry, recorder=ep.recorder)
-        if self.wants_link(remote, offered):
-            assert ep._nccl.engine is not None
-            ch.link = make_link(ch, ep._nccl.engine, dialer=dialer, timeout=ep.timeout)
+        # the channel's own link, where both Hellos ask for one (transport.planes.PlaneOffers.link_for)
+        ch.link = ep._offers.link_for(ch, offered, remote.planes, same_host(local_host(), remote.host)[0],
+                                      dialer=dialer, timeout=ep.timeout)
         old = self.channels.get(remote.name)
         if old is not None and old.incarnation != remote.incarnation:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
@@ -129,7 +121,7 @@ class Connector:
             self.channels[remote.name] = ch
         self.all.add(ch)
         ch.start()
-        if ch.ipc_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
+        if ch.unmap_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
             ch.holder = f"channel-{next(self._holder_ids)}"
             ep._exports.watch(ch.holder, sent_epoch, remote.host.pid)
         if ch.link is not None and dialer:
@@ -160,7 +152,7 @@ class Connector:
         self._handshaking += 1
         try:
             _no_delay(sock)
-            await ep._nccl.late(ep._state == "open")
+            await ep._offers.late(ep._state == "open")
             hello = self.hello("")
         except BaseException:
             self._handshaking -= 1
@@ -320,7 +312,7 @@ class Connector:
         """One handshake with ``peer``'s incarnation ``rec``; raises :class:`_Retry` to look again."""
         ep = self.ep
         try:
-            await ep._nccl.late(ep._state == "open")
+            await ep._offers.late(ep._state == "open")
             hello = self.hello(channel_id)
             ep._exports.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)

@@ -20,7 +20,7 @@ import msgspec
 
 from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError
 from .flight_recorder import OpState
-from .planes import SendingChannel
+from .planes import SendingChannel, link_refusal
 from .wire import (
     Ack,
     Bye,
@@ -28,9 +28,8 @@ from .wire import (
     Fail,
     Get,
     Go,
+    LinkFrame,
     Message,
-    NcclReady,
-    NcclSetup,
     Notify,
     Ping,
     Put,
@@ -53,7 +52,7 @@ log = logging.getLogger("transport.channel")  # what is logged here is the chann
 
 class ReadChannel(SendingChannel, Protocol):
     """What the reader uses of its channel (:class:`transport.channel.Channel`) besides
-    :class:`~transport.planes.SendingChannel` (its ``core``: ``wire_registry()``, ``ipc_unmapped()``)."""
+    :class:`~transport.planes.SendingChannel` (its ``core``: ``wire_registry()``, ``unmapped()``)."""
 
     id: str
     orderly: bool  # set when the peer closed with a Bye
@@ -140,17 +139,14 @@ class Dispatcher:
             self.ch.send(Registry(epoch, bufs))
             self.ch.send(Ack(msg.op_id))
         elif isinstance(msg, Unmapped):
-            self.ch.core.ipc_unmapped(self.ch, msg.epoch)
+            self.ch.core.unmapped(self.ch, msg.epoch)
         elif isinstance(msg, Go):
             self.target.take_go(msg)
-        elif isinstance(msg, NcclSetup):
-            if self.ch.link is None:
-                self.ch.send(NcclReady(False, "", "this endpoint does not offer the nccl plane to this peer"))
-            else:
-                self.ch.link.on_setup(msg)
-        elif isinstance(msg, NcclReady):
+        elif isinstance(msg, LinkFrame):  # (the link's own protocol: its plane decodes it)
             if self.ch.link is not None:
-                self.ch.link.on_ready(msg)
+                self.ch.link.on_frame(msg.body)
+            elif (answer := link_refusal(msg.body)) is not None:
+                self.ch.send(answer)
         elif isinstance(msg, Ping):
             pass
         elif isinstance(msg, Bye):

@@ -14,7 +14,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,9 @@ from .flight_recorder import FlightRecorder
 from .fr_autodump import Dumps
 from .hostinfo import local_host
 from .inbox import Inbox
-from .ipc import IpcEngine
 from .operations import Operations
 from .peer import Notification, Peer
-from .planes import Exporter, LinkEngine, NcclOffer, make_exporters, validate_planes
+from .planes import Exporter, PlaneOffers, validate_planes
 from .registry import BufferSpec
 from .rendezvous import EndpointRecord, Rendezvous
 from .staging import Staging, StagingConfig
@@ -92,25 +91,30 @@ class Endpoint(Operations):
         staging: :class:`transport.StagingConfig` of the staged path
             that moves CUDA tensors (bounce-buffer size and count, stall
             bound); None uses the defaults (4 x 8 MiB per op).
-        ipc_engine: a zero-argument factory of the ``cuda_ipc`` plane's
-            engine (:class:`transport.ipc.IpcEngine`). None (the default)
-            uses CUDA's when CUDA is available. ``transport.planes.cuda_ipc_memfd.MemfdIpcEngine``
-            runs the plane's protocol over CPU shared memory, for tests and
-            debugging without a GPU (both endpoints need it; their CPU
-            buffers then travel over ``cuda_ipc`` instead of ``shm``).
-        nccl_engine: a zero-argument factory of the ``nccl`` plane's link
-            engine (:class:`transport.planes.LinkEngine`). None (the default)
-            uses NCCL on the current CUDA device of the thread that creates
-            the endpoint, if the process already uses CUDA then (an endpoint
-            never starts CUDA itself) and NCCL loads; if CUDA comes into use
-            only later, on the event loop thread's current device as of the
-            first channel set up after that (channels set up before keep
-            going without a link: their GPU ops are staged); for another device
-            pass ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``.
+        engines: for the planes that take an engine
+            (:data:`transport.planes.ENGINE_PLANES`), the plane's name -> a
+            zero-argument factory of it; a plane not named (or named with None) uses its default.
+            ``"cuda_ipc"``: an IPC engine (:class:`transport.planes.cuda_ipc_engine.IpcEngine`;
+            default CUDA's when CUDA is available);
+            ``transport.planes.cuda_ipc_memfd.MemfdIpcEngine`` runs the plane's
+            protocol over CPU shared memory, for tests and debugging without a
+            GPU (both endpoints need it; their CPU buffers then travel over
+            ``cuda_ipc`` instead of ``shm``). ``"nccl"``: a link engine
+            (:class:`transport.planes.LinkEngine`); the default uses NCCL on the
+            current CUDA device of the thread that creates the endpoint, if the
+            process already uses CUDA then (an endpoint never starts CUDA
+            itself) and NCCL loads; if CUDA comes into use only later, on the
+            event loop thread's current device as of the first channel set up
+            after that (channels set up before keep going without a link: their
+            GPU ops are staged); for another device pass
+            ``functools.partial(transport.cuda.nccl_link.NcclLinkEngine, index)``.
             Each channel to a peer that offers nccl too then gets its own
-            communicator (leave ``nccl`` out of ``planes=`` to avoid that). ``transport.planes.SocketLinkEngine`` runs the
-            plane's protocol over a second TCP connection, on CPU memory (tests
-            and debugging without GPUs; both endpoints need it).
+            communicator (leave ``nccl`` out of ``planes=`` to avoid that).
+            ``transport.planes.SocketLinkEngine`` runs the plane's protocol over
+            a second TCP connection, on CPU memory (tests and debugging without
+            GPUs; both endpoints need it). :meth:`plane_status` says what each
+            plane's engine came to. ``ValueError`` for another key, or a value
+            that is not callable.
         secret: the job's secret (str or bytes) that every peer must prove it
             holds in the handshake before anything else it sends is read
             (:mod:`transport.auth`). None: ``$TRANSPORT_SECRET`` if set, else
@@ -137,8 +141,7 @@ class Endpoint(Operations):
         dump_signal: int | None = None,
         max_pending_notifications: int = 10000,
         staging: StagingConfig | None = None,
-        ipc_engine: Callable[[], IpcEngine] | None = None,
-        nccl_engine: Callable[[], LinkEngine] | None = None,
+        engines: Mapping[str, Callable[[], Any] | None] | None = None,
         secret: str | bytes | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
@@ -153,14 +156,10 @@ class Endpoint(Operations):
         if staging is not None and not isinstance(staging, StagingConfig):
             raise ValueError(f"staging must be a transport.StagingConfig, got {type(staging).__name__}")
         self.staging = Staging(staging)
-        if ipc_engine is not None and not callable(ipc_engine):
-            raise ValueError(f"ipc_engine must be a zero-argument factory of an IPC engine, got {ipc_engine!r}")
-        # the registry, and each plane's exports of its buffers (shm's segments, cuda_ipc's handles)
-        self._exports = Exports(make_exporters(name, self.planes, [], ipc_engine))
+        self._offers = PlaneOffers(name, self.planes, engines)  # what each plane offers here (its engine, its link)
+        # the registry, and each plane's exports of its buffers
+        self._exports = Exports(self._offers.exporters)
         self._registry = self._exports.registry
-        if nccl_engine is not None and not callable(nccl_engine):
-            raise ValueError(f"nccl_engine must be a zero-argument factory of a link engine, got {nccl_engine!r}")
-        self._nccl = NcclOffer(name, self.planes, nccl_engine)  # (its device: see transport.planes.nccl_offer)
         self._listen_host = listen_host
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
@@ -216,7 +215,7 @@ class Endpoint(Operations):
             self._unix_listener = self._connector.listen_unix()
             self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host(),
                                           self._connector.unix_name)
-            self._nccl.at_open()
+            self._offers.at_open()
             self._exports.start()  # export the buffers registered before open, and every later one at once
             self._spawn(self._connector.accept_loop())
             if self._unix_listener is not None:
@@ -392,7 +391,7 @@ class Endpoint(Operations):
         engine, a slot table) through it."""
         return self._exports.exporter(plane)
 
-    def ipc_unmapped(self, ch: Channel, epoch: int) -> None:
+    def unmapped(self, ch: Channel, epoch: int) -> None:
         """A peer confirmed registry ``epoch`` (reader thread): release what no one may use any more."""
         if ch.holder is not None:
             self._exports.acked(ch.holder, epoch)
@@ -413,15 +412,13 @@ class Endpoint(Operations):
         self._connector.broadcast(Registry(*self.wire_registry()))
 
     # ------------------------------------------------------------------ channels
-    @property
-    def nccl_engine(self) -> LinkEngine | None:
-        """The ``nccl`` plane's link engine this endpoint offers, or None (see :attr:`nccl_reason`)."""
-        return self._nccl.engine
-
-    @property
-    def nccl_reason(self) -> str:
-        """Why this endpoint offers (or does not offer) the ``nccl`` plane."""
-        return self._nccl.reason
+    def plane_status(self, plane: str) -> tuple[bool, str]:
+        """Whether this endpoint offers ``plane`` to its peers, and why or why not: not allowed by
+        ``planes=``, its engine could not be made (a ``cuda_ipc`` engine is made at its first use,
+        possibly by this call), or, for ``nccl``, CUDA was not in use when the endpoint was created
+        or NCCL did not load (decided at :meth:`open`, or at a later handshake once CUDA is in use).
+        Non-blocking but for making an engine; ``ValueError`` for an unknown plane."""
+        return self._offers.status(plane)
 
     def channel_closed(self, ch: Channel, exc: BaseException) -> None:
         """Called on the loop when a channel breaks or closes."""

@@ -20,6 +20,7 @@ import torch
 
 from . import auth
 from .errors import AuthenticationError, ProtocolError
+from .planes import export_fault
 from .registry import BufferSpec, dtype_from_name
 from .wire import (
     MAX_FRAME,
@@ -84,12 +85,12 @@ def _spec_from_wire(b: WireBuffer) -> BufferSpec:
     if overflow:
         raise ProtocolError(f"peer registry: buffer {b.name!r} has shape {b.shape[:8]}: its element count "
                             "overflows int64")
-    if numel * dtype.itemsize != b.nbytes or (b.shm is not None and b.shm.size < b.nbytes):
+    if numel * dtype.itemsize != b.nbytes:
         raise ProtocolError(f"peer registry: buffer {b.name!r} claims {b.nbytes} bytes for {b.dtype}"
                             f"{b.shape[:8]}")
-    if b.shm is not None and (b.shm.offset < 0 or b.shm.offset + b.nbytes > b.shm.size):
-        raise ProtocolError(f"peer registry: buffer {b.name!r} lies at bytes [{b.shm.offset}, "
-                            f"{b.shm.offset + b.nbytes}) of a {b.shm.size}-byte segment")
+    fault = export_fault(b)  # (each plane checks the handle it announced)
+    if fault is not None:
+        raise ProtocolError(f"peer registry: buffer {b.name!r} {fault}")
     return BufferSpec(b.name, dtype, torch.Size(b.shape), b.device, b.nbytes)
 
 

@@ -60,7 +60,7 @@ class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
     __slots__ = ("abandon_bound", "abandoned", "after", "busy", "dests", "future", "gated", "inline", "keep", "kind", "lock",
-                 "on_wire", "op_id", "p2p", "quiet", "record", "seq", "staged", "stuck")
+                 "on_wire", "op_id", "quiet", "record", "seq", "staged", "stuck", "via_link")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, op_id: int, seq: int, kind: OpKind, record: Record,
                  inline: bool = True) -> None:
@@ -85,7 +85,8 @@ class Op:
         self.busy = False
         self.quiet = _Quiet()
         self.stuck = False  # a staged copy into the caller's tensor outlived its bound (may still write)
-        self.p2p = False  # its bytes move over the channel's NCCL link (cannot be cancelled: abort on timeout)
-        # the op's own posted work (an nccl op's send/recv): the op ends only once it completed too
+        self.via_link = False  # its bytes move over the channel's link: posted work that cannot be called
+        # back (a timeout aborts the link, and the channel with it; see OpTable)
+        # the op's own posted work (its sends and receives on the link): the op ends only once it completed too
         self.after: asyncio.Future[None] | None = None
         self.abandon_bound = 1.0  # how long an abandoned op may still be writing (the caller's tensors, the peer's buffer)

@@ -33,8 +33,8 @@ __all__ = ["OpChannel", "OpTable"]
 
 log = logging.getLogger("transport.channel")  # what is logged here is the channel's (as before it moved here)
 
-_P2P_ABANDON_GRACE = 0.25  # s an abandoned op's NCCL receive may take to complete before the link is aborted,
-_P2P_ABANDON_RATE = 1e9  # ... plus its bytes at this rate (bytes/s): a healthy slow link is not cut off
+_LINK_ABANDON_GRACE = 0.25  # s an abandoned op's receive on the link may take to complete before the link is
+_LINK_ABANDON_RATE = 1e9  # aborted, plus its bytes at this rate (bytes/s): a healthy slow link is not cut off
 
 _STATE_HINT = {
     "posted": "not yet sent, queued behind earlier traffic or still copying",
@@ -125,9 +125,9 @@ class OpTable:
                     await op.future
         except TimeoutError:
             was = op.record.state
-            if op.p2p:  # its NCCL operations cannot be called back: abort the link (and the channel)
-                self.ch.lose(PeerLostError(f"{op.kind.value} #{op.op_id} over the NCCL link with {self.ch.peer_name!r} "
-                                           "timed out: the channel's communicator was aborted and the channel closed"))
+            if op.via_link:  # its work posted on the link cannot be called back: abort the link (and the channel)
+                self.ch.lose(PeerLostError(f"{op.kind.value} #{op.op_id} over the channel's link with "
+                                           f"{self.ch.peer_name!r} timed out: the link was aborted and the channel closed"))
             try:
                 note = await self._abandon(op)
             finally:  # (even if cancelled again meanwhile: the record always ends)
@@ -190,12 +190,12 @@ class OpTable:
         past its bound (its tensor is then held until it ends, see :func:`~transport.bounce.stage_in`)."""
         try:
             bound = self._abandon_now(op)
-            grace = _P2P_ABANDON_GRACE + op.record.nbytes / _P2P_ABANDON_RATE  # (a big receive on a slow link)
-            if bound and op.p2p and not await self._wait_quiet(op, grace):
-                # an NCCL receive cannot be called back: one still pending after the grace (a frozen or
-                # slow peer) is stopped by aborting the link, which closes the channel
+            grace = _LINK_ABANDON_GRACE + op.record.nbytes / _LINK_ABANDON_RATE  # (a big receive on a slow link)
+            if bound and op.via_link and not await self._wait_quiet(op, grace):
+                # a receive posted on the link cannot be called back: one still pending after the grace (a
+                # frozen or slow peer) is stopped by aborting the link, which closes the channel
                 self.ch.lose(PeerLostError(
-                    f"{op.kind.value} #{op.op_id} was abandoned with its NCCL receive still pending after "
+                    f"{op.kind.value} #{op.op_id} was abandoned with its receive on the link still pending after "
                     f"{grace:.2f} s: the link with {self.ch.peer_name!r} was aborted and the channel closed "
                     "so that it cannot land in the caller's tensors later"))
             if bound and not await self._wait_quiet(op, bound):
@@ -227,8 +227,8 @@ class OpTable:
             self.ch.lose(PeerLostError(
                 f"{op.kind.value} #{op.op_id} was abandoned while its bytes were still arriving; the channel "
                 f"to {self.ch.peer_name!r} was closed so that they cannot land in the caller's tensors"))
-        if op.p2p:  # a receive into the caller's tensors stops when it completes or the link is aborted (_abandon)
-            return 20.0  # (ncclCommAbort is bounded: NCCL's abort flag ends its waits; then the completions are reported)
+        if op.via_link:  # a receive into the caller's tensors stops when it completes or the link is aborted (_abandon)
+            return 20.0  # (a link's abort is bounded: NCCL's abort flag ends its waits; then the completions are reported)
         if op.staged:  # the reader may be waiting for a copy, up to stall_timeout
             cfg = self.ch.staging.config
             return cfg.stall_timeout + 0.1 * cfg.buffers + RX_POLL_S + 1.0

@@ -36,8 +36,9 @@ class _Channel(Protocol):
     peer_name: str
     incarnation: int
     peer_specs: dict[str, BufferSpec]
-    plane: Any  # its DataPlane (.name)
+    plane: Any  # its DataPlane (.name, .maps_peer_memory)
     plane_reason: str
+    planes: Any  # its PlaneChoice (.maps_gpu_memory())
     host: HostInfo
     @property
     def gpu_plane(self) -> str | None: ...
@@ -97,6 +98,14 @@ class Peer:
         """Whether the peer runs on this host (same kernel boot and pid namespace, from the host identity its
         ``Hello`` carried: :func:`transport.hostinfo.same_host`), whatever plane its channel runs."""
         return same_host(local_host(), self._channel.host)[0]
+
+    def maps_memory(self, gpu: bool = False) -> bool:
+        """Whether this peer's CPU buffers (``gpu=True``: its GPU buffers) are mapped into this
+        process for ops: puts and gets copy straight between our tensors and its memory, with no
+        bytes on the channel, and :meth:`transport.Endpoint.map` can alias them (``shm`` for CPU
+        buffers, ``cuda_ipc`` for GPU ones). Non-blocking."""
+        ch = self._channel
+        return ch.planes.maps_gpu_memory() if gpu else ch.plane.maps_peer_memory
 
     @property
     def gpu_plane(self) -> str:

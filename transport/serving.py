@@ -134,13 +134,14 @@ class Serving:
             raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
         return wire
 
-    def _ranges(self, msg: Put | Get, what: str, *, shm: bool) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
+    def _ranges(self, msg: Put | Get, what: str, *, copied: bool) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
         """The op's ranges (:meth:`_resolve`), or the error to answer it with; a malformed header
-        raises :class:`ProtocolError`. ``shm``: the op names the exports it copied (``segments``)."""
-        if shm and msg.segments is None:
+        raises :class:`ProtocolError`. ``copied``: the initiator copied into or out of the exports
+        the op names (``segments``)."""
+        if copied and msg.segments is None:
             raise ProtocolError(f"{msg.plane} {what} without segments")
         try:
-            return self._resolve(msg.items, msg.segments if shm else None, msg.plane), None
+            return self._resolve(msg.items, msg.segments if copied else None, msg.plane), None
         except ProtocolError:
             raise
         except TransportError as exc:
@@ -155,7 +156,7 @@ class Serving:
         if wire.via_link:
             self._serve_via_link(msg, rec)
             return
-        ranges, error = self._ranges(msg, "put", shm=not inline)
+        ranges, error = self._ranges(msg, "put", copied=not inline)
         if inline:
             if error is not None:
                 self.rx.drain(sum(item_bytes(it) for it in msg.items))
@@ -226,15 +227,15 @@ class Serving:
     def serve_get(self, msg: Get) -> None:
         rec = self._target_record(msg, OpKind.GET, msg.items, msg.plane)
         wire = self._check_plane(msg.plane)
-        shm = not wire.inline
+        copied = not wire.inline
         if wire.via_link:
             self._serve_via_link(msg, rec)
             return
-        ranges, error = self._ranges(msg, "get", shm=shm)
+        ranges, error = self._ranges(msg, "get", copied=copied)
         if error is not None:
             self._reject(rec, msg.op_id, error)
             return
-        if shm:  # the initiator already copied; the segments were still the buffers'
+        if copied:  # the initiator already copied; the segments were still the buffers'
             self._done(rec)
             self.ch.send(Ack(msg.op_id))
             return

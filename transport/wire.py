@@ -25,8 +25,10 @@ Theory of operation, per connection::
            <----------------------------  Ack | Fail
     Unmapped(epoch) (after a Registry:
       what left it is unmapped, unused) ->  release the memory held for it
-    NcclSetup (dialer, after Hello) --->  join the channel's 2-rank link
-    NcclReady <-----------------------> NcclReady   (both ok: the nccl plane is up)
+    LinkFrame(Setup) (dialer, after
+      Hello: the link's own frames) -->  join the channel's 2-rank link
+    LinkFrame(Ready) <----------------> LinkFrame(Ready)  (both ok: the nccl plane is up;
+                                           bodies: transport.planes.nccl_frames)
     Put(nccl) (dialer: its ncclSend
       already posted) ----------------->  post ncclRecv into the buffer
            <----------------------------  Ack (from the recv's completion) | Fail
@@ -79,9 +81,8 @@ __all__ = [
     "HostInfo",
     "IpcHandle",
     "Item",
+    "LinkFrame",
     "Message",
-    "NcclReady",
-    "NcclSetup",
     "Notify",
     "Ping",
     "Proof",
@@ -102,7 +103,8 @@ __all__ = [
 # 4: ShmHandle's slot-table fields (shm puts without a notification, and gets, need no round trip)
 # 5: IpcHandle's slot-table fields (cuda_ipc puts without a notification, and gets, likewise)
 # 6: Notify.answer (a posted notification: no Ack, no Fail)
-PROTOCOL_VERSION = 6
+# 7: LinkFrame (a link's set-up frames, opaque to the core) instead of NcclSetup / NcclReady
+PROTOCOL_VERSION = 7
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
@@ -263,25 +265,17 @@ class Unmapped(msgspec.Struct, tag="unmapped"):
     epoch: int
 
 
-class NcclSetup(msgspec.Struct, tag="nccl_setup"):
-    """Dialer -> listener, right after the handshake: join the channel's 2-rank link (the ``nccl``
-    plane) with this unique id; the dialer is rank 0."""
+class LinkFrame(msgspec.Struct, tag="link"):
+    """A frame of the channel's link's own protocol (its set-up), opaque to the core: the plane
+    that owns the link encodes and decodes ``body`` (:meth:`transport.planes.base.PeerLink.on_frame`;
+    the ``nccl`` link's frames: :mod:`transport.planes.nccl_frames`)."""
 
-    unique_id: bytes
-
-
-class NcclReady(msgspec.Struct, tag="nccl_ready"):
-    """Each side, once its join ended: ``ok``, the device its link serves (``cuda:N``), or why not.
-    The link is used only if both sides said ok."""
-
-    ok: bool
-    device: str = ""
-    reason: str = ""
+    body: bytes
 
 
 class Go(msgspec.Struct, tag="go"):
-    """Dialer -> listener: post your half of your ``nccl`` op ``op_id`` now (the dialer just posted
-    its half; every post of a link follows the dialer's order)."""
+    """Dialer -> listener: post your half of your op ``op_id`` over the channel's link now (the
+    dialer just posted its half; every post of a link follows the dialer's order)."""
 
     op_id: int
 
@@ -317,7 +311,7 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str = ""
 
 
-Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, NcclSetup, NcclReady, Go, Ping, Bye,
+Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, LinkFrame, Go, Ping, Bye,
                 Challenge, Proof]
 PreAuth = Union[Challenge, Proof, Bye, _HelloVersion]
 

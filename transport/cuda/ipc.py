@@ -1,4 +1,4 @@
-"""The CUDA engine of the ``cuda_ipc`` plane (:mod:`transport.ipc`, :mod:`transport.planes.cuda_ipc`).
+"""The CUDA engine of the ``cuda_ipc`` plane (:mod:`transport.planes.cuda_ipc_engine`, :mod:`transport.planes.cuda_ipc`).
 
 The only code of the plane that needs a GPU, kept small:
 
@@ -7,7 +7,7 @@ The only code of the plane that needs a GPU, kept small:
   ``(handle, offset)``. A tensor in memory that cannot be exported this way (expandable segments,
   ``cudaMallocAsync`` pools) raises :class:`~transport.errors.PlaneUnavailableError`: the endpoint
   logs it and peers reach that buffer through the staged path.
-- open: ``cuIpcOpenMemHandle`` (once per allocation and process: :class:`~transport.ipc.MappingCache`),
+- open: ``cuIpcOpenMemHandle`` (once per allocation and process: :class:`~transport.planes.cuda_ipc_engine.MappingCache`),
   on the local device whose UUID is the exporter's (processes with different
   ``CUDA_VISIBLE_DEVICES`` agree); the mapping is wrapped as a ``uint8`` tensor through
   ``__cuda_array_interface__`` (no copy, no ownership).

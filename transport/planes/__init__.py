@@ -21,7 +21,6 @@ from .choice import (
     PLANES,
     STAGED,
     PlaneChoice,
-    WireSemantics,
     choose_cpu_plane,
     choose_gpu_plane,
     make_exporters,
@@ -30,12 +29,16 @@ from .choice import (
     plane_features,
     validate_planes,
     wants_link,
-    wire_semantics,
 )
 from .nccl_engine import LinkConn, LinkEngine, SocketLinkEngine, link_engine_probe
+from .nccl_frames import link_refusal
 from .nccl_offer import NcclOffer
+from .offers import ENGINE_PLANES, PlaneOffers, check_engines
+from .wire_rules import WireSemantics, export_fault, wire_semantics
 
-__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChannelPort", "DataPlane", "Exporter", "LinkConn",
-           "LinkEngine", "NcclOffer", "PeerLink", "PlaneChoice", "SendingChannel", "SocketLinkEngine", "link_engine_probe",
-           "WireSemantics", "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "make_link", "needs_unmap_acks",
-           "plane_features", "validate_planes", "wants_link", "wire_semantics"]
+__all__ = ["CPU_PLANES", "ChannelPort", "DataPlane", "ENGINE_PLANES", "Exporter", "GPU_PLANES", "LinkConn",
+           "LinkEngine", "NcclOffer", "PLANES", "PeerLink", "PlaneChoice", "PlaneOffers", "STAGED",
+           "SendingChannel", "SocketLinkEngine", "WireSemantics", "check_engines", "choose_cpu_plane",
+           "choose_gpu_plane", "export_fault", "link_engine_probe", "link_refusal", "make_exporters",
+           "make_link", "needs_unmap_acks", "plane_features", "validate_planes", "wants_link",
+           "wire_semantics"]

@@ -68,7 +68,7 @@ from ..flight_recorder import FlightRecorder, OpKind, Record
 from ..op import Op
 from ..registry import BufferSpec, LocalBuffer
 from ..staging import Staging
-from ..wire import Get, HostInfo, Item, Message, NcclReady, NcclSetup, Put, WireBuffer
+from ..wire import Get, HostInfo, Item, Message, Put, WireBuffer
 
 __all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink", "SendingChannel"]
 
@@ -76,7 +76,7 @@ __all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink", "SendingChannel"]
 class PeerLink(Protocol):
     """A channel's link: a second connection to the peer that a plane moves bytes over (the
     ``nccl`` plane's 2-rank communicator, :class:`transport.planes.nccl_link.Link`, made by
-    :func:`transport.planes.make_link`). The core sees only this: it hands the link the set-up
+    :meth:`transport.planes.PlaneOffers.link_for`). The core sees only this: it hands the link the set-up
     frames and the peer's ops over it, waits for it to be set up, and aborts it with the channel.
     Thread-safe."""
 
@@ -94,11 +94,9 @@ class PeerLink(Protocol):
     def abort(self, why: BaseException | str) -> None:
         """Any thread, idempotent: the link is done; what is in flight on it stops (non-blocking)."""
 
-    def on_setup(self, msg: NcclSetup) -> None:
-        """Reader thread: the dialer's set-up frame."""
-
-    def on_ready(self, msg: NcclReady) -> None:
-        """Reader thread: the peer's verdict on its side of the set-up."""
+    def on_frame(self, body: bytes) -> None:
+        """Reader thread: one of the peer's frames of the link's own protocol (its set-up; a
+        :class:`~transport.wire.LinkFrame`'s body). :class:`ProtocolError` for one out of place."""
 
     def not_posted(self, op_id: int) -> bool:
         """Reader thread, on a Fail: drop our op ``op_id`` if it was never posted (True if so)."""
@@ -292,7 +290,12 @@ class Exporter:
     def tick(self, bufs: list[LocalBuffer]) -> None:
         """Every heartbeat interval (event loop), with the registered buffers."""
 
-    # peers that may map exports (see transport.retention): a channel, or a handshake in progress
+    def status(self) -> tuple[bool, str]:
+        """Whether this plane can be used here, and why (e.g. its engine could not be made). May
+        make that engine. Any thread."""
+        return True, "allowed"
+
+    # peers that may map exports (see transport.planes.cuda_ipc_retention): a channel, or a handshake in progress
     def watch(self, holder: str, epoch: int, pid: int | None) -> None:
         """``holder`` (process ``pid`` if on this host) may map exports of registries up to ``epoch``."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
     from .nccl import NcclPlane
     from .staged import StagedPlane
 
-__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChoosingChannel", "PlaneChoice", "WireSemantics",
+__all__ = ["CPU_PLANES", "GPU_PLANES", "PLANES", "STAGED", "ChoosingChannel", "PlaneChoice",
            "choose_cpu_plane", "choose_gpu_plane", "make_exporters", "make_link", "needs_unmap_acks", "plane_features",
            "validate_planes",
-           "wants_link", "wire_semantics"]
+           "wants_link"]
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +49,6 @@ PLANES: dict[str, type[DataPlane]] = {p.name: p for p in CPU_PLANES}
 GPU_PLANES: tuple[str, ...] = ("cuda_ipc", "nccl", "staged")
 _ALLOWABLE = (*PLANES, "cuda_ipc", "nccl")  # what planes= may name
 STAGED = "staged"  # the staged path's name in records and reports (GPU bytes through bounce buffers)
-
-
-class WireSemantics(NamedTuple):
-    """What the target's half (:mod:`transport.serving`) must do with an op whose header names a
-    plane, as :func:`wire_semantics` says."""
-
-    inline: bool  # the payload follows the header in the stream (tcp, and the staged path riding on it)
-    segments: bool  # the initiator copied into or out of the exports the header names (shm, cuda_ipc)
-    via_link: bool  # the bytes go over the channel's NCCL link; the link serves the op (nccl)
-    own_plane: bool  # only a channel whose CPU plane this is may carry it (shm)
-
-
-_WIRE = {
-    "tcp": WireSemantics(inline=True, segments=False, via_link=False, own_plane=False),
-    "shm": WireSemantics(inline=False, segments=True, via_link=False, own_plane=True),
-    "cuda_ipc": WireSemantics(inline=False, segments=True, via_link=False, own_plane=False),
-    "nccl": WireSemantics(inline=False, segments=False, via_link=True, own_plane=False),
-}
-
-
-def wire_semantics(plane: str) -> WireSemantics | None:
-    """How the target serves an op whose header names ``plane``; None for a name no header may
-    carry (a hostile or corrupt one)."""
-    return _WIRE.get(plane)
 
 
 def wants_link(ours: Sequence[str], theirs: Sequence[str], same_host_peer: bool) -> bool:
@@ -87,7 +63,7 @@ def wants_link(ours: Sequence[str], theirs: Sequence[str], same_host_peer: bool)
 def needs_unmap_acks(ours: Sequence[str], theirs: Sequence[str], same_host_other_process: bool) -> bool:
     """Whether a same-host peer in another process confirms each registry update (``Unmapped``):
     both allow cuda_ipc, so it may map our exports, and the owner of an unregistered export holds
-    its memory until the peer confirmed (:class:`transport.retention.Retention`)."""
+    its memory until the peer confirmed (:class:`transport.planes.cuda_ipc_retention.Retention`)."""
     return "cuda_ipc" in ours and "cuda_ipc" in theirs and same_host_other_process
 
 
@@ -96,7 +72,7 @@ def make_exporters(endpoint: str, planes: tuple[str, ...], segments: list[Any],
     """The :class:`~transport.planes.base.Exporter` of each plane in ``planes`` that exports
     buffers at registration, in the order they export (``shm`` first: ``cuda_ipc``'s CPU stand-in
     exports CPU tensors through the segments ``shm`` made). ``segments``: the endpoint's memfd
-    segments, shared by both; ``ipc_engine``: the endpoint's ``ipc_engine=`` factory."""
+    segments, shared by both; ``ipc_engine``: the endpoint's ``engines["cuda_ipc"]`` factory."""
     out: list[Exporter] = []
     if "shm" in planes:
         out.append(ShmExporter(endpoint, segments))
@@ -376,7 +352,7 @@ class PlaneChoice:
                 if engine is None:
                     why: str | None = "no IPC engine here"
                 else:
-                    from ..ipc import mapping_cache
+                    from .cuda_ipc_engine import mapping_cache
 
                     why = engine.reachable(wb.ipc) or mapping_cache(engine).refusal(wb.ipc)
                 if why is None:
@@ -415,6 +391,12 @@ class PlaneChoice:
                                 (engine is not None, why),
                                 (link.state, link.reason) if link is not None else None)
 
+    def maps_gpu_memory(self) -> bool:
+        """Whether the peer's GPU buffers are mapped into this process for ops: its GPU plane is
+        one that maps peer memory (``cuda_ipc``; :attr:`DataPlane.maps_peer_memory`): the choice
+        already made for this channel (:attr:`gpu_plane`), else the one it would make now."""
+        return (self.gpu_plane or self.gpu_plane_choice()[0]) == "cuda_ipc"
+
     def link_changed(self) -> None:
         """Event loop: the NCCL link was set up or went down: choose the GPU plane again (logged)."""
         self.gpu_plane = self.gpu_plane_reason = None
@@ -448,7 +430,7 @@ class PlaneChoice:
         engine, _ = ipc_engine_of(self.ch.core)
         if engine is None:
             return "no IPC engine here"
-        from ..ipc import mapping_cache
+        from .cuda_ipc_engine import mapping_cache
 
         cache = mapping_cache(engine)
         wire = self.ch.remote_wire
@@ -473,12 +455,15 @@ class PlaneChoice:
         self._bye = True
         return self._ipc is None or self._ipc.quiesce(bound)
 
-    def retire(self, gone: list[Any], epoch: int) -> bool:
-        """The peer's registry update of ``epoch`` dropped the cuda_ipc exports ``gone``: the
-        cuda_ipc plane confirms the epoch once nothing of ours uses them. False if no cuda_ipc
-        plane was ever made here (nothing of ours mapped them: the channel confirms at once)."""
+    def retire(self, old: dict[str, Any], new: dict[str, Any], epoch: int) -> bool:
+        """The peer's registry went from ``old`` to ``new`` (name -> WireBuffer) at ``epoch``: the
+        exports that left it or changed, which a plane of ours may have mapped, are confirmed
+        (``Unmapped``) by that plane once nothing of ours uses them. False if no such plane was
+        ever made here (nothing of ours mapped them: the channel confirms at once)."""
         if self._ipc is None:
             return False
+        gone = [wb.ipc for name, wb in old.items()
+                if wb.ipc is not None and ((nb := new.get(name)) is None or nb.ipc != wb.ipc)]
         self._ipc.retire(gone, epoch)
         return True
 

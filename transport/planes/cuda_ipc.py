@@ -1,6 +1,6 @@
 """``cuda_ipc``: same host, GPU memory. The initiator copies straight into (or out of) the peer's buffer.
 
-The ``shm`` protocol with device memory (see :mod:`transport.ipc` for the engine and the memory's
+The ``shm`` protocol with device memory (see :mod:`transport.planes.cuda_ipc_engine` for the engine and the memory's
 lifetime):
 
 - The target exports each registered GPU buffer once, at ``register``: the IPC handle of the
@@ -54,10 +54,10 @@ import torch
 from ..completion import CompletionBridge, CompletionError
 from ..errors import EndpointClosedError, PeerLostError, PlaneUnavailableError, StaleBufferError, TransportError
 from ..hostinfo import same_host
-from ..ipc import IpcMapping, IpcQueue, mapping_cache
 from ..op import Op
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
 from .base import ChannelPort, DataPlane
+from .cuda_ipc_engine import IpcMapping, IpcQueue, mapping_cache
 from .cuda_ipc_export import ipc_engine_of
 from .cuda_ipc_holds import Batch, Held, PeerSlots, SlotGuard
 from .shm_slots import one_sided_feature

@@ -1,25 +1,26 @@
 """``cuda_ipc``'s target side at registration: the endpoint's IPC engine, each buffer's export
 (an IPC handle of its allocation), and the memory of unregistered exports held while a
-same-host peer may still use it (:mod:`transport.retention`).
+same-host peer may still use it (:mod:`transport.planes.cuda_ipc_retention`).
 
-The plane itself (the initiator side) is :mod:`transport.planes.cuda_ipc`; :mod:`transport.ipc`
+The plane itself (the initiator side) is :mod:`transport.planes.cuda_ipc`; :mod:`transport.planes.cuda_ipc_engine`
 explains the engines and why memory is retained.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..errors import PlaneUnavailableError
-from ..ipc import IpcEngine, IpcExport, export_ids
 from ..registry import LocalBuffer
-from ..retention import NEVER, Retention
 from ..wire import IpcHandle
 from .base import Exporter
+from .cuda_ipc_engine import IpcEngine, IpcExport, export_ids
+from .cuda_ipc_retention import NEVER, Retention
 from .shm_slots import ExportSlots
 
 __all__ = ["IpcExporter", "ipc_engine_of"]
@@ -43,6 +44,7 @@ class IpcExporter(Exporter):
         self.factory = factory
         self._engine: IpcEngine | None = None
         self._reason: str | None = None
+        self._making = threading.Lock()  # (the engine is made once, whichever thread asks first)
         self.retention = Retention(self._release)
         self.newest_export: int | None = None  # the newest export id made (None: none yet)
         # the words of this endpoint's cuda_ipc exports (one-sided puts and gets, as for shm's; a table
@@ -51,22 +53,39 @@ class IpcExporter(Exporter):
 
     @property
     def engine(self) -> IpcEngine | None:
-        """The engine (made at the first use; None: see :attr:`reason`)."""
-        if self._reason is None:
-            self._engine, self._reason = self._make_engine()
+        """The engine (made at the first use, by whichever thread asks first; None: see
+        :attr:`reason`). A factory that raises raises here (and is asked again next time)."""
+        self._make()
         return self._engine
 
     @property
     def reason(self) -> str:
         """Why there is (or is not) an engine."""
+        self._make()
+        return self._reason or ""
+
+    def _make(self) -> None:
         if self._reason is None:
-            self._engine, self._reason = self._make_engine()
-        return self._reason
+            with self._making:
+                if self._reason is None:
+                    self._engine, self._reason = self._make_engine()
+
+    def status(self) -> tuple[bool, str]:
+        """Whether there is an engine, and why. Never starts CUDA: with the default engine and CUDA
+        not in use in this process yet, it says so and makes nothing. Any thread; raises nothing."""
+        if self._reason is None and self.factory is None and not torch.cuda.is_initialized():
+            return True, ("allowed; CUDA's IPC engine is made at the first CUDA buffer or op (CUDA is not in use "
+                          "in this process yet)")
+        try:
+            engine = self.engine
+        except Exception as exc:  # noqa: BLE001 - the user's factory: reported, not raised
+            return False, f"the engine factory raised {type(exc).__name__}: {exc}"
+        return engine is not None, self.reason
 
     def _make_engine(self) -> tuple[IpcEngine | None, str]:
         if self.factory is not None:
             engine = self.factory()
-            return engine, f"engine {engine.name!r} (ipc_engine=)"
+            return engine, f"engine {engine.name!r} (engines=)"
         try:
             from ..cuda.ipc import cuda_ipc_engine
         except ImportError as exc:  # a torch without CUDA bindings
@@ -104,7 +123,7 @@ class IpcExporter(Exporter):
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it, unless
         ``closing``), so that no peer's one-sided op starts on it or is reported done after its
         copy overlapped this; the memory is then held until every same-host peer confirmed it
-        unmapped (see :mod:`transport.retention`)."""
+        unmapped (see :mod:`transport.planes.cuda_ipc_retention`)."""
         ipc = buf.exports.pop("cuda_ipc", None)
         if ipc is not None:
             h = ipc.handle

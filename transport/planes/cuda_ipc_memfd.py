@@ -2,7 +2,7 @@
 
 Its exports are the ``shm`` plane's ``memfd`` segments, its mappings ``mmap`` s through
 ``/proc/<pid>/fd``, its copy queues worker threads: everything of :mod:`transport.planes.cuda_ipc`
-and :mod:`transport.ipc` runs as with the CUDA engine, on a machine without a GPU.
+and :mod:`transport.planes.cuda_ipc_engine` runs as with the CUDA engine, on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from ..completion import ThreadDone
 from ..errors import PlaneUnavailableError
-from ..ipc import IpcMapping, IpcQueue
 from ..wire import IpcHandle, ShmHandle
+from .cuda_ipc_engine import IpcMapping, IpcQueue
 
 __all__ = ["MemfdIpcEngine"]
 
@@ -89,7 +89,7 @@ class MemfdIpcEngine:
     """The ``cuda_ipc`` plane's protocol on CPU memory: exports are ``memfd`` segments (the
     ``shm`` plane's, shared with it), mappings are ``mmap`` s through ``/proc/<pid>/fd``, copies
     run in order on a worker thread per queue. For tests and debugging on machines without a GPU
-    (``Endpoint(ipc_engine=MemfdIpcEngine)`` on both sides: CPU buffers then travel over
+    (``Endpoint(engines={"cuda_ipc": MemfdIpcEngine})`` on both sides: CPU buffers then travel over
     ``cuda_ipc`` instead of ``shm``). ``copy_delay`` slows every copy (tests of timeouts)."""
 
     name = "memfd"

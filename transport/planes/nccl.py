@@ -76,7 +76,7 @@ class NcclPlane(DataPlane):
         engine = link.engine
         tensors = [t for it, t in pairs if it.count]
         op.keep = [t for _, t in pairs]
-        op.p2p = True
+        op.via_link = True
         after = engine.mark(tensors) if tensors else None
         views = [bytes_of(t) for t in tensors]
         loop = self.channel.loop

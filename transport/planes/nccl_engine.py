@@ -194,7 +194,7 @@ class _SocketConn:
 
 class SocketLinkEngine:
     """The ``nccl`` plane's link on CPU memory, over a second TCP connection (tests, debugging
-    without GPUs: ``Endpoint(nccl_engine=SocketLinkEngine)`` on both sides makes their CPU buffers
+    without GPUs: ``Endpoint(engines={"nccl": SocketLinkEngine})`` on both sides makes their CPU buffers
     travel over the ``nccl`` plane's protocol). The unique id is the address of a listening socket,
     as NCCL's is the address of its bootstrap root. ``delay`` slows every operation (tests)."""
 
@@ -250,7 +250,7 @@ def link_engine_probe(factory: Callable[[], LinkEngine] | None,
     current one), or None and why not. Never raises."""
     if factory is not None:
         engine = factory()
-        return engine, f"engine {engine.name!r} (nccl_engine=)"
+        return engine, f"engine {engine.name!r} (engines=)"
     try:
         from ..cuda.nccl_link import nccl_link_engine
 

@@ -2,13 +2,13 @@
 
 One :class:`Link` per channel whose endpoints both offer ``nccl`` (:mod:`transport.planes.nccl`
 is the initiator's half; :mod:`transport.planes.nccl_engine` what the link posts on), made by the
-connector through :func:`transport.planes.make_link`; the core sees it as a
+connector through :meth:`transport.planes.PlaneOffers.link_for`; the core sees it as a
 :class:`~transport.planes.base.PeerLink`. Thread-safe; :attr:`Link.lock` orders every post with
 the frame that announces it.
 
 Set-up. The dialer is rank 0: right after the handshake it makes a unique id and sends it
-(``NcclSetup``); both sides then join the communicator on a worker thread (non-blocking mode,
-bounded by the endpoint's timeout), each says how that went (``NcclReady``: ok, the device its
+(``Setup``, :mod:`transport.planes.nccl_frames`); both sides then join the communicator on a worker thread (non-blocking mode,
+bounded by the endpoint's timeout), each says how that went (``Ready``: ok, the device its
 side serves, or why not), and the link is usable only when both said ok. A link that fails is torn
 down on both sides and GPU ops with that peer take the staged path, with the reason logged and
 shown by ``peer.gpu_plane_reason``: never silently.
@@ -47,8 +47,9 @@ from ..errors import (
 )
 from ..flight_recorder import FlightRecorder, OpState
 from ..ranges import item_bytes
-from ..wire import Ack, Fail, Get, Go, Item, Message, NcclReady, NcclSetup, Put
+from ..wire import Ack, Fail, Get, Go, Item, Message, Put
 from .nccl_engine import LinkConn, LinkEngine
+from .nccl_frames import Ready, Setup, decode, encode
 
 __all__ = ["Link", "LinkChannel", "bytes_of", "resolve"]
 
@@ -135,7 +136,7 @@ class Link:
         self.peer_device = ""
         self._mine: tuple[bool, str, str] | None = None
         self._theirs: tuple[bool, str, str] | None = None
-        self._announced = False  # our NcclReady was handed to the channel
+        self._announced = False  # our Ready was handed to the channel
         self._settled: asyncio.Future[None] = channel.loop.create_future()
         self.bridge = CompletionBridge(channel.loop, f"transport-nccl-{channel.peer_name}")
         # listener: our ops waiting for the dialer's Go: (post it, drop it unposted with an error or None)
@@ -150,13 +151,21 @@ class Link:
         except Exception as exc:  # noqa: BLE001 - reported to the peer and logged
             self._joined(None, f"no unique id: {type(exc).__name__}: {exc}")
             return
-        self.channel.send(NcclSetup(uid))
+        self.channel.send(encode(Setup(uid)))
         threading.Thread(target=self._join, args=(uid, 0), name="transport-nccl-join", daemon=True).start()
 
-    def on_setup(self, msg: NcclSetup) -> None:
+    def on_frame(self, body: bytes) -> None:
+        """Reader thread: the dialer's :class:`Setup` (listener) or the peer's :class:`Ready`."""
+        msg = decode(body)
+        if isinstance(msg, Setup):
+            self._on_setup(msg)
+        else:
+            self._on_ready(msg)
+
+    def _on_setup(self, msg: Setup) -> None:
         """Listener (reader thread): join as rank 1."""
         if self.dialer or self._mine is not None:
-            raise ProtocolError("unexpected NcclSetup")
+            raise ProtocolError("unexpected link Setup")
         threading.Thread(target=self._join, args=(msg.unique_id, 1), name="transport-nccl-join", daemon=True).start()
 
     def _join(self, uid: bytes, rank: int) -> None:
@@ -182,21 +191,21 @@ class Link:
                 conn.abort()
             return
         try:
-            self.channel.send(NcclReady(conn is not None, self.engine.device, reason))
+            self.channel.send(encode(Ready(conn is not None, self.engine.device, reason)))
         except PeerLostError:
             pass
         with self._state_lock:
-            self._announced = True  # only now may our own ops use the link: they follow our NcclReady
+            self._announced = True  # only now may our own ops use the link: they follow our Ready
         self._maybe_settle()
 
-    def on_ready(self, msg: NcclReady) -> None:
+    def _on_ready(self, msg: Ready) -> None:
         """The peer's verdict (reader thread)."""
         with self._state_lock:
             self._theirs = (msg.ok, msg.device, msg.reason)
         self._maybe_settle()
 
     def settle_for_peer_op(self) -> None:
-        """Reader thread: the peer sent an op over the link, so it is ready, so it had our NcclReady
+        """Reader thread: the peer sent an op over the link, so it is ready, so it had our Ready
         (sent once we joined) and we had its own (frames arrive in order): settle now, even if our
         joining thread has not got round to it yet."""
         self._maybe_settle(peer_op=True)

@@ -35,7 +35,7 @@ def current_cuda_device() -> int | None:
 
 class NcclOffer:
     """The ``nccl`` plane of one endpoint named ``name`` that allows ``planes``; ``factory`` is the
-    endpoint's ``nccl_engine=`` (None: NCCL on the CUDA device in use). :attr:`engine` is the link
+    endpoint's ``engines["nccl"]`` (None: NCCL on the CUDA device in use). :attr:`engine` is the link
     engine once offered (else None) and :attr:`reason` says why."""
 
     def __init__(self, name: str, planes: tuple[str, ...], factory: Callable[[], LinkEngine] | None) -> None:

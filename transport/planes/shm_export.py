@@ -165,6 +165,14 @@ def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[
         raise
 
 
+def handle_fault(handle: ShmHandle, nbytes: int) -> str | None:
+    """What is wrong with a peer's announced shm ``handle`` for a buffer of ``nbytes`` bytes (its
+    bytes must lie inside the segment), or None (the handshake's and registry's checks)."""
+    if handle.size < nbytes or handle.offset < 0 or handle.offset + nbytes > handle.size:
+        return f"lies at bytes [{handle.offset}, {handle.offset + nbytes}) of a {handle.size}-byte segment"
+    return None
+
+
 def map_segment(handle: ShmHandle, writable: bool = True) -> torch.Tensor:
     """Map the peer's segment: its bytes as a uint8 tensor (``writable=False``: a read-only
     mapping; a write through it is a SIGSEGV, so no reader can corrupt what others read)."""

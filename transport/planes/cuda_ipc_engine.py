@@ -9,13 +9,13 @@ CUDA engine is :class:`transport.cuda.ipc.CudaIpcEngine`. Everything else lives 
 plane and is the same for every engine, so the CPU tests run the whole protocol (export ids,
 stale exports, mapping cache, retention, completion through a bridge, header after the copy) with
 :class:`~transport.planes.cuda_ipc_memfd.MemfdIpcEngine`, whose "device memory" is CPU memory in ``memfd`` segments
-(``Endpoint(ipc_engine=MemfdIpcEngine)``, both sides).
+(``Endpoint(engines={"cuda_ipc": MemfdIpcEngine})``, both sides).
 
 Lifetime of peer memory, the trap of this plane: a registered GPU tensor is a block inside a
 larger segment of torch's caching allocator, and a peer maps the whole segment. Once the owner
 unregisters the buffer and drops the tensor, the allocator may give that block to another tensor
 while a peer still holds a mapping and might copy into it. So the owner *retains* the memory of
-every unregistered export (:class:`~transport.retention.Retention`) until each same-host peer that could have mapped
+every unregistered export (:class:`~transport.planes.cuda_ipc_retention.Retention`) until each same-host peer that could have mapped
 it confirmed that it no longer will (the ``Unmapped(epoch)`` frame: nothing absent from the owner's
 registry at that epoch is mapped or in use there, sent once no copy of its uses such an export),
 or its process is gone. Initiator side, :class:`MappingCache` maps each peer allocation once per
@@ -38,8 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import PlaneUnavailableError
-from .wire import IpcHandle
+from ..errors import PlaneUnavailableError
+from ..wire import IpcHandle
 
 __all__ = [
     "IpcEngine",

@@ -1,6 +1,6 @@
 """Target side of ``cuda_ipc``: the memory of unregistered exports, held while a peer may still use it.
 
-See :class:`Retention`; :mod:`transport.ipc` explains why (a peer maps a whole allocator segment,
+See :class:`Retention`; :mod:`transport.planes.cuda_ipc_engine` explains why (a peer maps a whole allocator segment,
 so the owner's allocator must not reuse a block a peer might still copy into).
 """
 
