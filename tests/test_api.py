@@ -222,9 +222,10 @@ async def test_posted_notifications_arrive_in_order_unanswered(pair):
     got = [(await b.next_notification(timeout=10)).payload for _ in range(40)]
     assert got == [b"p0", b"n1"] + [b"p%d" % i for i in range(2, 40)]
     assert torch.equal(w, torch.full((3,), 7.0))
-    ini = [r for r in a.recorder.snapshot() if r["kind"] == "notify" and r["role"] == "initiator"]
-    tgt = [r for r in b.recorder.snapshot() if r["kind"] == "notify" and r["role"] == "target"]
+    ini = [r for r in a.recorder.snapshot() if r["kind"] == "post" and r["role"] == "initiator"]
+    tgt = [r for r in b.recorder.snapshot() if r["kind"] == "post" and r["role"] == "target"]
     assert len(ini) == len(tgt) == 39 and all(r["state"] == "done" for r in ini + tgt)
+    assert [r["kind"] for r in b.recorder.snapshot() if r["role"] == "target"].count("notify") == 0  # (n1: its put's)
     with pytest.raises(transport.InvalidTensorError):
         await a.post(b.name, "not bytes")  # type: ignore[arg-type]
     with pytest.raises(transport.InvalidTensorError):
@@ -247,7 +248,7 @@ async def test_post_nowait_posts_only_over_an_open_channel_and_keeps_the_order(p
     got = [(await b.next_notification(timeout=10)).payload for _ in range(30)]
     assert got == [b"n0"] + [b"q%d" % i for i in range(1, 30)]
     assert torch.equal(w, torch.full((5,), 3.0))
-    ini = [r for r in a.recorder.snapshot() if r["kind"] == "notify" and r["role"] == "initiator"]
+    ini = [r for r in a.recorder.snapshot() if r["kind"] == "post" and r["role"] == "initiator"]
     assert len(ini) == 29 and all(r["state"] == "done" for r in ini)  # (n0 went with its put)
     with pytest.raises(transport.InvalidTensorError):
         a.post_nowait(b.name, b"x" * (2 << 20))

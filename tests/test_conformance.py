@@ -328,7 +328,7 @@ async def test_put_notification_arrives_after_bytes(ep, targets, plane, uname):
     notes = tgt.call("notifications", 5, 10)
     assert notes == [(ep.name, b"v1"), (ep.name, b"plain"), (ep.name, b"v2"), (ep.name, b"posted"), (ep.name, b"v3")]
     assert tgt.call("check", name, s) and tgt.call("check", other, s3)
-    posted = [r for r in op_records(ep, "notify") if r["nbytes"] == len(b"posted")]
+    posted = [r for r in op_records(ep, "post") if r["nbytes"] == len(b"posted")]
     assert posted and posted[-1]["state"] == "done", posted
     assert took(ep, "put") == {plane.name}
 

@@ -112,6 +112,41 @@ def test_all_done_is_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert doc["channels"][0]["ops"] == 6
 
 
+def test_a_post_is_done_once_sent_so_the_target_says_whether_it_is_stuck_or_lost(tmp_path: Path) -> None:
+    """A posted notification's initiator record is done when it is sent (nothing answers it), so
+    only the target's records can show it stuck (received, never queued) or lost (later ops of the
+    same direction arrived, it did not); one the target finished, or the last one sent with no
+    later op to prove it lost, is no finding."""
+    p = Pair()
+    p.op(kind=OpKind.POST, names=[], nbytes=8)  # delivered
+    p.op(kind=OpKind.POST, names=[], nbytes=8, target="received")  # stuck in the target's reader
+    p.op(kind=OpKind.POST, names=[], nbytes=8, target=None)  # lost: seq 4 arrived, it did not
+    p.op(kind=OpKind.POST, names=[], nbytes=8)
+    p.op(kind=OpKind.POST, names=[], nbytes=8, target=None)  # still on its way, maybe: nothing proves it lost
+    rep = report_of(*p.dump(tmp_path))
+    by_seq = {f.op.seq: f for f in rep.findings}
+    assert set(by_seq) == {2, 3}, [(f.op.seq, f.verdict, f.message) for f in rep.findings]
+    assert by_seq[2].op.kind == "post" and by_seq[2].op.target_state == "received"
+    assert "never queued it" in by_seq[2].message
+    assert by_seq[3].op.target_state is None and "never reached gen-0" in by_seq[3].message
+    assert "post #" in by_seq[2].op.describe() and "8 B" in by_seq[2].op.describe()
+
+
+def test_posts_whose_target_records_left_its_ring_are_no_finding(tmp_path: Path) -> None:
+    """Delivered posts whose target records were overwritten (the target's ring holds only its
+    newest records) are not taken for lost; one missing between two the ring still holds is."""
+    p = Pair(target_capacity=4)
+    for _ in range(10):
+        p.op(kind=OpKind.POST, names=[], nbytes=8)
+    rep = report_of(*p.dump(tmp_path))
+    assert not rep.stalled and rep.findings == [], [(f.op.seq, f.message) for f in rep.findings]
+    p = Pair(target_capacity=4)
+    for target in ("done",) * 7 + (None, "done", "done"):  # seq 8 never reached the target
+        p.op(kind=OpKind.POST, names=[], nbytes=8, target=target)
+    rep = report_of(*p.dump(tmp_path))
+    assert [f.op.seq for f in rep.findings] == [8], [(f.op.seq, f.message) for f in rep.findings]
+
+
 def test_cancelled_and_rejected_ops_are_not_stalls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = Pair()
     p.op(init="cancelled")  # the caller stopped waiting; the target still got it

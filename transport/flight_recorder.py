@@ -37,6 +37,7 @@ class OpKind(str, enum.Enum):
     PUT = "put"
     GET = "get"
     NOTIFY = "notify"
+    POST = "post"  # a notification nothing answers (Endpoint.post): the initiator's record is done once sent
     SYNC = "sync"
 
 

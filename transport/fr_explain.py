@@ -147,7 +147,7 @@ def _explain(st: _Stream, seq: int, dumps_of: dict[str, list[Dump]]) -> tuple[st
             text = (f"{tgt} received the header at {when} (the bytes were already copied into its memory) but never "
                     f"acknowledged it: its reader is blocked, most likely waiting for room in its notification queue "
                     f"(the application is not consuming notifications)")
-        elif trec.kind == "notify":
+        elif trec.kind in ("notify", "post"):
             text = (f"{tgt} received the notification at {when} but never queued it: its notification queue is full "
                     f"(the application is not consuming notifications) or its reader stalled")
         elif trec.kind == "get":

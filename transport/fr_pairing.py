@@ -109,6 +109,13 @@ def _is_problem(st: _Stream, seq: int) -> bool:
     i = st.init.get(seq)
     t = st.targ.get(seq)
     if i is not None:
+        if i.rec.kind == "post" and i.rec.state == "done":
+            # done once sent, nothing answers it: it is stuck if the target holds it unfinished, or lost if
+            # the target's records show ops of this direction on both sides of it but not it (with none
+            # before it, its record may have left the target's ring: the ring drops its oldest first)
+            if t is not None:
+                return t.rec.state not in _TARGET_FINISHED
+            return any(s < seq for s in st.targ) and any(s > seq for s in st.targ)
         if i.rec.state in _INITIATOR_OK:
             # a cancelled op whose bytes never landed still holds up the target
             return i.rec.state == "cancelled" and t is not None and t.rec.state == "received"
@@ -125,6 +132,8 @@ def _progressed(st: _Stream, seq: int) -> bool:
     if st.init:
         if i is None:
             return False
+        if i.rec.kind == "post":  # (done once sent: only the target finishing it proves the direction moved)
+            return t is not None and t.rec.state in _TARGET_FINISHED
         return i.rec.state == "done" or (i.rec.state == "failed" and t is not None and t.rec.state == "rejected")
     return t is not None and t.rec.state in _TARGET_FINISHED
 

@@ -63,7 +63,7 @@ class OpInfo:
         if self.names:
             shown = self.names[:4]
             s += " " + repr(shown) if len(self.names) <= 4 else f" {shown!r}[+{len(self.names) - 4} more]"
-        if self.kind in ("put", "get", "notify"):
+        if self.kind in ("put", "get", "notify", "post"):
             s += f" {_size(self.nbytes)}"
         if self.kind in ("put", "get"):
             s += f" over {self.plane}"

@@ -135,7 +135,7 @@ class OpTable:
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.ch.peer_name!r} did not complete before "
                 f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else ""),
-                Phase.NOTIFY if op.kind is OpKind.NOTIFY else Phase.TRANSFER,
+                Phase.NOTIFY if op.kind in (OpKind.NOTIFY, OpKind.POST) else Phase.TRANSFER,
             )
             self.ch.core.on_timeout(self.ch, op, exc)
             raise exc from None
@@ -317,7 +317,7 @@ class OpTable:
             error = exc
             raise
         finally:
-            ch.recorder.record_done(op_id, ch.id, seq, "initiator", ch.core.name, ch.peer_name, OpKind.NOTIFY, [],
+            ch.recorder.record_done(op_id, ch.id, seq, "initiator", ch.core.name, ch.peer_name, OpKind.POST, [],
                                     nbytes, plane, t0, error)
 
     def in_order_now(self) -> bool:

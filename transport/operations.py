@@ -267,7 +267,7 @@ class Operations:
         if not answer and self.post_nowait(peer, payload):  # the common case: sent right here, no op object
             return
         ch = await self._channel(peer, deadline)
-        op = ch.new_op(OpKind.NOTIFY, [], len(payload), answered=answer)
+        op = ch.new_op(OpKind.NOTIFY if answer else OpKind.POST, [], len(payload), answered=answer)
 
         async def _send() -> None:
             if answer:

@@ -359,7 +359,7 @@ class Serving:
         return error
 
     def serve_notify(self, msg: Notify) -> None:
-        rec = self._target_record(msg, OpKind.NOTIFY, [], "control")
+        rec = self._target_record(msg, OpKind.NOTIFY if msg.answer else OpKind.POST, [], "control")
         if len(msg.payload) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
         if not self.ch.core.deliver(Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch):
