@@ -231,11 +231,57 @@ async def test_idle_connections_do_not_starve_the_endpoint(store_url, uname):
                 s.close()
 
 
-async def test_simultaneous_dials_agree_on_one_channel(store_url, uname):
+async def test_simultaneous_dials_leave_each_side_on_one_open_channel(store_url, uname):
     async with transport.Endpoint(uname("a"), store=store_url) as a, transport.Endpoint(uname("b"), store=store_url) as b:
-        pa, pb = await asyncio.gather(a.connect(b.name), b.connect(a.name))
+        await asyncio.gather(a.connect(b.name), b.connect(a.name))
         await asyncio.sleep(0.2)
-        assert a.peers[b.name].channel_id == b.peers[a.name].channel_id
+        routed = a.peers[b.name].channel_id, b.peers[a.name].channel_id
+        a.register("x", torch.zeros(4))
+        b.register("x", torch.zeros(4))
+        for _ in range(20):  # ops both ways, each side on the channel it routes over, which never moves
+            await asyncio.gather(a.put(b.name, {"x": torch.ones(4)}), b.put(a.name, {"x": torch.ones(4)}))
+        assert (a.peers[b.name].channel_id, b.peers[a.name].channel_id) == routed
+        assert a.peers[b.name].connected and b.peers[a.name].connected
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_a_second_channel_from_the_peer_never_reorders_our_posts(store_url, uname, plane):
+    """The peer dials a second channel while ours is open (a dial of its that got through late,
+    e.g. a SYN retried after a link came back), with a smaller id: our ops stay on the channel
+    they went over, so a stream of posts arrives in the order posted (before, routing moved to
+    the smaller id at once and later posts could overtake earlier ones still in the old socket;
+    rl_sync took the move for a lost channel and failed that subscriber's push). Once our
+    channel closes, ops move to the other open one without a new dial."""
+    kw = {"store": store_url, "planes": (plane,)}
+    async with transport.Endpoint("z" + uname("ini"), **kw) as a, transport.Endpoint("a" + uname("tgt"), **kw) as b:
+        await a.connect(b.name)
+        ours = a.peers[b.name].channel_id
+        n = 3000
+
+        async def stream() -> None:
+            for i in range(n):
+                if not a.post_nowait(b.name, b"%d" % i):
+                    await a.post(b.name, b"%d" % i)
+                if i % 50 == 0:
+                    await asyncio.sleep(0)
+
+        posting = asyncio.ensure_future(stream())
+        await asyncio.sleep(0)
+        await b._connector._dial(a.name, time.monotonic() + 10)  # (a second channel, dialled by b)
+        theirs = next(ch for ch in b._all if ch.id.startswith(b.name))
+        await posting
+        got = [int((await b.next_notification(timeout=10)).payload) for _ in range(n)]
+        assert theirs.id < ours and theirs.is_open
+        assert a.peers[b.name].channel_id == ours, "our ops moved off an open channel"
+        assert got == list(range(n)), [x for x, y in zip(got, range(n), strict=True) if x != y][:10]
+        # our channel closes: the other one takes over, no dial
+        next(ch for ch in a._all if ch.id == ours).lose(transport.PeerLostError("test: the channel broke"))
+        await asyncio.sleep(0.1)
+        assert a.peers[b.name].channel_id == theirs.id
+        b.register("w", torch.zeros(8))
+        await a.put(b.name, {"w": torch.ones(8)}, notify=b"after")
+        assert (await b.next_notification(timeout=10)).payload == b"after"
+        assert len([ch for ch in a._all if ch.peer_name == b.name]) == 1
 
 
 async def test_an_shm_put_abandoned_as_its_copy_ends_never_sends_its_header_after_a_later_op(

@@ -115,10 +115,10 @@ class Connector:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
         if old is None or not old.is_open or old.incarnation != remote.incarnation:
             self.channels[remote.name] = ch
-        elif ch.id < old.id:
-            # Both sides dialled at once: both keep serving, but both route new ops over the
-            # channel with the smaller id, so that ops between the pair stay in one order.
-            self.channels[remote.name] = ch
+        # else both sides dialled at once (or the peer's dial, started before the channel we use
+        # came up, got through late): both channels serve, but our ops stay on the one they went
+        # over, open as it is. Moving them would let a later op or post overtake an earlier one
+        # still in the old channel's socket; they move only when it closes (closed()).
         self.all.add(ch)
         ch.start()
         if ch.unmap_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
