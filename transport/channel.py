@@ -369,6 +369,11 @@ class Channel:
         back, waiting before it is handed over: see :meth:`run`)."""
         return self.ops.in_order_now()
 
+    def hold_order(self) -> Callable[[], None]:
+        """Event loop: later ops of the channel wait until the returned function is called (on
+        the event loop): :meth:`~transport.op_table.OpTable.hold_order`."""
+        return self.ops.hold_order()
+
     def post_here(self, payload: bytes) -> None:
         """Event loop: send ``payload`` as a notification nothing answers, right now (nothing of
         the channel is held back: :meth:`in_order_now`), recorded in the flight recorder as done

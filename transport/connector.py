@@ -92,6 +92,9 @@ class Connector:
         self.channels: dict[str, Channel] = {}
         self.all: set[Channel] = set()
         self._dial_locks: dict[str, asyncio.Lock] = {}
+        # peer -> ops in channel() waiting for (or making) a dial: while any does, a later op takes no
+        # open channel at once (open_channel), it queues behind them, so it cannot overtake them
+        self._waiting: dict[str, int] = {}
         self._handshaking = 0
         self._holder_ids = itertools.count(1)
         self.unix_name = ""  # the abstract name of the Unix-socket listener ("" none)
@@ -199,7 +202,7 @@ class Connector:
         """The open channel to ``peer``, or None (then :meth:`channel` dials); non-blocking, so an
         op to a connected peer needs no coroutine for it."""
         ch = self.channels.get(peer) if isinstance(peer, str) else None
-        return ch if ch is not None and ch.is_open else None
+        return ch if ch is not None and ch.is_open and not self._waiting.get(peer) else None
 
     async def channel(self, peer: str, deadline: float) -> Channel:
         ep = self.ep
@@ -209,20 +212,28 @@ class Connector:
         ch = self.open_channel(peer)
         if ch is not None:
             return ch
-        lock = self._dial_locks.setdefault(peer, asyncio.Lock())
-        try:  # another op may be dialling this peer with a later deadline: wait for it only until ours
-            async with asyncio.timeout_at(deadline):
-                await lock.acquire()
-        except TimeoutError:
-            raise TransportTimeoutError(f"connecting to {peer!r}: the connect already in progress did not finish "
-                                        "before this op's deadline", Phase.CONNECT) from None
+        lock = self._dial_locks.setdefault(peer, asyncio.Lock())  # (its waiters wake in order: FIFO)
+        self._waiting[peer] = self._waiting.get(peer, 0) + 1
         try:
-            ch = self.channels.get(peer)
-            if ch is not None and ch.is_open:
-                return ch
-            return await self._dial(peer, deadline)
-        finally:
-            lock.release()
+            try:  # another op may be dialling this peer with a later deadline: wait for it only until ours
+                async with asyncio.timeout_at(deadline):
+                    await lock.acquire()
+            except TimeoutError:
+                raise TransportTimeoutError(f"connecting to {peer!r}: the connect already in progress did not "
+                                            "finish before this op's deadline", Phase.CONNECT) from None
+            try:
+                ch = self.channels.get(peer)
+                if ch is not None and ch.is_open:
+                    return ch
+                return await self._dial(peer, deadline)
+            finally:
+                lock.release()
+        finally:  # (our caller hands its op to the channel before it awaits again: in order)
+            left = self._waiting[peer] - 1
+            if left:
+                self._waiting[peer] = left
+            else:
+                del self._waiting[peer]
 
     async def _dial(self, peer: str, deadline: float) -> Channel:
         ep = self.ep

@@ -170,9 +170,36 @@ class OpTable:
                 await asyncio.shield(prev)
             await start()
         finally:
-            mine.set_result(None)
-            if self._order_tail is mine:
-                self._order_tail = None
+            if prev is not None and not prev.done():
+                # given up (timed out, cancelled) while still behind prev: the ops after it still wait
+                # for prev, or they would overtake it
+                prev.add_done_callback(lambda _f: self._release(mine))
+            else:
+                self._release(mine)
+
+    def _release(self, held: asyncio.Future[None]) -> None:
+        """Event loop: ``held`` went out (or never will): the ops waiting behind it may go."""
+        if not held.done():
+            held.set_result(None)
+        if self._order_tail is held:
+            self._order_tail = None
+
+    def hold_order(self) -> Callable[[], None]:
+        """Event loop: ops of the channel started from now on wait, as behind a held-back op
+        (:meth:`run`), until the returned function is called (on the event loop; idempotent). For
+        a plane whose op hands its work to a thread that sends its header or copies its bytes
+        later: an op, post or notify called after it must not reach the peer before it."""
+        prev = self._order_tail
+        held: asyncio.Future[None] = self.loop.create_future()
+        self._order_tail = held
+
+        def release() -> None:
+            if prev is not None and not prev.done():  # (it never goes out before what it was behind)
+                prev.add_done_callback(lambda _f: self._release(held))
+            else:
+                self._release(held)
+
+        return release
 
     async def _abandon(self, op: Op) -> str | None:
         """The caller stopped waiting (event loop). An op whose header went out stays in the table

@@ -246,8 +246,9 @@ class Operations:
         """:meth:`post` ``payload`` to ``peer`` right now, without a coroutine, if it can be: True
         once it is handed to the channel (the same guarantees as :meth:`post`: behind every frame
         already handed to the channel); False, with nothing sent, if no channel to ``peer`` is
-        open yet (or this endpoint is not open) or a staged op of the channel is still held back
-        waiting for its CUDA work: then ``await post(...)`` instead, which dials and waits its
+        open yet (or this endpoint is not open), an op to ``peer`` waits for a dial, or an op of
+        the channel is still held back (a staged op waiting for its CUDA work, an shm copy still
+        running on a worker thread): then ``await post(...)`` instead, which dials and waits its
         turn. A caller that falls back to such a task for one message keeps its later messages
         to ``peer`` behind it (a ``post_nowait`` made before the task ran would overtake it).
         Never blocks; call it on the endpoint's event loop. Raises :class:`InvalidTensorError`

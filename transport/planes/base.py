@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol
 
@@ -162,6 +163,11 @@ class ChannelPort(SendingChannel, Protocol):
     def finish_here(self, op: Op) -> None:
         """``op`` completed on this side alone (a one-sided copy): it succeeds."""
 
+    def hold_order(self) -> Callable[[], None]:
+        """Ops of the channel started from now on wait until the returned function is called
+        (on the event loop): for an op whose work goes on in a thread that sends its header or
+        lands its bytes later (an op, post or notify called after it must not overtake it)."""
+
 
 class DataPlane(abc.ABC):
     """One way of moving bytes to and from one peer, owned by a channel."""
@@ -206,6 +212,23 @@ class DataPlane(abc.ABC):
         (:class:`~transport.errors.StaleBufferError` for a buffer the peer replaced: the
         endpoint refreshes its registry and retries once)."""
         return False
+
+    async def threaded(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` (an op's copy, which may send its header) on a worker thread, the channel's
+        later ops held back until it ended (its header sent, or its bytes landed:
+        :meth:`ChannelPort.hold_order`), even if the caller stops waiting first (an abandoned op's
+        copy runs to its next chunk boundary); its result, or what it raised."""
+        loop = asyncio.get_running_loop()
+        release = self.channel.hold_order()
+
+        def held() -> Any:
+            try:
+                return work()
+            finally:
+                with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits any more)
+                    loop.call_soon_threadsafe(release)
+
+        return await loop.run_in_executor(None, held)
 
     def staged_twin(self) -> DataPlane | None:
         """For a plane whose peer buffers lie in memory this process maps (shm): a plane of the

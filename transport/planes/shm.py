@@ -33,7 +33,6 @@ the peer's segment or the caller's tensors after it raised. The peer's buffer
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from ctypes import memmove
@@ -180,7 +179,7 @@ class ShmPlane(DataPlane):
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
         if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES
                      or any(h.inode not in self._maps for _, _, h in jobs)):
-            await asyncio.get_running_loop().run_in_executor(None, work)
+            await self.threaded(work)
         else:
             work()
 
@@ -280,7 +279,7 @@ class ShmPlane(DataPlane):
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
         if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES or table is None
                      or any(h.inode not in self._maps for _, _, h in jobs)):
-            done = await asyncio.get_running_loop().run_in_executor(None, work)
+            done = await self.threaded(work)
         else:
             done = work()
         if done:

@@ -1,0 +1,168 @@
+"""Ordering: an endpoint's ops, posts and notifications to a peer reach it in the order they were called, whatever
+waits (a dial, a copy on a worker thread, a staged op held back, an op given up behind one).
+
+Each case failed every run before its fix (found by a review that tried to break the ordering contract)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import transport
+
+PLANES = ["shm", "tcp"]
+
+
+async def _post(ep: transport.Endpoint, peer: str, payload: bytes) -> bool:
+    """``post_nowait``, or, where it says no (something of ours to ``peer`` waits before it),
+    ``post``, as its docs say to; True if it went out at once."""
+    if ep.post_nowait(peer, payload):
+        return True
+    await ep.post(peer, payload)
+    return False
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_an_op_waiting_for_the_dial_is_not_overtaken_by_a_later_post(store_url, uname, plane):
+    """put(notify=b"1") is called while another task dials the peer; that task posts b"2" right
+    after its connect returns. The put was called first, so "1" (and the put's bytes) must
+    arrive before "2"."""
+    kw = {"store": store_url, "planes": (plane,), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        b.register("x", torch.zeros(1024))
+
+        async def dial_then_post() -> None:
+            await a.connect(b.name)
+            assert not await _post(a, b.name, b"2")  # (the put waiting for the dial goes first)
+
+        dialer = asyncio.ensure_future(dial_then_post())
+        await asyncio.sleep(0)  # the dialler holds the dial lock
+        put = asyncio.ensure_future(a.put(b.name, {"x": torch.ones(1024)}, notify=b"1"))
+        await asyncio.sleep(0)  # the put is called: it waits for that dial
+        assert not dialer.done() and not put.done()
+        await asyncio.gather(dialer, put)
+        got = [(await b.next_notification(timeout=10)).payload for _ in range(2)]
+        assert got == [b"1", b"2"], got
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_a_post_waiting_in_its_dial_is_not_overtaken_via_the_peers_channel(store_url, uname, plane):
+    """a posts b"1" to b before b exists (its dial waits for b's record); b opens and dials a;
+    a then posts b"2", which finds b's channel open. "1" was posted first."""
+    kw = {"store": store_url, "planes": (plane,), "timeout": 10}
+    bname = uname("tgt")
+    async with transport.Endpoint(uname("ini"), **kw) as a:
+        first = asyncio.ensure_future(a.post(bname, b"1"))
+        await asyncio.sleep(0.7)  # a's look-up of bname backs off (up to 0.25 s between looks)
+        async with transport.Endpoint(bname, **kw) as b:
+            await b.connect(a.name)
+            while a._connector.open_channel(bname) is None:
+                await asyncio.sleep(0)
+            overtook = not first.done()
+            second = asyncio.ensure_future(_post(a, bname, b"2"))
+            await first
+            await second
+            got = [(await b.next_notification(timeout=10)).payload for _ in range(2)]
+            assert got == [b"1", b"2"], (got, overtook)
+
+
+async def test_a_post_after_a_threaded_shm_put_with_notify_arrives_after_it(store_url, uname):
+    """A 64 MiB shm put with a notification copies on a worker thread, which sends the header
+    once done. A post called after the put must arrive after its notification and bytes."""
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        n = 16 << 20  # float32: 64 MiB
+        big = torch.zeros(n)
+        b.register("big", big)
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0)})  # maps the segment and the slot table
+        seen: list[tuple[bytes, float]] = []
+        b.on_notification(lambda note: seen.append((note.payload, float(big[-1]))))
+        put = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}, notify=b"1"))
+        await asyncio.sleep(0)  # the put's copy is on a worker thread
+        assert not put.done()
+        assert not a.post_nowait(b.name, b"2")  # (held back behind the put's copy)
+        await asyncio.gather(put, a.post(b.name, b"2"))
+        for _ in range(200):
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [p for p, _ in seen] == [b"1", b"2"], seen
+
+
+async def test_a_post_after_a_threaded_one_sided_shm_put_arrives_after_its_bytes(store_url, uname):
+    """A 64 MiB one-sided shm put (no notification) copies on a worker thread. A post called
+    after it must arrive after its bytes: the target, on reading the post, sees the put's bytes."""
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        n = 16 << 20
+        big = torch.zeros(n)
+        b.register("big", big)
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+        seen: list[float] = []
+        b.on_notification(lambda note: seen.append(float(big[-1])))
+        put = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
+        await asyncio.sleep(0)
+        assert not put.done()
+        assert not a.post_nowait(b.name, b"done")
+        await asyncio.gather(put, a.post(b.name, b"done"))
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        assert seen == [1.0], f"the post arrived while the put's last element was {seen}"
+
+
+async def test_a_small_put_after_a_threaded_shm_put_of_the_same_buffer_lands_after_it(store_url, uname):
+    """Two puts to one buffer, called in that order: a 64 MiB one (copied on a worker thread) and
+    a 4-byte one into its last element (done synchronously by run_here). The buffer must end with
+    the later put's value, as it does over tcp."""
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        n = 16 << 20
+        big = torch.zeros(n)
+        b.register("big", big)
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+        first = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
+        await asyncio.sleep(0)
+        assert not first.done()
+        await a.put(b.name, {"big": transport.At(torch.full((1,), 7.0), offset=n - 1)})
+        await first
+        assert float(big[-1]) == 7.0, "the earlier put overwrote the later one"
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_an_op_timing_out_behind_a_held_staged_op_does_not_release_later_posts(store_url, uname, plane):
+    """A staged put (notify=b"A") is held back waiting for the caller's work; a notify called
+    after it waits behind it and times out; a post called after that must still wait for the
+    staged put (post_nowait False), so b sees "A" before "C"."""
+    from tests.test_staged_path import GatedMarks, _until, config, endpoint_pairs
+
+    ie = GatedMarks()
+    async with endpoint_pairs(store_url, uname, plane) as make:
+        a, b = await make(config(ie), None)
+        w = torch.zeros(9 * 4096, dtype=torch.uint8)
+        b.register("w", w)
+        await a.connect(b.name)
+        mine = torch.randint(0, 256, (9 * 4096,), dtype=torch.uint8)
+        held = asyncio.ensure_future(a.put(b.name, {"w": mine}, notify=b"A", timeout=20))
+        try:
+            await _until(lambda: len(ie.gates) == 1)
+            assert not a.post_nowait(b.name, b"never")  # held back: refused, as documented
+            with pytest.raises(transport.TransportTimeoutError):
+                await a.notify(b.name, b"B", timeout=0.3)  # queued behind the held put; gives up
+            later = None
+            if not a.post_nowait(b.name, b"C"):
+                later = asyncio.ensure_future(a.post(b.name, b"C", timeout=20))
+            await asyncio.sleep(0.1)
+        finally:
+            ie.gates[0].ev.set()
+        await asyncio.wait_for(held, 20)
+        if later is not None:
+            await asyncio.wait_for(later, 20)
+        got = [(await b.next_notification(timeout=5)).payload for _ in range(2)]
+        assert got == [b"A", b"C"], got
