@@ -166,3 +166,22 @@ async def test_an_op_timing_out_behind_a_held_staged_op_does_not_release_later_p
             await asyncio.wait_for(later, 20)
         got = [(await b.next_notification(timeout=5)).payload for _ in range(2)]
         assert got == [b"A", b"C"], got
+
+
+@pytest.mark.parametrize("plane", PLANES)
+async def test_an_op_that_rereads_the_peers_registry_is_not_overtaken(store_url, uname, plane):
+    """A put into a buffer the peer registered just now misses our copy of its registry and
+    syncs it (a round trip) before it is handed over; a post called meanwhile waits behind it."""
+    kw = {"store": store_url, "planes": (plane,), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        await a.connect(b.name)
+        for i in range(20):
+            name = f"new{i}"
+            b.register(name, torch.zeros(4))
+            put = asyncio.ensure_future(a.put(b.name, {name: torch.ones(4)}, notify=b"put%d" % i))
+            await asyncio.sleep(0)  # the put runs up to its first await (the registry sync, where it missed)
+            await asyncio.gather(put, _post(a, b.name, b"post%d" % i))
+            got = [(await b.next_notification(timeout=10)).payload for _ in range(2)]
+            assert got == [b"put%d" % i, b"post%d" % i], (i, got)
+        syncs = [r for r in a.recorder.snapshot() if r["kind"] == "sync"]
+        assert syncs, "no put had to re-read the registry: the case was not exercised"

@@ -59,7 +59,7 @@ from .local_socket import family_name
 from .loop_reads import LoopReads
 from .loop_reads import enabled as loop_reads_enabled
 from .op import Op
-from .op_table import OpTable
+from .op_table import OpTable, Place
 from .peer import Notification, Peer
 from .planes import PeerLink, PlaneChoice, needs_unmap_acks
 from .receiver import Receiver
@@ -336,12 +336,22 @@ class Channel:
     def last_rx(self, when: float) -> None:  # (reader thread)
         self._rx.last_rx = when
 
-    def run(self, op: Op, start: Callable[[], Any], deadline: float) -> Coroutine[Any, Any, None]:
+    def run(self, op: Op, start: Callable[[], Any], deadline: float, place: Place | None = None,
+            ordered: bool = True) -> Coroutine[Any, Any, None]:
         """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``:
         await it (it is :meth:`~transport.op_table.OpTable.run`: :class:`TransportTimeoutError` at
         the deadline, :class:`PeerLostError` if the channel breaks, the target's error if it
-        rejects; cancellation stops the wait only)."""
-        return self.ops.run(op, start, deadline)
+        rejects; cancellation stops the wait only; ``place``, ``ordered`` as there)."""
+        return self.ops.run(op, start, deadline, place, ordered)
+
+    def reserve(self) -> Place:
+        """Event loop: a place in the call order for an op that awaits before it is handed over
+        (:meth:`~transport.op_table.OpTable.reserve`); to :meth:`run`, else :meth:`give_back`."""
+        return self.ops.reserve()
+
+    def give_back(self, place: Place) -> None:
+        """Event loop: a place :meth:`reserve` gave, not used (:meth:`~transport.op_table.OpTable.give_back`)."""
+        self.ops.give_back(place)
 
     async def sync_registry(self, deadline: float) -> None:
         """Fetch the peer's current registry (one round trip); bounded by ``deadline``."""
@@ -350,7 +360,7 @@ class Channel:
         async def _send() -> None:
             self.send(Sync(op.op_id), op=op)
 
-        await self.run(op, _send, deadline)
+        await self.run(op, _send, deadline, ordered=False)  # (an op holding a place may await it)
 
     # ---------------------------------------------------------------- the op table (op_table.OpTable)
     def fail_op(self, op: Op, exc: BaseException, lost: BaseException | None = None) -> None:

@@ -29,7 +29,11 @@ from .staging import Staging
 if TYPE_CHECKING:
     from .planes.base import DataPlane
 
-__all__ = ["OpChannel", "OpTable"]
+__all__ = ["OpChannel", "OpTable", "Place"]
+
+#: an op's place in a channel's call order (:meth:`OpTable.reserve`): the future of the op before it
+#: (None: nothing) and its own, done once it went out
+Place = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 
 log = logging.getLogger("transport.channel")  # what is logged here is the channel's (as before it moved here)
 
@@ -100,17 +104,21 @@ class OpTable:
             self.pending[op_id] = op
         return op
 
-    async def run(self, op: Op, start: Callable[[], Any], deadline: float) -> None:
+    async def run(self, op: Op, start: Callable[[], Any], deadline: float, place: Place | None = None,
+                  ordered: bool = True) -> None:
         """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``.
 
-        Raises :class:`TransportTimeoutError` at the deadline,
+        ``place``: the op's place in the channel's call order, taken before it awaited anything
+        (:meth:`reserve`; consumed here); else it goes behind every op started before it.
+        ``ordered=False``: a control op that waits behind nothing (a registry sync, which an op
+        holding a place may await). Raises :class:`TransportTimeoutError` at the deadline,
         :class:`PeerLostError` if the channel breaks, the target's error if it
         rejects. Cancellation stops the wait only: bytes already handed to the
         writer or to a copy thread still go out, and the channel stays usable.
         """
         try:
-            prev = self._order_tail
-            if not op.gated and (prev is None or prev.done()):
+            prev, mine = place if place is not None else (self._order_tail, None)
+            if not ordered or (mine is None and not op.gated and (prev is None or prev.done())):
                 # the common case: the op is handed to the sender at once, in call order, and only its
                 # future is awaited: a timer fails it at the deadline (cheaper than a timeout scope)
                 timer = self.loop.call_at(deadline, _expire, op.future)
@@ -121,7 +129,7 @@ class OpTable:
                     timer.cancel()
             else:
                 async with asyncio.timeout_at(deadline):
-                    await self._in_order(prev, start)
+                    await self._in_order(prev, start, mine)
                     await op.future
         except TimeoutError:
             was = op.record.state
@@ -159,23 +167,39 @@ class OpTable:
             self.ch.recorder.update(op.record, OpState.FAILED, exc)
             raise
 
-    async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any]) -> None:
+    async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any],
+                        mine: asyncio.Future[None] | None = None) -> None:
         """Hand an op to the sender only after ``prev`` (the op called before it that could wait)
         did, whatever became of it: a notify, put or get called after a staged op that still
-        awaits the caller's CUDA work reaches the peer after it, as on every other plane."""
-        mine: asyncio.Future[None] = self.loop.create_future()
-        self._order_tail = mine
+        awaits the caller's CUDA work reaches the peer after it, as on every other plane.
+        ``mine``: the op's reserved place (:meth:`reserve`), else it takes one now."""
+        if mine is None:
+            mine = self.loop.create_future()
+            self._order_tail = mine
         try:
             if prev is not None and not prev.done():
                 await asyncio.shield(prev)
             await start()
         finally:
-            if prev is not None and not prev.done():
-                # given up (timed out, cancelled) while still behind prev: the ops after it still wait
-                # for prev, or they would overtake it
-                prev.add_done_callback(lambda _f: self._release(mine))
-            else:
-                self._release(mine)
+            self.give_back((prev, mine))
+
+    def reserve(self) -> Place:
+        """Event loop: a place in the channel's call order for an op that has to await something
+        (a registry sync, its link) before it is handed over: ops started from now on wait behind
+        it. Pass it to :meth:`run`, or :meth:`give_back` it if the op ends before that."""
+        place = (self._order_tail, self.loop.create_future())
+        self._order_tail = place[1]
+        return place
+
+    def give_back(self, place: Place) -> None:
+        """Event loop: the op holding ``place`` went out (or never will): the ops behind it may go
+        once the op it was behind did (given up while still behind it, it keeps them behind it,
+        or they would overtake it)."""
+        prev, mine = place
+        if prev is not None and not prev.done():
+            prev.add_done_callback(lambda _f: self._release(mine))
+        else:
+            self._release(mine)
 
     def _release(self, held: asyncio.Future[None]) -> None:
         """Event loop: ``held`` went out (or never will): the ops waiting behind it may go."""
@@ -189,17 +213,8 @@ class OpTable:
         (:meth:`run`), until the returned function is called (on the event loop; idempotent). For
         a plane whose op hands its work to a thread that sends its header or copies its bytes
         later: an op, post or notify called after it must not reach the peer before it."""
-        prev = self._order_tail
-        held: asyncio.Future[None] = self.loop.create_future()
-        self._order_tail = held
-
-        def release() -> None:
-            if prev is not None and not prev.done():  # (it never goes out before what it was behind)
-                prev.add_done_callback(lambda _f: self._release(held))
-            else:
-                self._release(held)
-
-        return release
+        place = self.reserve()
+        return lambda: self.give_back(place)
 
     async def _abandon(self, op: Op) -> str | None:
         """The caller stopped waiting (event loop). An op whose header went out stays in the table

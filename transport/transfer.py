@@ -67,34 +67,43 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
     get). Retried once: after a registry sync if the peer re-registered a buffer, and staged if a
     ``cuda_ipc`` mapping could not be opened here (logged)."""
     into = kind is OpKind.GET
-    for retry in (False, True):
-        try:  # (the common case first, without the coroutines of plan and pick_plane: a 4 KiB op is ~20 us)
-            pairs = plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=into)
-        except (UnknownBufferError, BufferMismatchError):
-            pairs = await plan(ch, tensors, deadline, into=into)
-        plane = ch.plane_for(pairs)
-        if plane.via_link:
-            plane = await pick_plane(ch, pairs, deadline)
-        if here and ch.in_order_now():
+    place = None  # the op's place in the call order, taken before its first await (OpTable.reserve)
+    try:
+        for retry in (False, True):
+            try:  # (the common case first, without the coroutines of plan and pick_plane: a 4 KiB op is ~20 us)
+                pairs = plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=into)
+            except (UnknownBufferError, BufferMismatchError):
+                place = place or ch.reserve()
+                pairs = await plan(ch, tensors, deadline, into=into)
+            plane = ch.plane_for(pairs)
+            if plane.via_link:
+                place = place or ch.reserve()
+                plane = await pick_plane(ch, pairs, deadline)
+            if here and place is None and ch.in_order_now():
+                try:
+                    if plane.run_here(kind, pairs):
+                        return
+                except StaleBufferError:
+                    if retry:
+                        raise
+                    place = ch.reserve()
+                    await ch.sync_registry(deadline)
+                    continue
+            op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
+            mine, place = place, None  # (run consumes it)
             try:
-                if plane.run_here(kind, pairs):
-                    return
+                await ch.run(op, lambda: start(plane, op, pairs), deadline, mine)  # noqa: B023
+                return
+            except PlaneUnavailableError:
+                if retry or not plane.staged_on_unavailable:
+                    raise
             except StaleBufferError:
                 if retry:
                     raise
                 await ch.sync_registry(deadline)
-                continue
-        op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
-        try:
-            await ch.run(op, lambda: start(plane, op, pairs), deadline)  # noqa: B023
-            return
-        except PlaneUnavailableError:
-            if retry or not plane.staged_on_unavailable:
-                raise
-        except StaleBufferError:
-            if retry:
-                raise
-            await ch.sync_registry(deadline)
+    finally:
+        if place is not None:  # (it ended, or raised, before it was handed over)
+            ch.give_back(place)
 
 
 async def map_buffer(ch: Channel, name: str, deadline: float) -> torch.Tensor:
