@@ -6,11 +6,18 @@ Each case failed every run before its fix (found by a review that tried to break
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import os
+import threading
+import time
 
 import pytest
 import torch
 
 import transport
+from transport.connector import Connector
+from transport.planes import shm
 
 PLANES = ["shm", "tcp"]
 
@@ -185,3 +192,159 @@ async def test_an_op_that_rereads_the_peers_registry_is_not_overtaken(store_url,
             assert got == [b"put%d" % i, b"post%d" % i], (i, got)
         syncs = [r for r in a.recorder.snapshot() if r["kind"] == "sync"]
         assert syncs, "no put had to re-read the registry: the case was not exercised"
+
+
+
+# ---------------------------------------------------------------- what a hostile review of the fixes found
+async def test_a_threaded_put_cancelled_while_queued_in_the_executor_leaves_the_channel_usable(store_url, uname):
+    """The put's copy waits for a worker (all busy) when the caller cancels it (as rl_sync cancels
+    a superseded pull): the copy still runs (it sees the op abandoned and stops), so the hold it
+    took on the channel's later ops ends; before, the queued job was cancelled with the caller and
+    the channel's later ops waited forever."""
+    loop = asyncio.get_running_loop()
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        n = 16 << 20
+        b.register("big", torch.zeros(n))
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0)})  # (maps the segment and the slot table)
+        busy = [loop.run_in_executor(None, time.sleep, 0.5) for _ in range(min(32, (os.cpu_count() or 1) + 4))]
+        put = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
+        await asyncio.sleep(0.05)
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        await asyncio.gather(*busy)
+        await asyncio.sleep(0.1)
+        assert a.post_nowait(b.name, b"x"), "the channel's ops are still held back"
+        await a.notify(b.name, b"y", timeout=3)
+
+
+async def test_a_threaded_put_timing_out_in_the_executor_queue_leaves_the_channel_usable(store_url, uname):
+    """The same through a deadline: the second put (behind the first's hold, under its timeout
+    scope) times out while its copy is queued behind a busy one-worker executor."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        n = 16 << 20
+        b.register("big", torch.zeros(n))
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+        first = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
+        await asyncio.sleep(0)  # its copy is on the worker thread
+        second = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}, timeout=0.4))
+        await asyncio.sleep(0)  # behind the first's hold, under its timeout scope
+        assert not first.done()
+        busy = loop.run_in_executor(None, time.sleep, 0.8)
+        await first
+        with contextlib.suppress(transport.TransportTimeoutError):
+            await second
+        await busy
+        await asyncio.sleep(0.1)
+        assert a.post_nowait(b.name, b"x"), "the channel's ops are still held back"
+        await a.notify(b.name, b"y", timeout=3)
+
+
+async def test_a_put_cancelled_mid_copy_behind_a_held_op_keeps_the_later_put_behind_its_copy(
+        store_url, uname, monkeypatch):
+    """X's copy holds the channel; A is called behind it, C (4 bytes into A's buffer) behind A. A
+    is cancelled while its one-chunk copy runs (made to take 300 ms): C, called after A, must land
+    after A's copy stopped, so the buffer ends with C's value (before, A's place was given back at
+    the cancel and A's copy overwrote C)."""
+    started = threading.Event()
+    orig = shm.ShmPlane._copy_one
+
+    def slow_copy_one(self, op, t, remote, into_peer):
+        if into_peer and t.numel() > 1 and float(t[0]) == 1.0:  # A's copy: one 300 ms chunk
+            if op.abandoned:
+                return False
+            started.set()
+            time.sleep(0.3)
+            remote.copy_(t)
+            return True
+        if into_peer and t.numel() > 1 and float(t[0]) == 3.0:  # X's: slow too, so A queues behind it
+            time.sleep(0.05)
+        return orig(self, op, t, remote, into_peer)
+
+    monkeypatch.setattr(shm.ShmPlane, "_copy_one", slow_copy_one)
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        n = 16 << 20
+        big, x = torch.zeros(n), torch.zeros(n)
+        b.register("big", big)
+        b.register("x", x)
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0), "x": torch.full((n,), 2.0)})  # (maps both)
+        X = asyncio.ensure_future(a.put(b.name, {"x": torch.full((n,), 3.0)}))
+        await asyncio.sleep(0)
+        A = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
+        C = asyncio.ensure_future(a.put(b.name, {"big": transport.At(torch.full((1,), 7.0), offset=n - 1)}))
+        async with asyncio.timeout(10):
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+        A.cancel()
+        await C
+        await asyncio.gather(A, return_exceptions=True)
+        await X
+        assert float(big[-1]) == 7.0, "A's copy overwrote C, which was called after it"
+
+
+async def test_a_dial_that_hangs_does_not_keep_ops_off_the_channel_the_peer_opened(store_url, uname, monkeypatch):
+    """Our dial hangs (a SYN black-holed: emulated) while the peer dials us: the ops waiting for
+    our dial take the peer's channel once it is up, in order, instead of waiting for the hung dial
+    until their deadline."""
+    kw = {"store": store_url, "planes": ("tcp",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        orig = Connector._dial
+
+        async def hanging(self, peer, deadline):
+            if self.ep is a:
+                await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
+                raise transport.TransportTimeoutError("connect timed out (emulated)", transport.errors.Phase.CONNECT)
+            return await orig(self, peer, deadline)
+
+        monkeypatch.setattr(Connector, "_dial", hanging)
+        first = asyncio.ensure_future(a.post(b.name, b"1", timeout=5))
+        await asyncio.sleep(0.05)
+        assert not first.done()
+        await b.connect(a.name)
+        t0 = time.monotonic()
+        await first
+        await a.post(b.name, b"2", timeout=2)
+        assert time.monotonic() - t0 < 1.5
+        got = [(await b.next_notification(timeout=5)).payload for _ in range(2)]
+        assert got == [b"1", b"2"], got
+
+
+async def test_ops_queued_behind_a_held_op_fail_at_once_when_the_channel_is_lost(store_url, uname, monkeypatch):
+    """An op waiting its turn behind a long threaded copy fails with PeerLostError as soon as the
+    channel is lost, not at its deadline."""
+    orig = shm.ShmPlane._copy_one
+
+    def slow_copy_one(self, op, t, remote, into_peer):
+        if into_peer and t.numel() > 1 and float(t[0]) == 1.0:
+            time.sleep(1.5)  # (one chunk: the loss is seen at the next boundary)
+        return orig(self, op, t, remote, into_peer)
+
+    monkeypatch.setattr(shm.ShmPlane, "_copy_one", slow_copy_one)
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a:
+        b = transport.Endpoint(uname("tgt"), **kw)
+        await b.open()
+        n = 16 << 20
+        b.register("big", torch.zeros(n))
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+        held = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(a.notify(b.name, b"q", timeout=8))
+        await asyncio.sleep(0.05)
+        assert not queued.done()
+        t0 = time.monotonic()
+        next(iter(ch for ch in a._all if ch.peer_name == b.name)).lose(transport.PeerLostError("test: lost"))
+        with pytest.raises(transport.PeerLostError):
+            await queued
+        assert time.monotonic() - t0 < 0.5
+        await asyncio.gather(held, return_exceptions=True)
+        await b.close()

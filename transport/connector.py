@@ -95,6 +95,7 @@ class Connector:
         # peer -> ops in channel() waiting for (or making) a dial: while any does, a later op takes no
         # open channel at once (open_channel), it queues behind them, so it cannot overtake them
         self._waiting: dict[str, int] = {}
+        self._opened: dict[str, asyncio.Event] = {}  # peer -> set when a channel to it is routed (adopt, closed)
         self._handshaking = 0
         self._holder_ids = itertools.count(1)
         self.unix_name = ""  # the abstract name of the Unix-socket listener ("" none)
@@ -118,6 +119,7 @@ class Connector:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
         if old is None or not old.is_open or old.incarnation != remote.incarnation:
             self.channels[remote.name] = ch
+            self._routed(remote.name)
         # else both sides dialled at once (or the peer's dial, started before the channel we use
         # came up, got through late): both channels serve, but our ops stay on the one they went
         # over, open as it is. Moving them would let a later op or post overtake an earlier one
@@ -225,7 +227,7 @@ class Connector:
                 ch = self.channels.get(peer)
                 if ch is not None and ch.is_open:
                     return ch
-                return await self._dial(peer, deadline)
+                return await self._dial_or_adopted(peer, deadline)
             finally:
                 lock.release()
         finally:  # (our caller hands its op to the channel before it awaits again: in order)
@@ -234,6 +236,31 @@ class Connector:
                 self._waiting[peer] = left
             else:
                 del self._waiting[peer]
+
+    def _routed(self, peer: str) -> None:
+        """Event loop: a channel to ``peer`` now carries our ops: a dial waiting for one may stop."""
+        ev = self._opened.pop(peer, None)
+        if ev is not None:
+            ev.set()
+
+    async def _dial_or_adopted(self, peer: str, deadline: float) -> Channel:
+        """Our dial to ``peer``, or the peer's channel if it comes up first (our dial is then
+        stopped): a dial that hangs (a SYN lost while a link was down) does not keep our ops off
+        a channel the peer opened meanwhile."""
+        ev = self._opened.setdefault(peer, asyncio.Event())
+        dial = asyncio.ensure_future(self._dial(peer, deadline))
+        opened = asyncio.ensure_future(ev.wait())
+        try:
+            await asyncio.wait((dial, opened), return_when=asyncio.FIRST_COMPLETED)
+            ch = self.channels.get(peer)
+            if not dial.done() and ch is not None and ch.is_open:
+                return ch
+            return await dial
+        finally:
+            opened.cancel()
+            if not dial.done():
+                dial.cancel()
+                await asyncio.gather(dial, return_exceptions=True)  # (it closes its socket)
 
     async def _dial(self, peer: str, deadline: float) -> Channel:
         ep = self.ep
@@ -377,6 +404,7 @@ class Connector:
             for other in self.all:
                 if other.peer_name == ch.peer_name and other.is_open:
                     self.channels[ch.peer_name] = other
+                    self._routed(ch.peer_name)
                     break
         threading.Thread(target=ch.join, args=(2.0,), name="transport-join", daemon=True).start()
 

@@ -80,6 +80,7 @@ class OpTable:
         # the hand-over to the sender of the latest op that had to be ordered behind, or could wait
         # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
         self._order_tail: asyncio.Future[None] | None = None
+        self._holds: list[asyncio.Future[None]] | None = None  # hold_order()s of the op in _in_order's start()
 
     def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane) -> Op:
         """Allocate an op (event loop) that moves its bytes over ``plane``, recorded as posted."""
@@ -129,7 +130,7 @@ class OpTable:
                     timer.cancel()
             else:
                 async with asyncio.timeout_at(deadline):
-                    await self._in_order(prev, start, mine)
+                    await self._in_order(prev, start, mine, op.future)
                     await op.future
         except TimeoutError:
             was = op.record.state
@@ -168,20 +169,34 @@ class OpTable:
             raise
 
     async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any],
-                        mine: asyncio.Future[None] | None = None) -> None:
+                        mine: asyncio.Future[None] | None = None,
+                        ended: asyncio.Future[Any] | None = None) -> None:
         """Hand an op to the sender only after ``prev`` (the op called before it that could wait)
         did, whatever became of it: a notify, put or get called after a staged op that still
         awaits the caller's CUDA work reaches the peer after it, as on every other plane.
-        ``mine``: the op's reserved place (:meth:`reserve`), else it takes one now."""
+        ``mine``: the op's reserved place (:meth:`reserve`), else it takes one now. ``ended``: the
+        op's future: if it ends while the op waits (the channel was lost), the op is never sent."""
         if mine is None:
             mine = self.loop.create_future()
             self._order_tail = mine
+        holds: list[asyncio.Future[None]] = []
         try:
             if prev is not None and not prev.done():
-                await asyncio.shield(prev)
+                if ended is None:
+                    await asyncio.shield(prev)
+                else:
+                    await asyncio.wait((prev, ended), return_when=asyncio.FIRST_COMPLETED)
+                    if ended.done():  # (failed while it waited: the channel broke)
+                        return
+            self._holds = holds  # (no other op of the channel starts meanwhile: they are all behind mine)
             await start()
         finally:
-            self.give_back((prev, mine))
+            self._holds = None
+            pending = [h for h in holds if not h.done()]
+            if pending:  # what start() handed to a thread holds the op's place until it ended (cancelled too)
+                asyncio.gather(*pending).add_done_callback(lambda _f: self.give_back((prev, mine)))
+            else:
+                self.give_back((prev, mine))
 
     def reserve(self) -> Place:
         """Event loop: a place in the channel's call order for an op that has to await something
@@ -213,6 +228,15 @@ class OpTable:
         (:meth:`run`), until the returned function is called (on the event loop; idempotent). For
         a plane whose op hands its work to a thread that sends its header or copies its bytes
         later: an op, post or notify called after it must not reach the peer before it."""
+        if self._holds is not None:  # (inside an ordered op's start: the hold keeps the op's own place)
+            held: asyncio.Future[None] = self.loop.create_future()
+            self._holds.append(held)
+
+            def release() -> None:
+                if not held.done():
+                    held.set_result(None)
+
+            return release
         place = self.reserve()
         return lambda: self.give_back(place)
 

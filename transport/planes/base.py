@@ -169,6 +169,11 @@ class ChannelPort(SendingChannel, Protocol):
         lands its bytes later (an op, post or notify called after it must not overtake it)."""
 
 
+def _retrieved(job: asyncio.Future[Any]) -> None:
+    if not job.cancelled():
+        job.exception()
+
+
 class DataPlane(abc.ABC):
     """One way of moving bytes to and from one peer, owned by a channel."""
 
@@ -213,22 +218,31 @@ class DataPlane(abc.ABC):
         endpoint refreshes its registry and retries once)."""
         return False
 
-    async def threaded(self, work: Callable[[], Any]) -> Any:
-        """Run ``work`` (an op's copy, which may send its header) on a worker thread, the channel's
-        later ops held back until it ended (its header sent, or its bytes landed:
-        :meth:`ChannelPort.hold_order`), even if the caller stops waiting first (an abandoned op's
-        copy runs to its next chunk boundary); its result, or what it raised."""
+    async def threaded(self, work: Callable[[], Any], hold: bool = True) -> Any:
+        """Run ``work`` (an op's copy, which may send its header) on a worker thread; its result,
+        or what it raised. ``hold``: the channel's later ops are held back until it ended (a
+        put's header sent, or its bytes landed: :meth:`ChannelPort.hold_order`). ``work`` always
+        runs, even if the caller stops waiting first (it sees the op abandoned and stops at its
+        next chunk boundary), so the hold always ends."""
         loop = asyncio.get_running_loop()
-        release = self.channel.hold_order()
+        release = self.channel.hold_order() if hold else None
 
         def held() -> Any:
             try:
                 return work()
             finally:
-                with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits any more)
-                    loop.call_soon_threadsafe(release)
+                if release is not None:
+                    with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits any more)
+                        loop.call_soon_threadsafe(release)
 
-        return await loop.run_in_executor(None, held)
+        try:
+            job = loop.run_in_executor(None, held)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        job.add_done_callback(_retrieved)  # (its error is the caller's, or nobody's once it stopped waiting)
+        return await asyncio.shield(job)  # (a cancelled caller must not cancel the job still queued)
 
     def staged_twin(self) -> DataPlane | None:
         """For a plane whose peer buffers lie in memory this process maps (shm): a plane of the

@@ -179,7 +179,7 @@ class ShmPlane(DataPlane):
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
         if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES
                      or any(h.inode not in self._maps for _, _, h in jobs)):
-            await self.threaded(work)
+            await self.threaded(work, hold=into_peer)  # (a put's bytes and header first; a get holds nothing)
         else:
             work()
 
@@ -279,7 +279,7 @@ class ShmPlane(DataPlane):
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
         if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES or table is None
                      or any(h.inode not in self._maps for _, _, h in jobs)):
-            done = await self.threaded(work)
+            done = await self.threaded(work, hold=into_peer)
         else:
             done = work()
         if done:
