@@ -22,6 +22,7 @@ from .errors import (
     PushAbortedError,
     RlSyncError,
     StaleVersionError,
+    SubscriberNotReadyError,
     SubscriberRejectedError,
     SyncPhase,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "PushReport",
     "RlSyncError",
     "StaleVersionError",
+    "SubscriberNotReadyError",
     "SubscriberRejectedError",
     "SubscriberResult",
     "SyncPhase",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import transport
 
 __all__ = ["CommitTimeoutError", "PlanMismatchError", "PushAbortedError", "RlSyncError", "StaleVersionError",
-           "SubscriberRejectedError", "SyncPhase"]
+           "SubscriberNotReadyError", "SubscriberRejectedError", "SyncPhase"]
 
 
 class SyncPhase(str, enum.Enum):
@@ -41,6 +41,12 @@ class PlanMismatchError(RlSyncError):
         who = f" for subscriber {subscriber!r}" if subscriber else ""
         lines = "\n  ".join(self.differences)
         super().__init__(f"the weights do not match the plan{who} ({len(self.differences)} differences):\n  {lines}")
+
+
+class SubscriberNotReadyError(RlSyncError):
+    """A subscriber's endpoint answers but runs no :class:`~rl_sync.WeightSubscriber` yet (its
+    process is still loading its model, or restarting): only its entry of the push fails, and
+    the first push that finds its subscriber gives it everything."""
 
 
 class SubscriberRejectedError(RlSyncError):

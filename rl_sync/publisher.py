@@ -70,7 +70,7 @@ import transport
 from . import messages as m
 from .banks import BankSet
 from .device import Copier, caller_marks, pack_device
-from .errors import PlanMismatchError, RlSyncError, StaleVersionError
+from .errors import PlanMismatchError, RlSyncError, StaleVersionError, SubscriberNotReadyError
 from .fanout import FANOUTS, assign_sources
 from .plan import MANIFEST_BUFFER, NameMap, check_sources, decode_manifest, make_buckets, plan_hash
 from .pub_buffers import PublisherBuffers
@@ -198,6 +198,7 @@ class WeightPublisher(PublisherBuffers):
         self._slots: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
         self._push_ids = itertools.count(secrets.randbits(40))
         self._run: PushRun | None = None
+        self._pushing = False  # a push() is under way (from its checks on: _run is set only after awaits)
         self._lost: set[str] = set()  # subscribers lost or unreachable at the last push
         self._packing: set[asyncio.Future[Any]] = set()  # pack threads still running (a cancelled push's too)
         self._copiers: dict[torch.device, Copier] = {}  # where packs run: a stream per GPU of the trainer's weights
@@ -274,10 +275,17 @@ class WeightPublisher(PublisherBuffers):
             raise TypeError(f"version must be an int, got {version!r}")
         if version <= self._version:
             raise StaleVersionError(f"version {version} is not newer than the last pushed version {self._version}")
-        if self._run is not None:
+        if self._run is not None or self._pushing:
             raise RuntimeError("a push is already running on this publisher")
         if not self._subscribers:
             raise ValueError("the publisher has no subscribers")
+        self._pushing = True  # (claimed before the first await: a second push() meanwhile is refused)
+        try:
+            return await self._push(weights, version, timeout, progress)
+        finally:
+            self._pushing = False
+
+    async def _push(self, weights: Any, version: int, timeout: float | None, progress: bool) -> PushReport:
         tensors = live_tensors(weights)
         marks = caller_marks(tensors.values())  # the caller's queued GPU work: packing reads after it
         device = pack_device(tensors.values())
@@ -300,6 +308,11 @@ class WeightPublisher(PublisherBuffers):
         finally:
             await run.finish()
             self._run = None
+            # (also when cancelled: a version some subscriber committed is never pushed again)
+            done = [n for n, t in run.targets.items() if t.committed]
+            if done:
+                self._version = max(self._version, version)
+                self._committed.update(dict.fromkeys(done, version))
         for name, t in run.targets.items():
             plane, why = route_of(t)
             report.results[name] = SubscriberResult(
@@ -308,9 +321,6 @@ class WeightPublisher(PublisherBuffers):
                 stage=t.stage, plane=plane, plane_reason=why)
         report.seconds = time.monotonic() - t0
         report.packed_bytes = run.packed_bytes
-        if any(r.ok for r in report.results.values()):
-            self._version = version
-        self._committed.update({n: version for n, r in report.results.items() if r.ok})
         self._lost = {n for n, r in report.results.items()
                       if isinstance(r.error, (transport.PeerLostError, transport.PeerNotFoundError))}
         level = logging.INFO if report.ok else logging.WARNING
@@ -395,8 +405,15 @@ class WeightPublisher(PublisherBuffers):
         if cached is not None and cached.incarnation == peer.incarnation:
             return cached
         spec = peer.buffers.get(MANIFEST_BUFFER)
-        if spec is None:
-            raise PlanMismatchError([f"{name!r} runs no WeightSubscriber (no {MANIFEST_BUFFER!r} buffer)"])
+        while spec is None:  # its endpoint is up, its WeightSubscriber not yet (a generator still loading its
+            # model, or restarting): it registers the manifest when made, and its registry update reaches us
+            if time.monotonic() >= deadline:
+                raise SubscriberNotReadyError(f"{name!r} runs no WeightSubscriber (no {MANIFEST_BUFFER!r} buffer) "
+                                              "yet; it gets everything at the first push that finds one")
+            await asyncio.sleep(0.05)
+            if not peer.connected:
+                peer = await ep.connect(name, timeout=max(0.001, deadline - time.monotonic()))
+            spec = peer.buffers.get(MANIFEST_BUFFER)
         raw = torch.empty(spec.nbytes, dtype=torch.uint8)
         await ep.get(name, {MANIFEST_BUFFER: raw}, timeout=max(0.001, deadline - time.monotonic()))
         manifest = decode_manifest(raw.numpy().tobytes())

@@ -386,7 +386,7 @@ class WeightSubscriber(Holding):
             task.cancel()
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
-        if push.locked:
+        if push.locked and not push.moving:  # (a move in progress gives the lock back itself once it ended)
             push.locked = False
             self._lock.release_write()
             log.debug("subscriber %s: push %d dropped (%s); torn=%s", self.endpoint.name, push.push_id, why, self._torn)

@@ -210,9 +210,13 @@ async def test_stale_version_and_plan_mismatch_raise_before_any_byte_moves(store
             report = await other.push(seeded(TRAIN, 2), 2)
             assert isinstance(report.results[gens[0].name].error, rl_sync.StaleVersionError)
             assert all(gens[0].call("sub_check", TRAIN, 1).values())
-            with pytest.raises(rl_sync.PlanMismatchError, match="runs no WeightSubscriber"):
-                async with transport.Endpoint(uname("plain"), store=store_url) as plain:
-                    await rl_sync.WeightPublisher(ep, [plain.name]).push(seeded(TRAIN, 1), 9)
+            # an endpoint that runs no WeightSubscriber (yet): its entry fails once the planning bound passed
+            async with transport.Endpoint(uname("plain"), store=store_url) as plain:
+                t0 = time.monotonic()
+                report = await rl_sync.WeightPublisher(ep, [plain.name]).push(seeded(TRAIN, 1), 9, timeout=1.0)
+                assert 0.9 <= time.monotonic() - t0 < 5
+                err = report.results[plain.name].error
+                assert isinstance(err, rl_sync.SubscriberNotReadyError) and "runs no WeightSubscriber" in str(err)
 
 
 async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, uname, capfd):

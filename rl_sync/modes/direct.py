@@ -65,7 +65,11 @@ class DirectMode(CommitMode):
             return False
         try:
             if sub._live_bank is None:  # first push: the live tensors move into the arenas, once
-                await self._adopt()
+                push.moving = True  # (an Abort meanwhile must not let readers in mid-move: _drop keeps the lock)
+                try:
+                    await self._adopt()
+                finally:
+                    push.moving = False
         except BaseException as exc:  # including a cancellation by close(): never keep the lock
             sub._drop(push, f"moving the weights into the arena failed: {exc!r}")
             if not isinstance(exc, Exception):
@@ -74,7 +78,10 @@ class DirectMode(CommitMode):
             sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, f"{type(exc).__name__}: {exc}", "other",
                                                sub._version))
             return False
-        if push.dropped:  # close() or an Abort during the move
+        if push.dropped:  # close() or an Abort during the move, which left the lock to us until it ended
+            if push.locked:
+                push.locked = False
+                sub._lock.release_write()
             return False
         push.progress = time.monotonic()
         sub._spawn(self._watch(push))

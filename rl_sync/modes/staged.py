@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -43,10 +44,13 @@ class StagedMode(CommitMode):
             return
         await sub._applying.acquire()
         try:
-            await self._change(push)
-            with sub._version_cond:
-                sub._version = push.version
-                sub._version_cond.notify_all()
+            try:
+                await self._change(push)
+            except asyncio.CancelledError:  # (close(): the copy ran to its end all the same, uncancellable)
+                if self.changed_under_cancel:
+                    self._set_version(push.version)
+                raise
+            self._set_version(push.version)
         except Exception as exc:
             log.exception("subscriber %s: commit of version %d failed", sub.endpoint.name, push.version)
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, f"{type(exc).__name__}: {exc}", "other",
@@ -59,6 +63,16 @@ class StagedMode(CommitMode):
                 sub._push = None
         log.debug("subscriber %s: committed version %d", sub.endpoint.name, push.version)
         sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, sub._version))
+
+    #: a cancellation that reaches commit() out of _change() comes after the live weights changed
+    #: (staged: the copy is uncancellable); swap's comes from its wait, before anything moved
+    changed_under_cancel = True
+
+    def _set_version(self, version: int) -> None:
+        sub = self.sub
+        with sub._version_cond:
+            sub._version = version
+            sub._version_cond.notify_all()
 
     async def _readers_left(self) -> bool:
         """With the writer lock had: False if GPU work readers queued in hold() is still not done."""

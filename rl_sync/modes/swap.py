@@ -17,6 +17,7 @@ class SwapMode(StagedMode):
     name = "swap"
     nbanks = 2
     repoints = True
+    changed_under_cancel = False  # (a cancellation reaches it only in its wait for readers: nothing moved)
 
     async def begin(self, push: Push) -> bool:
         sub = self.sub

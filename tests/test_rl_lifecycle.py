@@ -1,0 +1,170 @@
+"""rl_sync guarantees against lifecycle races: a generator restarting before its subscriber exists, a direct-mode
+first push given up mid-move, a subscriber closed mid-commit, pushes racing after a cancelled one, a push cancelled after
+commits. A hostile pass wrote them; each failed at 0d617dd (3 to 6 runs of 3 to 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+
+import rl_sync
+import rl_sync.push_run
+import transport
+from tests._remote import RemoteEndpoint
+from tests._rl_remote import seeded, stamped
+from tests.test_rl_faults import BUCKET, _Gens
+from tests.test_rl_faults import TRAIN as FTRAIN
+from tests.test_rl_sync import GEN, TRAIN, cast_pub, generators, trainer
+
+
+@pytest.mark.timeout(120)
+async def test_a_generator_restarting_before_its_subscriber_exists_fails_only_its_entry(store_url, uname):
+    with generators(store_url, uname, 2) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[1].kill()
+            reborn = RemoteEndpoint(gens[1].name, store=store_url, timeout=20)  # endpoint up, model still loading
+            try:
+                report = await pub.push(seeded(TRAIN, 2), 2, timeout=10)  # raises PlanMismatchError for everyone
+                assert report.results[gens[0].name].ok and not report.results[gens[1].name].ok, report.summary()
+                assert all(gens[0].call("sub_check", TRAIN, 2).values())
+            finally:
+                reborn.kill()
+
+
+BIG = {f"layers.{i}.weight": ("bfloat16", (2048, 4096)) for i in range(8)}  # 128 MiB, 2 arenas
+BIG_TRAIN = {n: ("float32", sh) for n, (_, sh) in BIG.items()}
+
+
+@pytest.mark.timeout(120)
+async def test_direct_push_right_after_a_first_push_given_up_while_the_weights_move_in(store_url, uname):
+    gen = RemoteEndpoint(uname("gen"), store=store_url, timeout=20)
+    try:
+        gen.call("sub_create", BIG, {"mode": "direct", "arena_bytes": 64 << 20})
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
+            pub = rl_sync.WeightPublisher(ep, [gen.name], dtype="auto", bucket_bytes=16 << 20)
+            w1, w2 = seeded(BIG_TRAIN, 1), seeded(BIG_TRAIN, 2)
+            await ep.connect(gen.name)
+            assert not (await pub.push(w1, 1, timeout=0.05)).ok  # given up while Begin moves the weights in
+            report = await pub.push(w2, 2, timeout=20)
+            assert report.ok, report.summary()
+            assert gen.call("sub_check_held", BIG_TRAIN, timeout=60) in ([2, True], (2, True))
+    finally:
+        gen.kill()
+
+
+HUGE = {f"layers.{i}.weight": ("float32", (4096, 4096)) for i in range(16)}  # 1 GiB: the commit copy takes a while
+
+
+@pytest.mark.timeout(120)
+async def test_closing_a_subscriber_during_its_commit_never_leaves_its_version_and_bytes_apart(store_url, uname):
+    gen = RemoteEndpoint(uname("gen"), store=store_url, timeout=20)
+    try:
+        gen.call("sub_create", HUGE, {"mode": "staged"})
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
+            armed = False
+
+            def observer(ev: rl_sync.PushEvent) -> None:
+                if armed and ev.kind == "commit_sent":  # the generator closes its subscriber 50 ms later
+                    threading.Timer(0.05, gen.start, ("sub_close",)).start()
+
+            pub = rl_sync.WeightPublisher(ep, [gen.name], bucket_bytes=256 << 20, observer=observer)
+            assert (await pub.push(stamped(HUGE, 1), 1, timeout=60)).ok
+            w2 = stamped(HUGE, 2)
+            armed = True
+            report = await pub.push(w2, 2, timeout=5)
+            gen.result(timeout=30)
+            await asyncio.sleep(0.5)
+            v, same = gen.call("sub_check_stamp", timeout=60)
+            assert same, f"reports version {v}, holds other bytes ({report.summary()})"
+    finally:
+        gen.kill()
+
+
+@pytest.mark.timeout(120)
+async def test_a_second_push_while_one_runs_is_refused_even_after_a_cancelled_push(store_url, uname, monkeypatch):
+    packed = rl_sync.push_run._pack
+
+    def slow_pack(*a, **k):  # a bucket that takes a while to pack (a large one, a busy host)
+        time.sleep(0.3)
+        packed(*a, **k)
+
+    monkeypatch.setattr(rl_sync.push_run, "_pack", slow_pack)
+    gens = _Gens(store_url, uname, "staged")
+    try:
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
+            sent = asyncio.Event()
+
+            def observer(ev: rl_sync.PushEvent) -> None:
+                if ev.kind == "pull_sent":
+                    sent.set()
+
+            pub = rl_sync.WeightPublisher(ep, [g.name for g in gens.gens], dtype="auto", bucket_bytes=BUCKET,
+                                          observer=observer)
+            assert (await pub.push(seeded(FTRAIN, 1), 1, timeout=30)).ok
+            w2, w3, w4 = seeded(FTRAIN, 2), seeded(FTRAIN, 3), seeded(FTRAIN, 4)
+            sent.clear()
+            first = asyncio.ensure_future(pub.push(w2, 2, timeout=30))
+            await sent.wait()  # bucket 1 is being packed on a worker thread
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert pub._packing, "no pack left running (the race needs one)"
+            a = asyncio.ensure_future(pub.push(w3, 3, timeout=5))
+            b = asyncio.ensure_future(pub.push(w4, 4, timeout=5))
+            results = await asyncio.gather(a, b, return_exceptions=True)
+            refused = [r for r in results if isinstance(r, RuntimeError)]
+            ran = [r for r in results if isinstance(r, rl_sync.PushReport)]
+            assert len(refused) == 1 and len(ran) == 1 and ran[0].ok, [
+                r.summary() if isinstance(r, rl_sync.PushReport) else repr(r) for r in results]
+    finally:
+        gens.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_version_committed_before_a_push_was_cancelled_is_never_pushed_again(store_url, uname):
+    with generators(store_url, uname, 2) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            gens[1].signal(signal.SIGSTOP)
+            push = asyncio.ensure_future(pub.push(seeded(TRAIN, 2), 2))
+            end = time.monotonic() + 30
+            while await asyncio.to_thread(gens[0].call, "sub_version") != 2:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # gen0's commit reply has reached the publisher
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+            gens[1].signal(signal.SIGCONT)
+            await asyncio.sleep(0.5)
+            assert pub.version == 2, f"pub.version is {pub.version}, but {gens[0].name} committed version 2"
+            with pytest.raises(rl_sync.StaleVersionError):
+                await pub.push(seeded(TRAIN, 12), 2)  # (else gen0 keeps seed-2 bytes, gen1 takes seed-12, both "v2")
+
+
+@pytest.mark.timeout(120)
+async def test_a_generator_whose_subscriber_comes_up_during_the_planning_wait_gets_that_push(store_url, uname):
+    """Its endpoint answers before its WeightSubscriber exists (a generator still loading its
+    model): the push waits for its manifest, within its planning bound, and delivers to it."""
+    gen = RemoteEndpoint(uname("gen"), store=store_url, timeout=20)
+    try:
+        async with trainer(store_url, uname) as ep:
+            await ep.connect(gen.name)
+            pub = rl_sync.WeightPublisher(ep, [gen.name], dtype="auto")
+            push = asyncio.ensure_future(pub.push(seeded(TRAIN, 1), 1, timeout=20))
+            await asyncio.sleep(0.5)
+            assert not push.done()
+            await asyncio.to_thread(gen.call, "sub_create", GEN, {})
+            report = await push
+            assert report.ok, report.summary()
+            assert all(gen.call("sub_check", TRAIN, 1).values())
+    finally:
+        gen.kill()
