@@ -200,6 +200,7 @@ class WeightPublisher(PublisherBuffers):
         self._run: PushRun | None = None
         self._pushing = False  # a push() is under way (from its checks on: _run is set only after awaits)
         self._lost: set[str] = set()  # subscribers lost or unreachable at the last push
+        self._not_ready: set[str] = set()  # subscribers that answered without a WeightSubscriber last time
         self._packing: set[asyncio.Future[Any]] = set()  # pack threads still running (a cancelled push's too)
         self._copiers: dict[torch.device, Copier] = {}  # where packs run: a stream per GPU of the trainer's weights
         # this publisher's registered buffers: slots and banks (several publishers may share an endpoint)
@@ -306,13 +307,15 @@ class WeightPublisher(PublisherBuffers):
             if run.targets:
                 await run.execute(groups, progress)
         finally:
-            await run.finish()
-            self._run = None
-            # (also when cancelled: a version some subscriber committed is never pushed again)
-            done = [n for n, t in run.targets.items() if t.committed]
-            if done:
+            # first, with no await (a second cancellation must not skip it), even when cancelled: a version
+            # some subscriber was told to commit is never pushed again (it may commit it, answered or not)
+            if any(t.committed or t.committing for t in run.targets.values()):
                 self._version = max(self._version, version)
-                self._committed.update(dict.fromkeys(done, version))
+            self._committed.update(dict.fromkeys((n for n, t in run.targets.items() if t.committed), version))
+            try:
+                await run.finish()
+            finally:
+                self._run = None
         for name, t in run.targets.items():
             plane, why = route_of(t)
             report.results[name] = SubscriberResult(
@@ -335,7 +338,7 @@ class WeightPublisher(PublisherBuffers):
         # cost the others connect_timeout; a restarted one is picked up by whichever push first finds it
         # answering. Only a subscriber never planned yet is given connect_timeout.
         peers = self.endpoint.peers
-        brief = {s for s in names if s in self._lost or (s in self._layouts and s not in peers)}
+        brief = {s for s in names if s in self._lost or s in self._not_ready or (s in self._layouts and s not in peers)}
         got = await asyncio.gather(*(self._layout(s, min(run.deadline, run.t0 + _PROBE) if s in brief
                                                   else run.deadline) for s in names), return_exceptions=True)
         mismatches: list[str] = []
@@ -347,8 +350,11 @@ class WeightPublisher(PublisherBuffers):
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
                     raise res
+                if isinstance(res, SubscriberNotReadyError):  # (the next pushes probe it briefly: _PROBE)
+                    self._not_ready.add(name)
                 report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0, stage="plan")
                 continue
+            self._not_ready.discard(name)
             layout = res
             why = unshareable(self.endpoint, name, layout, run.copier.device) if layout.shared else None
             if why is not None:
@@ -414,8 +420,8 @@ class WeightPublisher(PublisherBuffers):
             if not peer.connected:
                 peer = await ep.connect(name, timeout=max(0.001, deadline - time.monotonic()))
             spec = peer.buffers.get(MANIFEST_BUFFER)
-        raw = torch.empty(spec.nbytes, dtype=torch.uint8)
-        await ep.get(name, {MANIFEST_BUFFER: raw}, timeout=max(0.001, deadline - time.monotonic()))
+        raw = torch.empty(spec.nbytes, dtype=torch.uint8)  # (a manifest that appeared at the bound still gets a moment)
+        await ep.get(name, {MANIFEST_BUFFER: raw}, timeout=max(_PROBE, deadline - time.monotonic()))
         manifest = decode_manifest(raw.numpy().tobytes())
         buckets = make_buckets(manifest, self.bucket_bytes)
         layout = Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.same_host,

@@ -22,6 +22,22 @@ from transport.planes import shm
 PLANES = ["shm", "tcp"]
 
 
+N = 16 << 20  # float32 elements: a 64 MiB buffer, whose shm copies run on a worker thread
+
+
+@contextlib.asynccontextmanager
+async def _mapped(store_url: str, uname):  # -> (initiator, target, the target's 64 MiB buffer "big")
+    """Two shm endpoints, the target's buffer ``big`` registered and already put once (so its
+    segment and slot table are mapped: the next put's copy is threaded because of its size)."""
+    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
+    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
+        big = torch.zeros(N)
+        b.register("big", big)
+        await a.connect(b.name)
+        await a.put(b.name, {"big": torch.full((N,), 2.0)})
+        yield a, b, big
+
+
 async def _post(ep: transport.Endpoint, peer: str, payload: bytes) -> bool:
     """``post_nowait``, or, where it says no (something of ours to ``peer`` waits before it),
     ``post``, as its docs say to; True if it went out at once."""
@@ -78,13 +94,8 @@ async def test_a_post_waiting_in_its_dial_is_not_overtaken_via_the_peers_channel
 async def test_a_post_after_a_threaded_shm_put_with_notify_arrives_after_it(store_url, uname):
     """A 64 MiB shm put with a notification copies on a worker thread, which sends the header
     once done. A post called after the put must arrive after its notification and bytes."""
-    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
-    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
-        n = 16 << 20  # float32: 64 MiB
-        big = torch.zeros(n)
-        b.register("big", big)
-        await a.connect(b.name)
-        await a.put(b.name, {"big": torch.full((n,), 2.0)})  # maps the segment and the slot table
+    async with _mapped(store_url, uname) as (a, b, big):
+        n = N
         seen: list[tuple[bytes, float]] = []
         b.on_notification(lambda note: seen.append((note.payload, float(big[-1]))))
         put = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}, notify=b"1"))
@@ -102,13 +113,8 @@ async def test_a_post_after_a_threaded_shm_put_with_notify_arrives_after_it(stor
 async def test_a_post_after_a_threaded_one_sided_shm_put_arrives_after_its_bytes(store_url, uname):
     """A 64 MiB one-sided shm put (no notification) copies on a worker thread. A post called
     after it must arrive after its bytes: the target, on reading the post, sees the put's bytes."""
-    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
-    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
-        n = 16 << 20
-        big = torch.zeros(n)
-        b.register("big", big)
-        await a.connect(b.name)
-        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+    async with _mapped(store_url, uname) as (a, b, big):
+        n = N
         seen: list[float] = []
         b.on_notification(lambda note: seen.append(float(big[-1])))
         put = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
@@ -127,13 +133,8 @@ async def test_a_small_put_after_a_threaded_shm_put_of_the_same_buffer_lands_aft
     """Two puts to one buffer, called in that order: a 64 MiB one (copied on a worker thread) and
     a 4-byte one into its last element (done synchronously by run_here). The buffer must end with
     the later put's value, as it does over tcp."""
-    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
-    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
-        n = 16 << 20
-        big = torch.zeros(n)
-        b.register("big", big)
-        await a.connect(b.name)
-        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+    async with _mapped(store_url, uname) as (a, b, big):
+        n = N
         first = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
         await asyncio.sleep(0)
         assert not first.done()
@@ -202,12 +203,8 @@ async def test_a_threaded_put_cancelled_while_queued_in_the_executor_leaves_the_
     took on the channel's later ops ends; before, the queued job was cancelled with the caller and
     the channel's later ops waited forever."""
     loop = asyncio.get_running_loop()
-    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
-    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
-        n = 16 << 20
-        b.register("big", torch.zeros(n))
-        await a.connect(b.name)
-        await a.put(b.name, {"big": torch.full((n,), 2.0)})  # (maps the segment and the slot table)
+    async with _mapped(store_url, uname) as (a, b, _big):
+        n = N
         busy = [loop.run_in_executor(None, time.sleep, 0.5) for _ in range(min(32, (os.cpu_count() or 1) + 4))]
         put = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
         await asyncio.sleep(0.05)
@@ -225,12 +222,8 @@ async def test_a_threaded_put_timing_out_in_the_executor_queue_leaves_the_channe
     scope) times out while its copy is queued behind a busy one-worker executor."""
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
-    kw = {"store": store_url, "planes": ("shm",), "timeout": 10}
-    async with transport.Endpoint(uname("ini"), **kw) as a, transport.Endpoint(uname("tgt"), **kw) as b:
-        n = 16 << 20
-        b.register("big", torch.zeros(n))
-        await a.connect(b.name)
-        await a.put(b.name, {"big": torch.full((n,), 2.0)})
+    async with _mapped(store_url, uname) as (a, b, _big):
+        n = N
         first = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}))
         await asyncio.sleep(0)  # its copy is on the worker thread
         second = asyncio.ensure_future(a.put(b.name, {"big": torch.ones(n)}, timeout=0.4))

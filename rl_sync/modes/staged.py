@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 
@@ -37,18 +38,26 @@ class StagedMode(CommitMode):
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
                                                sub._version))
             return
-        if not await self._readers_left():
+        try:
+            ready = await self._readers_left()
+            if ready:
+                await sub._applying.acquire()
+        except BaseException:  # (cancelled by close(): never keep the lock)
+            sub._lock.release_write()
+            raise
+        if not ready:
             sub._lock.release_write()  # (GPU reads queued in hold() may still read the live weights)
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, readers_late(sub.commit_timeout), "timeout",
                                                sub._version))
             return
-        await sub._applying.acquire()
         try:
             try:
                 await self._change(push)
             except asyncio.CancelledError:  # (close(): the copy ran to its end all the same, uncancellable)
                 if self.changed_under_cancel:
                     self._set_version(push.version)
+                    with contextlib.suppress(Exception):  # (the publisher learns it committed, as it did)
+                        sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, sub._version))
                 raise
             self._set_version(push.version)
         except Exception as exc:
