@@ -67,6 +67,28 @@ async def test_direct_push_right_after_a_first_push_given_up_while_the_weights_m
         gen.kill()
 
 
+LARGE = {f"layers.{i}.weight": ("bfloat16", (4096, 4096)) for i in range(16)}  # 512 MiB: the first move takes a while
+
+
+@pytest.mark.timeout(120)
+async def test_a_begin_refused_behind_the_first_push_s_move_names_the_move_not_readers(store_url, uname):
+    gen = RemoteEndpoint(uname("gen"), store=store_url, timeout=20)
+    try:
+        gen.call("sub_create", LARGE, {"mode": "direct", "arena_bytes": 128 << 20, "commit_timeout": 0.005})
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
+            spec = {n: ("float32", sh) for n, (_, sh) in LARGE.items()}
+            pub = rl_sync.WeightPublisher(ep, [gen.name], dtype="auto", bucket_bytes=32 << 20)
+            w1, w2 = seeded(spec, 1), seeded(spec, 2)
+            await ep.connect(gen.name)
+            assert not (await pub.push(w1, 1, timeout=0.05)).ok  # given up while Begin moves 512 MiB in
+            report = await pub.push(w2, 2, timeout=10)  # its Begin waits 5 ms (commit_timeout) behind that move
+            res = report.results[gen.name]
+            assert not res.ok and "moving the weights into the arenas" in str(res.error), report.summary()
+            assert "readers held" not in str(res.error)
+    finally:
+        gen.kill()
+
+
 HUGE = {f"layers.{i}.weight": ("float32", (4096, 4096)) for i in range(16)}  # 1 GiB: the commit copy takes a while
 
 

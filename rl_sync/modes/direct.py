@@ -15,7 +15,7 @@ import transport
 from .. import messages as m
 from ..plan import arena_name, dtype_from_name
 from ..weights import uncancellable
-from .base import CommitMode, Push, readers_late
+from .base import CommitMode, Push, Subscriber, readers_late
 
 __all__ = ["DirectMode"]
 
@@ -31,6 +31,11 @@ class DirectMode(CommitMode):
     repoints = True
     writes_live = True
 
+    def __init__(self, sub: Subscriber) -> None:
+        super().__init__(sub)
+        self._moves = 0  # moves of the weights into the arenas begun (at most one runs: it holds the writer lock)
+        self._moving = False
+
     def make_banks(self) -> None:
         self.sub._banks.append([])  # made at the first push, one at a time as the weights move in: see _adopt
 
@@ -40,12 +45,16 @@ class DirectMode(CommitMode):
         While it waits for readers to leave, an Abort of it, or a later Begin, drops it (it is in
         ``_starting``), and it then gives the lock back as soon as it gets it."""
         sub = self.sub
+        moves = self._moves
         got = await sub._lock.acquire_write_async(sub.commit_timeout)
         if not got:
             if not push.dropped:
-                sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1,
-                                                   f"readers held the weights for more than {sub.commit_timeout} s",
-                                                   "timeout", sub._version))
+                if self._moving or self._moves != moves:  # (the lock was held by an earlier push's move, not readers)
+                    why = (f"an earlier push was moving the weights into the arenas (direct mode's first push moves "
+                           f"them once) for more than {sub.commit_timeout} s")
+                else:
+                    why = f"readers held the weights for more than {sub.commit_timeout} s"
+                sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, why, "timeout", sub._version))
             return False
         push.locked = True
         if push.dropped or push.version <= sub._version:  # aborted, superseded, or overtaken while it waited
@@ -66,10 +75,12 @@ class DirectMode(CommitMode):
         try:
             if sub._live_bank is None:  # first push: the live tensors move into the arenas, once
                 push.moving = True  # (an Abort meanwhile must not let readers in mid-move: _drop keeps the lock)
+                self._moving = True
+                self._moves += 1
                 try:
                     await self._adopt()
                 finally:
-                    push.moving = False
+                    push.moving = self._moving = False
         except BaseException as exc:  # including a cancellation by close(): never keep the lock
             sub._drop(push, f"moving the weights into the arena failed: {exc!r}")
             if not isinstance(exc, Exception):
