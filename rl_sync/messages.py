@@ -15,8 +15,9 @@ reading its own notifications (one process may even be both). One push, seen fro
                            attempt is answered
     Commit ─────────────▶  subscriber applies staging -> live weights under the writer lock
                            (mode="shared": no Pulls; it re-points its weights into the bank named;
-                           sent once the bank is sealed, right behind the Begin if that is not
-                           answered yet: the subscriber serves it once it has served the Begin)
+                           the bank is packed and sealed first, then the Commit travels inside
+                           the Begin: the subscriber serves it once it has served the Begin, and
+                           answers the Commit only: one message each way per push)
           ◀──────────────  Reply(stage="commit")
     Abort ──────────────▶  (instead of Commit, on failure or cancellation) nothing is applied
 
@@ -32,13 +33,6 @@ __all__ = ["PREFIX", "TO_PUBLISHER", "TO_SUBSCRIBER", "Abort", "Begin", "Commit"
 PREFIX = b"rl_sync/1:"
 TO_SUBSCRIBER = PREFIX + b"s:"
 TO_PUBLISHER = PREFIX + b"p:"
-
-
-class Begin(msgspec.Struct, tag="begin", array_like=True):
-    push_id: int
-    version: int
-    plan_hash: str
-    bucket_bytes: int
 
 
 class Pull(msgspec.Struct, tag="pull", array_like=True):
@@ -64,6 +58,16 @@ class Commit(msgspec.Struct, tag="commit", array_like=True):
     bank: int = -1
     buffers: tuple[str, ...] = ()
     lock: str = ""
+
+
+class Begin(msgspec.Struct, tag="begin", array_like=True):
+    push_id: int
+    version: int
+    plan_hash: str
+    bucket_bytes: int
+    # mode="shared": the push's Commit, carried in its Begin (the bank is sealed before either is sent): the
+    # subscriber serves it once it has served the Begin and answers the Commit only (one message each way)
+    commit: Commit | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

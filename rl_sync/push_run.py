@@ -62,26 +62,33 @@ class PushRun(PushTracker):
             now = time.monotonic()
             self.budget = max(0.0, self.deadline - now)
             for t in self.targets.values():
-                t.begin_sent = True
                 t.begin_at = now
-                self.emit(t, "begin_sent")  # (before the send: an observer sees it before any answer)
-                self._send(t, m.Begin(self.push_id, self.version, t.layout.digest, self.pub.bucket_bytes))
+                if not _bank_first(t.group):
+                    self._begin(t)
             await asyncio.gather(*(self._run_group(g) for g in groups))
             await self._until(lambda: not any(t.alive for t in self.targets.values()))
         finally:
-            watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watchdog
+            watchdog.cancel()  # (not awaited: it is parked in a sleep, and the push's end need not wait a turn of the loop)
             if self.bar is not None:
                 self.bar.close()
+
+    def _begin(self, t: Target, commit: m.Commit | None = None) -> None:
+        """Send ``t`` its Begin (with its ``commit`` inside: a shared subscriber once its bank is sealed)."""
+        t.begin_sent = True
+        t.begin_at = time.monotonic()
+        self.emit(t, "begin_sent")  # (before the send: an observer sees it before any answer)
+        if commit is not None:
+            self._committing(t)
+        self._send(t, m.Begin(self.push_id, self.version, t.layout.digest, self.pub.bucket_bytes, commit))
 
     async def _run_group(self, group: Group) -> None:
         n = len(group.buckets)
         # the first Begin answer starts the group; the others are given as long again to be in the main
         # pass from its first bucket (later ones get what they missed in the repair pass). A group of
-        # shared subscribers only does not wait: its bank is packed while the Begins are answered, and each
-        # one's Commit goes out once it has begun and the bank is sealed (_maybe_commit)
-        if not all(t.shared for t in group.targets) or group.banks is None:
+        # shared subscribers only does not wait and sends nothing first: its bank is packed and sealed, then
+        # each one gets its Begin with its Commit inside, and answers the Commit only (one message each way
+        # per push; a Begin it refuses is still answered)
+        if not _bank_first(group):
             t0 = time.monotonic()
             await self._until(lambda: any(t.begun for t in group.targets) or not any(t.alive for t in group.targets))
             grace = time.monotonic() + max(0.02, time.monotonic() - t0)
@@ -102,7 +109,10 @@ class PushRun(PushTracker):
             for t in group.targets:
                 if t.shared and t.alive:
                     t.have = set(range(n))
-                    self._maybe_commit(t)
+                    if not t.begin_sent:  # (its Commit inside its Begin: one message)
+                        self._begin(t, self._commit_message(t))
+                    else:
+                        self._maybe_commit(t)
         # repair: buckets a subscriber missed (it began late, its relay failed or stalled, its slot was
         # taken back) come from the publisher, once it is not stalled and has no pull of them outstanding
         while True:
@@ -246,11 +256,18 @@ class PushRun(PushTracker):
             if g.bank is not None and g.banks is not None and not g.sealed:
                 g.banks.release(g.bank)  # unsealed: its stamp says it holds nothing, no commit names it
         background = self.pub._background
+        queued = bool(self.tasks)
         for task in self.tasks:
             background.add(task)
             task.add_done_callback(background.discard)
         self.tasks = set()
-        await asyncio.sleep(0)  # let the Aborts go out before the push returns
+        if queued:
+            await asyncio.sleep(0)  # let the Aborts (and messages) queued in tasks go out before the push returns
+
+
+def _bank_first(group: Group | None) -> bool:
+    """Whether ``group``'s subscribers are all shared (their bank is packed before their Begin)."""
+    return group is not None and group.banks is not None and all(t.shared for t in group.targets)
 
 
 _pack = pack  # (a module attribute: bench/bench_rl_sync.py times the packs through it)

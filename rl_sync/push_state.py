@@ -106,18 +106,20 @@ class Target:
     def stage(self) -> str:
         if self.committed:
             return "committed"
-        if not self.begun:
-            return "begin"
-        return "commit" if self.committing else "transfer"
+        if self.committing and (self.begun or self.shared):  # (shared: its Commit goes right behind its Begin, and
+            return "commit"  # only the Commit is answered)
+        return "begin" if not self.begun else "transfer"
 
     def doing(self, now: float) -> str:
         """What it was doing, for an error message: stage, buckets, outstanding pulls, last heard."""
         heard = f"last heard from {now - self.heard:.1f} s ago" if self.heard else "not heard from during this push"
         n = len(self.layout.buckets)
+        if not self.begin_sent:
+            return f"its Begin not sent yet: the publisher's bank was still being packed ({now - self.begin_at:.1f} s)"
+        if self.committing and (self.begun or self.shared):
+            return f"told to commit {now - self.commit_at:.1f} s ago, no answer; {heard}"
         if not self.begun:
             return f"no answer to Begin after {now - self.begin_at:.1f} s; {heard}"
-        if self.committing:
-            return f"told to commit {now - self.commit_at:.1f} s ago, no answer; {heard}"
         what = f"transfer, {len(self.have)}/{n} buckets"
         if self.inflight:
             oldest = min(p.sent for p in self.inflight.values())

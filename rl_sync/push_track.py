@@ -222,6 +222,9 @@ class PushTracker:
                 self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
         elif r.stage == "commit":
             if r.error is None:
+                if not t.begun:  # (shared: a Begin with its Commit behind it is not answered on its own)
+                    t.begun = True
+                    self.emit(t, "begun")
                 t.committed = True
                 t.finished_at = now
                 if r.plane:  # (shared: the plane the bank was mapped over)
@@ -234,22 +237,26 @@ class PushTracker:
         self.changed.set()
 
     def _maybe_commit(self, t: Target) -> None:
-        # a shared subscriber is told to commit as soon as the bank is sealed, begun or not: its Commit
-        # follows its Begin on the channel, and the subscriber serves it once it has served that Begin
-        # (one round trip per push, not two); its Begin's refusal still fails it
+        # (a shared subscriber's Commit travels inside its Begin, sent once the bank is sealed: PushRun._begin)
         if t.alive and (t.begun or (t.shared and t.begin_sent)) and t.complete and not t.committing:
-            g = t.group
-            if not t.shared:
-                msg: m.Commit | None = m.Commit(self.push_id, self.version)
-            elif g is not None and g.sealed and g.bank is not None and g.banks is not None:
-                msg = m.Commit(self.push_id, self.version, g.bank, tuple(g.banks.names(g.bank)), g.banks.path(g.bank))
-            else:
-                msg = None
+            msg = self._commit_message(t)
             if msg is not None:
-                t.committing = True
-                t.commit_at = time.monotonic()
-                self.emit(t, "commit_sent")
+                self._committing(t)
                 self._send(t, msg)
+
+    def _commit_message(self, t: Target) -> m.Commit | None:
+        """The Commit for ``t`` (shared: naming the push's bank, once sealed; else None)."""
+        g = t.group
+        if not t.shared:
+            return m.Commit(self.push_id, self.version)
+        if g is not None and g.sealed and g.bank is not None and g.banks is not None:
+            return m.Commit(self.push_id, self.version, g.bank, tuple(g.banks.names(g.bank)), g.banks.path(g.bank))
+        return None
+
+    def _committing(self, t: Target) -> None:
+        t.committing = True
+        t.commit_at = time.monotonic()
+        self.emit(t, "commit_sent")
 
     def fail(self, t: Target, exc: BaseException) -> None:
         if t.error is not None or t.committed:
@@ -366,7 +373,7 @@ class PushTracker:
 
     def _overdue(self, t: Target, now: float) -> transport.TransportTimeoutError:
         msg = f"subscriber {t.name!r} did not finish version {self.version} before the deadline ({t.doing(now)})"
-        if t.committing and t.begun:  # (a shared one may be told to commit before it has begun)
+        if t.committing and (t.begun or t.shared):  # (a shared one is told to commit right behind its Begin)
             return CommitTimeoutError(msg)
         return transport.TransportTimeoutError(msg, Phase.TRANSFER)
 

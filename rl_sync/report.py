@@ -95,7 +95,10 @@ class PushEvent:
     (a bucket arrived: ``bucket``, ``source``), ``"stalled"`` (a pull went
     unanswered past the stall bound: its slot was taken back), ``"resourced"``
     (it pulls from the publisher from now on: its relay stalled or failed),
-    ``"commit_sent"``, ``"committed"`` and ``"failed"`` (``detail`` says why).
+    ``"commit_sent"``, ``"committed"`` and ``"failed"`` (``detail`` says why). A
+    ``mode="shared"`` subscriber gets its Commit inside its Begin once the bank is
+    sealed and answers the Commit only: ``"begin_sent"`` and ``"commit_sent"``
+    come together, then ``"begun"`` and ``"committed"``.
     ``have`` and ``buckets``: the buckets it holds, of how many; ``seconds``:
     since the push started.
     """

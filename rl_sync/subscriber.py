@@ -174,8 +174,8 @@ class WeightSubscriber(Holding):
         self._version_cond = threading.Condition()
         self._push: Push | None = None
         self._starting: set[Push] = set()  # pushes whose Begin is being served (waiting for a commit, pulls, readers)
-        # (publisher, push id) of each Begin being served -> the Commit that came meanwhile (shared mode: the
-        # publisher sends it right behind the Begin), served once that Begin is
+        # (publisher, push id) of each Begin being served -> the Commit that came with it (shared mode: inside
+        # the Begin) or meanwhile, served once that Begin is
         self._beginning: dict[tuple[str, int], m.Commit | None] = {}
         # Aborts that came before their push's Begin was served (the Begin's task had not run yet): that
         # Begin is refused (a frozen subscriber, let go, reads both at once); the newest few are kept
@@ -253,7 +253,10 @@ class WeightSubscriber(Holding):
             log.warning("subscriber %s: malformed rl_sync message from %s dropped: %s", self.endpoint.name, note.peer, exc)
             return
         if isinstance(msg, m.Begin):
-            self._beginning.setdefault((note.peer, msg.push_id), None)
+            key = (note.peer, msg.push_id)
+            self._beginning.setdefault(key, None)
+            if msg.commit is not None and msg.commit.push_id == msg.push_id:  # (shared: served once it began)
+                self._beginning[key] = msg.commit
             self._spawn(self._begin(note.peer, msg))
         elif isinstance(msg, m.Pull):
             push = self._current(note.peer, msg.push_id)
@@ -373,6 +376,8 @@ class WeightSubscriber(Holding):
         if self._push is not None:  # (cannot be: every Begin drops it; kept as a guard)
             self._drop(self._push, f"superseded by push {push_id} of {peer}")
         self._push = push
+        if self._strategy.shared and self._beginning.get((peer, push_id)) is not None:
+            return  # its Commit came right behind it and is served next: that answer says it began (one message)
         self._reply(peer, m.Reply(push_id, "begin", -1, None, None, self._version, push.bank))
 
 

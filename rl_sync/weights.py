@@ -6,6 +6,7 @@ Shared by :mod:`rl_sync.subscriber` and the commit modes (:mod:`rl_sync.modes`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,6 +71,12 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+@functools.lru_cache(maxsize=65536)
+def _geometry(dtype: str, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """An entry's element size and contiguous strides (the same few for every push: computed once)."""
+    return dtype_from_name(dtype).itemsize, contiguous_strides(shape)
+
+
 def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
             arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> None:
     """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``."""
@@ -80,15 +87,15 @@ def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
             arena = arenas[e.arena]
             places[e.arena] = (arena.untyped_storage(), int(arena.storage_offset()), arena.numel())
         storage, base, n = places[e.arena]
-        size = dtype_from_name(e.dtype).itemsize
+        size, strides = _geometry(e.dtype, e.shape)
         start = base + e.offset
         if start % size or e.offset + e.nbytes > n:
             raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}, or the entry "
                                f"overruns its arena of {n} bytes")
-        moves.append((live[e.name], storage, start // size, e.shape))
+        moves.append((live[e.name], storage, start // size, e.shape, strides))
     with torch.no_grad():
-        for t, storage, offset, shape in moves:
-            t.set_(storage, offset, shape, contiguous_strides(shape))
+        for t, storage, offset, shape, strides in moves:
+            t.set_(storage, offset, shape, strides)
 
 
 async def uncancellable(coro: Any) -> Any:

@@ -921,6 +921,35 @@ async def test_shared_mode_commit_sent_behind_its_begin_is_served_once_the_begin
             pub.close()
 
 
+async def test_shared_mode_push_is_one_message_each_way(store_url, uname):
+    """mode="shared": the bank is packed and sealed first, then each subscriber gets one message (its
+    Begin with its Commit inside) and answers once (the Commit's answer says it began): the
+    trainer's flight recorder holds one post to each subscriber per push and one from it, and
+    every push commits exactly its bytes."""
+    def posts(ep: transport.Endpoint, g: RemoteEndpoint) -> tuple[int, int]:
+        recs = [r for r in ep.recorder.snapshot() if r["kind"] == "post" and r["state"] == "done"]
+        return (sum(r["role"] == "initiator" and r["peer"] == g.name for r in recs),
+                sum(r["role"] == "target" and r["initiator"] == g.name for r in recs))
+
+    with generators(store_url, uname, 2, mode="shared") as gens:
+        async with trainer(store_url, uname) as ep:
+            events: list[rl_sync.PushEvent] = []
+            pub = cast_pub(ep, gens, observer=events.append)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok  # (plans made, a bank)
+            before = [posts(ep, g) for g in gens]
+            for v in (2, 3, 4):
+                events.clear()
+                report = await pub.push(seeded(TRAIN, v), v)
+                assert report.ok, report.summary()
+                for g in gens:
+                    assert all(g.call("sub_check", TRAIN, v).values())
+                    kinds = [e.kind for e in events if e.subscriber == g.name]
+                    assert kinds == ["begin_sent", "commit_sent", "begun", "committed"], kinds
+            after = [posts(ep, g) for g in gens]
+            assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)] == [(3, 3), (3, 3)]
+            pub.close()
+
+
 async def test_shared_mode_commit_behind_a_refused_begin_commits_nothing(store_url, uname):
     """The Commit that follows a Begin the subscriber refuses (here: a version older than the one it
     holds from another publisher) is refused too: the push fails for it with the Begin's reason and
