@@ -264,17 +264,19 @@ class Channel:
 
     def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
              op: Op | None = None, direct: bool = True,
-             early: Callable[[StagingError], None] | None = None) -> None:
+             early: Callable[[StagingError], None] | None = None,
+             on_sent: Callable[[], None] | None = None, on_dropped: Callable[[], None] | None = None) -> None:
         """Send ``msg`` (and raw ``payload`` behind it) after everything sent before. Never blocks.
 
         Small frames go out from the calling thread; the rest through the writer thread. A
         ``payload`` that is an iterator (the staged path) is drained by the writer thread, which
         sends nothing else until it is exhausted; if it fails before its first buffer, nothing
-        is sent and ``early`` gets the error (from the writer thread).
-        """
+        is sent and ``early`` gets the error (from the writer thread). ``on_sent`` (not with ``op``)
+        / ``on_dropped``: once it was sent whole / never will be (also if this raises): Sender.submit."""
         if not self.is_open:
+            if on_dropped is not None:
+                on_dropped()
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
-        on_sent = None
         if op is not None:
             op.on_wire = True
             rec = op.record
@@ -283,7 +285,7 @@ class Channel:
         frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
         # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
         frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload), early)
-        if not self._tx.submit(frames, on_sent, direct=direct):
+        if not self._tx.submit(frames, on_sent, direct=direct, on_dropped=on_dropped):
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
     def send_quietly(self, msg: Message) -> None:

@@ -75,7 +75,12 @@ class BufferMismatchError(TransportError, ValueError):
 class StaleBufferError(BufferMismatchError):
     """The peer replaced the buffer between our look-up and the op (it re-registered it).
 
-    ``put``/``get`` refresh the peer's registry and retry once before raising it."""
+    ``put``/``get`` refresh the peer's registry and retry once before raising it, unless
+    ``retry_safe`` is False: a put whose copy ran while the peer took the buffer back without
+    waiting for it (a frozen or very slow initiator) may have written memory the peer reused,
+    and is not retried."""
+
+    retry_safe = True
 
 
 class InvalidTensorError(TransportError, ValueError):

@@ -14,6 +14,7 @@ endpoint is open) unless it says otherwise.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,7 +24,13 @@ from .planes import Exporter
 from .registry import BufferSpec, LocalBuffer, LocalRegistry, check_tensor, dtype_name
 from .wire import WireBuffer
 
-__all__ = ["Exports"]
+__all__ = ["UNHELD_WAIT_S", "Exports"]
+
+log = logging.getLogger("transport.endpoint")
+
+# how long unregister waits for peers' ops moving a buffer's bytes through a channel's stream (a tcp put's
+# payload still arriving, a get's reply still being sent, a staged copy) before it breaks their channels
+UNHELD_WAIT_S = 2.0
 
 
 class Exports:
@@ -98,6 +105,17 @@ class Exports:
         exports; see :meth:`transport.Endpoint.unregister` for what happens to the tensor (may
         block for a copy, and up to a plane's bound for peers' copies in flight)."""
         buf = self.registry.remove(name)
+        # peers' ops whose bytes move through a channel's stream into or out of it (tcp, staged): wait for them,
+        # then break the channels of those still running (their ops fail; none is reported done afterwards)
+        held = self.registry.wait_unheld(buf, UNHELD_WAIT_S)
+        if held:
+            why = (f"buffer {name!r} was unregistered while an op of the peer still moved its bytes "
+                   f"({UNHELD_WAIT_S:g} s later)")
+            for hold in held:
+                hold.revoke(why)
+            if self.registry.wait_unheld(buf, UNHELD_WAIT_S):
+                log.error("endpoint: buffer %r unregistered while a channel's thread still moves its bytes after "
+                          "its channel was broken", name)
         live = [b.tensor for b in self.registry.snapshot()[1]]
         for exporter in self.exporters:
             if exporter.plane not in buf.exports:  # not exported (yet): memory new_buffer made for it, if unused

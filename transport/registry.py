@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 
 from .errors import BufferMismatchError, InvalidTensorError, UnknownBufferError
 
-__all__ = ["BufferSpec", "LocalBuffer", "LocalRegistry", "byte_slice", "dtype_from_name", "dtype_name"]
+__all__ = ["BufferSpec", "Hold", "LocalBuffer", "LocalRegistry", "byte_slice", "dtype_from_name", "dtype_name"]
 
 # Dtypes that may travel, by their wire name. Complex and quantized types are
 # left out on purpose: nothing in this field moves them.
@@ -91,6 +93,27 @@ class BufferSpec:
         return f"{self.name!r} ({self.dtype}, shape {tuple(self.shape)}, {self.nbytes} bytes)"
 
 
+class Hold:
+    """A channel's claim on the registered buffers a peer's op moves bytes into or out of through
+    the channel's own stream (a ``tcp`` put's payload received into them, a get's reply sent from
+    them, the staged path's copies), from the moment the op's header resolves them to the moment
+    its last byte was received or sent (or will never be). :meth:`LocalRegistry.wait_unheld`
+    (``unregister``) waits for it; past its bound ``revoke`` is called (the channel breaks, which
+    stops its reads and sends). Any thread."""
+
+    __slots__ = ("_registry", "bufs", "released", "revoke")
+
+    def __init__(self, registry: LocalRegistry, revoke: Callable[[str], None]) -> None:
+        self._registry = registry
+        self.revoke = revoke
+        self.bufs: list[LocalBuffer] = []
+        self.released = False
+
+    def release(self) -> None:
+        """Let go of every buffer held (idempotent)."""
+        self._registry.release(self)
+
+
 @dataclass
 class LocalBuffer:
     """One registered tensor and whatever the planes attached to export it."""
@@ -99,6 +122,8 @@ class LocalBuffer:
     tensor: torch.Tensor
     # plane name -> exported handle (e.g. the shared-memory segment)
     exports: dict[str, Any] = field(default_factory=dict)
+    # the channels' ops moving bytes into or out of it through their streams (guarded by the registry's lock)
+    holds: set[Hold] = field(default_factory=set, repr=False, compare=False)
 
     def moved(self) -> str | None:
         """Why the tensor no longer matches its registration (None if it still does).
@@ -187,6 +212,7 @@ class LocalRegistry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # a Hold was released
         self._buffers: dict[str, LocalBuffer] = {}
         self.epoch = 0
 
@@ -208,9 +234,38 @@ class LocalRegistry:
             self.epoch += 1
             return buf
 
-    def get(self, name: str) -> LocalBuffer | None:
+    def get(self, name: str, hold: Hold | None = None) -> LocalBuffer | None:
+        """The buffer registered as ``name`` (None if none); ``hold``: claimed for it in the same step
+        (so an ``unregister`` after this waits for the hold)."""
         with self._lock:
-            return self._buffers.get(name)
+            buf = self._buffers.get(name)
+            if buf is not None and hold is not None and not hold.released:
+                buf.holds.add(hold)
+                hold.bufs.append(buf)
+            return buf
+
+    def release(self, hold: Hold) -> None:
+        """``hold`` lets go of its buffers (idempotent; any thread)."""
+        with self._lock:
+            if hold.released:
+                return
+            hold.released = True
+            for buf in hold.bufs:
+                buf.holds.discard(hold)
+            if hold.bufs:
+                self._released.notify_all()
+
+    def wait_unheld(self, buf: LocalBuffer, timeout: float) -> list[Hold]:
+        """Wait, at most ``timeout`` s, until no hold is on ``buf`` (removed from the registry
+        first, so none is added); returns the holds still on it."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while buf.holds:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._released.wait(left)
+            return list(buf.holds)
 
     def snapshot(self) -> tuple[int, list[LocalBuffer]]:
         with self._lock:

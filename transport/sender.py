@@ -67,6 +67,12 @@ _DIRECT_MAX_PARTS = 64  # and buffers
 class _Job:
     frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
     on_sent: Callable[[], None] | None
+    on_dropped: Callable[[], None] | None = None  # once it will never be sent whole (after any send of it ended)
+
+    def drop(self) -> None:
+        _close(self.frames)
+        if self.on_dropped is not None:
+            self.on_dropped()
 
 
 def _close(frames: object) -> None:
@@ -124,24 +130,28 @@ class Sender:
         self._thread.start()
 
     def submit(self, frames: list[bytes | memoryview] | Iterator[bytes | memoryview],
-               on_sent: Callable[[], None] | None = None, *, direct: bool = True) -> bool:
+               on_sent: Callable[[], None] | None = None, *, direct: bool = True,
+               on_dropped: Callable[[], None] | None = None) -> bool:
         """Send ``frames`` after everything submitted before. Never blocks on the socket.
 
         ``frames`` is a list, or an iterator that the writer thread drains (see the module
-        docstring). Returns False if the sender is closed (nothing is sent; an iterator is closed).
+        docstring). ``on_sent`` is called once the last byte went to the kernel; ``on_dropped``
+        instead once it never will (the sender closed or the socket failed; called after any
+        send of it in progress ended, so the frames' memory is no longer read). Returns False
+        if the sender is closed (nothing is sent; an iterator is closed; ``on_dropped`` is
+        called).
         """
         lazy = not isinstance(frames, list)
         with self._cond:
             closed = self._closed
             if not closed:
                 if lazy or not direct or self._busy or self._jobs:
-                    self._jobs.append(_Job(frames, on_sent))
+                    self._jobs.append(_Job(frames, on_sent, on_dropped))
                     self._cond.notify()
                     return True
                 self._busy = True
         if closed:
-            if lazy:
-                _close(frames)
+            _Job(frames, on_sent, on_dropped).drop()
             return False
         assert isinstance(frames, list)
         try:
@@ -152,15 +162,20 @@ class Sender:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+            if on_dropped is not None:
+                on_dropped()
             self._on_error(exc)
             return True
         rest = _remainder(frames, sent)
         with self._cond:
             self._busy = False
-            if rest and not self._closed:  # (closed meanwhile: the writer is gone, the rest is dropped)
-                self._jobs.appendleft(_Job(rest, on_sent))
+            dropped = bool(rest) and self._closed  # (closed meanwhile: the writer is gone, the rest is dropped)
+            if rest and not dropped:
+                self._jobs.appendleft(_Job(rest, on_sent, on_dropped))
             if self._jobs or self._flushers:
                 self._cond.notify_all()
+        if dropped and on_dropped is not None:
+            on_dropped()
         if not rest:
             self.last_tx = time.monotonic()
             if on_sent is not None:
@@ -190,7 +205,7 @@ class Sender:
             self._jobs.clear()
             self._cond.notify_all()
         for job in dropped:
-            _close(job.frames)
+            job.drop()
 
     def join(self, timeout: float) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -211,7 +226,7 @@ class Sender:
                     started = True
                     self._sock.sendall(f)
             except Exception as exc:  # OSError, or the error of an iterator submission
-                _close(job.frames)
+                job.drop()
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

@@ -26,6 +26,7 @@ import torch
 from .errors import (
     BufferMismatchError,
     EndpointClosedError,
+    PeerLostError,
     ProtocolError,
     StagingError,
     StaleBufferError,
@@ -36,7 +37,7 @@ from .flight_recorder import OpKind, OpState, Record
 from .peer import Notification
 from .planes import STAGED, SendingChannel, WireSemantics, wire_semantics
 from .ranges import item_bytes, resolve_item
-from .registry import byte_slice
+from .registry import Hold, byte_slice
 from .staging import Staging
 from .wire import MAX_NOTIFY, Ack, Data, Fail, Get, Go, Item, Notify, Put
 
@@ -61,6 +62,8 @@ class ServedChannel(SendingChannel, Protocol):
     staging: Staging
     error: BaseException | None
 
+    def lose(self, exc: BaseException) -> None: ...
+
 
 class Serving:
     """The target's half of one channel (reader thread, except where a method says otherwise):
@@ -73,6 +76,15 @@ class Serving:
         self.lock = lock
         self.current: Record | None = None  # the target record the reader is working on
         self.replies: dict[int, Record] = {}  # target records of staged get replies queued for the writer
+
+    def _hold(self) -> Hold:
+        """A claim on the buffers an op served through the stream moves bytes into or out of: an
+        ``unregister`` of one of them waits for it (bounded); past the bound the channel breaks,
+        which stops its reads and sends, and fails the peer's op (never reported done)."""
+        return Hold(self.ch.registry, self._revoked)
+
+    def _revoked(self, why: str) -> None:
+        self.ch.lose(PeerLostError(f"channel to {self.ch.peer_name!r} broken: {why}"))
 
     def _target_record(self, msg: Put | Get | Notify, kind: OpKind, items: list[Item], plane: str) -> Record:
         nbytes = 0
@@ -94,18 +106,19 @@ class Serving:
         return self.current
 
     def _resolve(self, items: list[Item], segments: list[int] | None = None,
-                 plane: str = "") -> list[tuple[Any, int, int]]:
+                 plane: str = "", hold: Hold | None = None) -> list[tuple[Any, int, int]]:
         """Target side: ``(buffer, byte_offset, nbytes)`` per item, or raise.
 
         ``segments`` (ops of a plane that copies directly: ``shm``, ``cuda_ipc``) are the export
         ids of ``plane`` the initiator copied into or out of; a buffer that is no longer that
-        export raises :class:`StaleBufferError`.
+        export raises :class:`StaleBufferError`. ``hold``: each buffer found is claimed for it
+        as it is looked up (the caller releases it, raised or not).
         """
         if segments is not None and len(segments) != len(items):
             raise ProtocolError(f"op names {len(items)} items but {len(segments)} segments")
         out = []
         for i, it in enumerate(items):
-            buf = self.ch.registry.get(it.name)
+            buf = self.ch.registry.get(it.name, hold)
             # (a range past the buffer is a typed BufferMismatchError, not a protocol error: an honest peer
             # sends one when its copy of our registry is stale, e.g. right after a re-registration with a
             # smaller shape; the payload of a tcp put is drained and the channel lives on)
@@ -134,14 +147,15 @@ class Serving:
             raise ProtocolError(f"op over plane {plane!r}, which this channel does not use")
         return wire
 
-    def _ranges(self, msg: Put | Get, what: str, *, copied: bool) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
+    def _ranges(self, msg: Put | Get, what: str, *, copied: bool,
+                hold: Hold | None = None) -> tuple[list[tuple[Any, int, int]], TransportError | None]:
         """The op's ranges (:meth:`_resolve`), or the error to answer it with; a malformed header
         raises :class:`ProtocolError`. ``copied``: the initiator copied into or out of the exports
         the op names (``segments``)."""
         if copied and msg.segments is None:
             raise ProtocolError(f"{msg.plane} {what} without segments")
         try:
-            return self._resolve(msg.items, msg.segments if copied else None, msg.plane), None
+            return self._resolve(msg.items, msg.segments if copied else None, msg.plane, hold), None
         except ProtocolError:
             raise
         except TransportError as exc:
@@ -156,15 +170,21 @@ class Serving:
         if wire.via_link:
             self._serve_via_link(msg, rec)
             return
-        ranges, error = self._ranges(msg, "put", copied=not inline)
-        if inline:
-            if error is not None:
-                self.rx.drain(sum(item_bytes(it) for it in msg.items))
-            else:
-                dests = [self._dest(buf, off, n) for buf, off, n in ranges]
-                if any(not isinstance(d, memoryview) for d in dests):
-                    rec.plane = STAGED
-                error = self.receive(dests, None)
+        if inline:  # the payload follows: received into the buffers, held against unregister until it landed
+            hold = self._hold()
+            try:
+                ranges, error = self._ranges(msg, "put", copied=False, hold=hold)
+                if error is not None:
+                    self.rx.drain(sum(item_bytes(it) for it in msg.items))
+                else:
+                    dests = [self._dest(buf, off, n) for buf, off, n in ranges]
+                    if any(not isinstance(d, memoryview) for d in dests):
+                        rec.plane = STAGED
+                    error = self.receive(dests, None)
+            finally:
+                hold.release()
+        else:
+            ranges, error = self._ranges(msg, "put", copied=True)
         if error is not None:
             self._reject(rec, msg.op_id, error)
             return
@@ -231,11 +251,14 @@ class Serving:
         if wire.via_link:
             self._serve_via_link(msg, rec)
             return
-        ranges, error = self._ranges(msg, "get", copied=copied)
+        hold = None if copied else self._hold()  # (released once the reply was sent, or never will be)
+        ranges, error = self._ranges(msg, "get", copied=copied, hold=hold)
         if error is not None:
+            if hold is not None:
+                hold.release()
             self._reject(rec, msg.op_id, error)
             return
-        if copied:  # the initiator already copied; the segments were still the buffers'
+        if hold is None:  # the initiator already copied; the segments were still the buffers'
             self._done(rec)
             self.ch.send(Ack(msg.op_id))
             return
@@ -253,17 +276,22 @@ class Serving:
             with self.lock:
                 if self.ch.is_open:  # (else lose() has run: the send below raises)
                     self.replies[id(rec)] = rec
-            self.ch.send(Data(msg.op_id), self._staged_reply(rec, parts), early=early)
+            self.ch.send(Data(msg.op_id), self._staged_reply(rec, parts, hold), early=early, on_dropped=hold.release)
             self.current = None  # only now: until here a failure settles the record (Dispatcher._fail_serving)
             return
-        views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
-        self.ch.send(Data(msg.op_id), views)  # the views keep the buffers alive until sent
+        try:
+            views = [buf.byte_view()[off : off + n] for buf, off, n in ranges if n]
+        except BaseException:
+            hold.release()
+            raise
+        # the views keep the buffers alive until sent; the hold keeps unregister from returning before that
+        self.ch.send(Data(msg.op_id), views, on_sent=hold.release, on_dropped=hold.release)
         self._done(rec)  # queued for the writer; the initiator's record says when it arrived
 
-    def _staged_reply(self, rec: Record, parts: list[torch.Tensor]) -> Iterator[memoryview]:
+    def _staged_reply(self, rec: Record, parts: list[torch.Tensor], hold: Hold) -> Iterator[memoryview]:
         """Writer thread: a staged get reply's payload. Its record says DONE once the last byte
         was sent, FAILED if staging failed (before or after the header went out) or the channel
-        closed before the payload was out."""
+        closed before the payload was out. ``hold`` is released once it ended either way."""
         ok = False
         try:
             yield from self.ch.staging.payload(parts)
@@ -272,6 +300,7 @@ class Serving:
             self.ch.recorder.update(rec, OpState.FAILED, exc)
             raise
         finally:
+            hold.release()
             with self.lock:
                 self.replies.pop(id(rec), None)
             if ok:

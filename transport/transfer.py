@@ -83,8 +83,8 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
                 try:
                     if plane.run_here(kind, pairs):
                         return
-                except StaleBufferError:
-                    if retry:
+                except StaleBufferError as exc:
+                    if retry or not exc.retry_safe:
                         raise
                     place = ch.reserve()
                     await ch.sync_registry(deadline)
@@ -97,8 +97,8 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
             except PlaneUnavailableError:
                 if retry or not plane.staged_on_unavailable:
                     raise
-            except StaleBufferError:
-                if retry:
+            except StaleBufferError as exc:
+                if retry or not exc.retry_safe:
                     raise
                 await ch.sync_registry(deadline)
     finally:

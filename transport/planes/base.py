@@ -130,7 +130,8 @@ class SendingChannel(Protocol):
 
     def send(self, msg: Message, payload: Sequence[memoryview] | Iterator[memoryview] = (), *,
              op: Op | None = None, direct: bool = True,
-             early: Callable[[StagingError], None] | None = None) -> None:
+             early: Callable[[StagingError], None] | None = None,
+             on_sent: Callable[[], None] | None = None, on_dropped: Callable[[], None] | None = None) -> None:
         """Send ``msg`` (and ``payload`` behind it) in the channel's order; never blocks."""
 
 

@@ -13,16 +13,17 @@ Import (initiator side): the peer advertises ``(pid, fd, inode, size,
 offset, export_id)``; the initiator opens ``/proc/<pid>/fd/<fd>``, checks the
 inode (so a recycled pid or fd can never map the wrong memory), maps the
 segment once and caches it by inode until the peer's registry stops naming
-it. A put copies into the mapping, then sends the header, naming the export
-ids it wrote, as the "done" message; a get copies out, then sends a header
-naming the export ids it read. The target checks that those are still the
-buffers' (a buffer re-registered meanwhile is answered with ``stale``, and
-the endpoint retries once after refreshing its copy of the peer's registry)
-and acknowledges. A put that raced a re-registration has then written into
-the old place: harmless when that memory was the unregistered tensor's alone
-(``unregister`` moves such a tensor out of the segment), but if the old place
-still belongs to another registered buffer (a view of an arena), that
-buffer's bytes there were overwritten.
+it. Puts without a notification, and gets, into exports with a slot need no
+message (:mod:`.shm_slots`). Otherwise a put copies into the mapping, then
+sends the header naming the export ids it wrote as the "done" message; a get
+copies out, then sends one naming those it read. The target checks that they
+are still the buffers' (else it answers ``stale``: the endpoint refreshes its
+copy of the peer's registry and retries once) and acknowledges. With slots the
+copy runs under their locks too, so a put never lands in a buffer the peer
+took back and registered again at the same place (a view of an arena);
+without (the table full, no OFD locks), a put that raced a re-registration
+has written into the old place: harmless when that memory was the
+unregistered tensor's alone (``unregister`` moves it out of the segment).
 
 Cancellation and timeouts: the copy stops at its next chunk boundary (64 MiB,
 or one bounce buffer when staged) and sends no header, and the call raises only
@@ -57,9 +58,13 @@ __all__ = ["ShmPlane", "StagedShmPlane"]
 THREAD_COPY_BYTES = 8 << 20
 _CHUNK = 64 << 20  # a cancelled copy stops at the next chunk boundary
 _SHAPED_MAX = 4096  # whole-buffer views kept per mapped segment (ShmPlane._remote; then it starts afresh)
-# What a cancelled or timed-out op waits, at most, for its copy to reach that boundary (a chunk
-# copies in tens of milliseconds; the bound is for a machine that is badly overloaded).
-_ABANDON_S = 10.0
+_ABANDON_S = 10.0  # the longest a cancelled op waits for its copy to reach that boundary (a badly overloaded host)
+
+
+def _slots_of(jobs: list[tuple[Item, torch.Tensor, ShmHandle]]) -> list[tuple[int, int]] | None:
+    """``(slot, export_id)`` of each job's export, or None unless every one has a slot in one table."""
+    ok = all(0 < h.slot < SLOTS for _, _, h in jobs) and len({h.table_inode for _, _, h in jobs}) <= 1
+    return [(h.slot, h.export_id) for _, _, h in jobs] if ok else None
 
 
 def _move(into_peer: bool, remote: int, t: torch.Tensor, n: int) -> None:
@@ -158,8 +163,12 @@ class ShmPlane(DataPlane):
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
+        # with slots in one table (as usual) the copy runs under their locks, as a one-sided op's does
+        slots = _slots_of(jobs) if self.one_sided and jobs else None
+        slotted, table = slots is not None, self._tables.get(jobs[0][2].table_inode) if slots else None
 
         def work() -> None:
+            view_of = table if table is not None or not slotted else self._table(jobs[0][2])
             views = [self._remote(item, h, t) for item, t, h in jobs]  # maps first
             with op.lock:  # about to write (the peer's segment, or the caller's tensors): tell _abandon
                 if op.abandoned:
@@ -167,9 +176,8 @@ class ShmPlane(DataPlane):
                 op.abandon_bound = self._abandon_bound
                 op.busy = True
             try:
-                for (_, t, _), remote in zip(jobs, views, strict=True):
-                    if op.abandoned or not self._copy_one(op, t, remote, into_peer):
-                        return
+                if not self._copy_all(op, jobs, views, into_peer, view_of, slots or []):
+                    return
             finally:
                 op.quiet.set()
             with op.lock:  # atomic with _abandon_now: once it returns, the header went out or never will
@@ -177,11 +185,28 @@ class ShmPlane(DataPlane):
                     self.channel.send(header(ids), op=op)
 
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
-        if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES
+        if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES or (slotted and table is None)
                      or any(h.inode not in self._maps for _, _, h in jobs)):
             await self.threaded(work, hold=into_peer)  # (a put's bytes and header first; a get holds nothing)
         else:
             work()
+
+    def _copy_all(self, op, jobs: list, views: list[torch.Tensor], into_peer: bool, view_of: TableView | None,
+                  slots: list[tuple[int, int]]) -> bool:
+        """Copy every job's bytes, under the slots' shared locks with ``view_of`` (checked before and
+        after: :class:`StaleBufferError`); False if the op was abandoned meanwhile."""
+        if view_of is not None:
+            view_of.enter(slots, [it.name for it, _, _ in jobs])
+        try:
+            for (_, t, _), remote in zip(jobs, views, strict=True):
+                if op.abandoned or not self._copy_one(op, t, remote, into_peer):
+                    return False
+            if view_of is not None:
+                view_of.check(slots, into_peer)
+            return True
+        finally:
+            if view_of is not None:
+                view_of.leave([s for s, _ in slots])
 
     #: copy on a worker thread whatever the size (a copy that waits for a device)
     always_threaded = False
@@ -238,17 +263,9 @@ class ShmPlane(DataPlane):
         here. False (nothing done) if an export has no slot: the op then takes the header and
         acknowledgement. Cancellation and timeouts as for :meth:`_copy`: the copy stops at its next
         chunk and the call raises once it stopped; the slot locks are released either way."""
-        jobs = []
-        for it, t in pairs:
-            if it.count:
-                h = self._handle(it)
-                if not 0 < h.slot < SLOTS:  # (no slot; or a hostile one: the header's path checks it)
-                    return False
-                jobs.append((it, t, h))
-        inodes = {h.table_inode for _, _, h in jobs}
-        if len(inodes) > 1:
+        jobs = [(it, t, self._handle(it)) for it, t in pairs if it.count]
+        if (slots := _slots_of(jobs)) is None:  # (an export without a slot, or a hostile one: the header path's)
             return False
-        slots = [(h.slot, h.export_id) for _, _, h in jobs]
         table = self._tables.get(jobs[0][2].table_inode) if jobs else None
 
         def work() -> bool:
@@ -262,19 +279,10 @@ class ShmPlane(DataPlane):
             try:
                 if view_of is None:
                     return True
-                view_of.enter(slots, [it.name for it, _, _ in jobs])
-                try:
-                    for (_, t, _), remote in zip(jobs, views, strict=True):
-                        if op.abandoned or not self._copy_one(op, t, remote, into_peer):
-                            return False
-                    view_of.check(slots)
-                    if not self.channel.is_open:  # the peer died (or the channel broke) during the copy: its
-                        return False              # bytes went nowhere; lose() failed the op with the reason
-                finally:
-                    view_of.leave([s for s, _ in slots])
+                # (a channel lost during the copy: the peer died, its bytes went nowhere; lose() failed the op)
+                return self._copy_all(op, jobs, views, into_peer, view_of, slots) and self.channel.is_open
             finally:
                 op.quiet.set()
-            return True
 
         total = sum(t.numel() * t.element_size() for _, t, _ in jobs)
         if jobs and (self.always_threaded or total >= THREAD_COPY_BYTES or table is None
@@ -329,7 +337,7 @@ class ShmPlane(DataPlane):
                     table.enter1(slot, export_id, name)
                     try:
                         _move(kind is OpKind.PUT, seg.data_ptr() + start, t, n)
-                        table.check1(slot, export_id)
+                        table.check1(slot, export_id, kind is OpKind.PUT)
                     finally:
                         table.leave1(slot)
                 else:
@@ -339,7 +347,7 @@ class ShmPlane(DataPlane):
                         into_peer = kind is OpKind.PUT
                         for _, _, _, seg, start, t, n in jobs:
                             _move(into_peer, seg.data_ptr() + start, t, n)
-                        table.check(slots)
+                        table.check(slots, into_peer)
                     finally:
                         table.leave([s for s, _ in slots])
             if not ch.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere

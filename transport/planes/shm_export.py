@@ -11,16 +11,17 @@ import itertools
 import logging
 import mmap
 import os
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import PlaneUnavailableError, StaleBufferError
+from ..errors import BufferMismatchError, PlaneUnavailableError, StaleBufferError
 from ..registry import LocalBuffer
 from ..wire import ShmHandle
 from .base import Exporter
-from .shm_slots import ExportSlots, SlotTable, new_slot_table
+from .shm_slots import REVOKE_WAIT_S, ExportSlots, SlotTable, new_slot_table
 
 __all__ = ["Segment", "ShmExport", "ShmExporter", "SlotTable", "export_buffer", "map_segment", "memfd_probe",
            "new_segment", "new_slot_table"]
@@ -63,6 +64,9 @@ class Segment:
     size: int
     storage: torch.UntypedStorage | None
     refs: int = 1
+    # byte ranges of exports revoked while a peer's copy still held their slot (a frozen peer): that copy may
+    # still write there, so a buffer registered over one waits for the slot to be let go: (start, end, slot)
+    tainted: list[tuple[int, int, int]] = field(default_factory=list)
 
     def holds(self, t: torch.Tensor) -> bool:
         return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
@@ -87,15 +91,19 @@ class ShmExport:
     name: str = ""
     moved_marked: bool = False  # its slot says the owner re-pointed the tensor
 
-    def close(self, wait: bool = True) -> bool:
+    def close(self, wait: bool = True, nbytes: int = 0) -> bool:
         """Stop exporting: first revoke the export's slot (waiting, if ``wait``, up to
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
         no copy of a peer lands after this returns; the segment's fd closes with its last buffer
-        (then True is returned). Existing mappings stay valid."""
+        (then True is returned). Existing mappings stay valid. A copy that still held the slot
+        past the bound (a frozen peer) may still write the export's ``nbytes``: while the segment
+        is shared that range is marked, and a buffer registered over it waits for the slot
+        (:func:`export_buffer`)."""
         table, self.table = self.table, None
-        if table is not None and self.handle.slot:
-            table.revoke(self.handle.slot, self.name, wait)
         seg = self.segment
+        if table is not None and self.handle.slot:
+            if not table.revoke(self.handle.slot, self.name, wait) and wait and seg.refs > 1:
+                seg.tainted.append((self.handle.offset, self.handle.offset + nbytes, self.handle.slot))
         seg.refs -= 1
         if seg.refs == 0 and seg.fd >= 0:
             seg.close()
@@ -109,9 +117,13 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | 
     Reuses a live segment in ``segments`` whose storage the tensor already views
     (a tied weight, a view of a registered arena); otherwise moves the tensor into
     a new segment in place and appends it. With ``table``, the export gets a slot in it
-    (peers then put and get without a round trip).
+    (peers then put and get without a round trip). A buffer over the place of an export
+    revoked while a frozen peer's copy held its slot waits (up to
+    :data:`~transport.planes.shm_slots.REVOKE_WAIT_S`, polling) for that copy to let go, then
+    raises :class:`~transport.errors.BufferMismatchError` if it has not: that copy could still
+    write the new buffer.
     """
-    exp = _export_buffer(buf, segments)
+    exp = _export_buffer(buf, segments, table)
     if exp is not None and table is not None:
         export_id = exp.handle.export_id
         slot = table.alloc(export_id)
@@ -122,15 +134,17 @@ def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | 
     return exp
 
 
-def _export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | None:
+def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | None) -> ShmExport | None:
     t = buf.tensor
     nbytes = buf.spec.nbytes
     if nbytes == 0:
         return None
     for seg in segments:
         if seg.fd >= 0 and seg.holds(t):
-            seg.refs += 1
             offset = t.data_ptr() - seg.storage.data_ptr()  # type: ignore[union-attr]
+            if seg.tainted:
+                _wait_untainted(seg, offset, offset + nbytes, table, buf.spec.name)
+            seg.refs += 1
             return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
     fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
     try:
@@ -147,6 +161,25 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment]) -> ShmExport | Non
     segments[:] = [s for s in segments if s.fd >= 0]
     segments.append(seg)
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
+
+
+def _wait_untainted(seg: Segment, start: int, end: int, table: SlotTable | None, name: str) -> None:
+    """Wait for the frozen peers' copies that may still write bytes ``[start, end)`` of ``seg`` to
+    let their slots go (bounded; polled); :class:`BufferMismatchError` if one has not."""
+    deadline = time.monotonic() + REVOKE_WAIT_S
+    delay = 1e-3
+    while True:
+        seg.tainted = [(a, b, slot) for a, b, slot in seg.tainted if table is not None and table.still_held(slot)]
+        over = [(a, b) for a, b, _ in seg.tainted if a < end and start < b]
+        if not over:
+            return
+        if time.monotonic() >= deadline:
+            raise BufferMismatchError(
+                f"buffer {name!r} lies over bytes {over[0]} of its shared-memory segment, where a buffer was "
+                f"unregistered while a peer's copy into or out of it still ran (a frozen peer?): that copy could still "
+                f"write it. Register it again later, or elsewhere")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Segment, torch.Tensor]:
@@ -234,7 +267,7 @@ class ShmExporter(Exporter):
         copy; the tensor object is re-pointed in place), so a peer with a stale mapping can
         never write into it again."""
         exp = buf.exports.pop("shm", None)
-        if exp is not None and exp.close(wait=not closing) and detach:
+        if exp is not None and exp.close(wait=not closing, nbytes=buf.spec.nbytes) and detach:
             t = buf.tensor
             private = torch.empty_like(t)
             with torch.no_grad():

@@ -163,15 +163,31 @@ class SlotTable:
         taken until the export is revoked). Blocking like :meth:`revoke`."""
         self._write(slot, export_id | MOVED, name, True)
 
-    def revoke(self, slot: int, name: str, wait: bool = True) -> None:
+    def revoke(self, slot: int, name: str, wait: bool = True) -> bool:
         """Revoke the export in ``slot``: wait (bounded; not at all without ``wait``) for the copies
-        in flight on it, zero its word, and free the slot. Blocking, up to :data:`REVOKE_WAIT_S`."""
-        self._write(slot, 0, name, wait)
-        self._free.append(slot)
+        in flight on it, zero its word, and free the slot. Blocking, up to :data:`REVOKE_WAIT_S`.
+        False if a peer's copy still held the slot then (a frozen peer: its copy may still write
+        the buffer's old memory): the slot stays out of use until :meth:`still_held` finds it
+        let go."""
+        if self._write(slot, 0, name, wait) or self.fd < 0:
+            self._free.append(slot)
+            return True
+        return False
 
-    def _write(self, slot: int, word: int, name: str, wait: bool) -> None:
+    def still_held(self, slot: int) -> bool:
+        """Whether a peer's copy still holds ``slot``, revoked while it did (:meth:`revoke` returned
+        False); once it is let go (or its process died) the slot is free again. Never waits."""
+        if self.fd < 0 or slot in self._free:
+            return False
+        if not _lock(self.fd, fcntl.F_WRLCK, slot):
+            return True
+        _lock(self.fd, fcntl.F_UNLCK, slot)
+        self._free.append(slot)
+        return False
+
+    def _write(self, slot: int, word: int, name: str, wait: bool) -> bool:
         if self.fd < 0:
-            return
+            return True
         deadline = time.monotonic() + (REVOKE_WAIT_S if wait else 0.0)
         delay = 20e-6
         locked = _lock(self.fd, fcntl.F_WRLCK, slot)
@@ -185,6 +201,7 @@ class SlotTable:
         elif wait:
             log.warning("%s: a peer's copy into or out of %r still held it after %.1f s (a frozen peer?); the "
                         "buffer was taken back anyway, and that peer's op fails", self.plane, name, REVOKE_WAIT_S)
+        return locked
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -319,17 +336,23 @@ class TableView:
             raise StaleBufferError(f"{self.plane}: export {export_id} was revoked by the peer (unregistered or "
                                    "re-registered)")
 
-    def check(self, slots: list[tuple[int, int]]) -> None:
+    def check(self, slots: list[tuple[int, int]], wrote: bool = False) -> None:
         """With the locks held, after the copy: every word still holds its export (else the peer
-        took the buffer back without waiting for us: :class:`StaleBufferError`)."""
+        took the buffer back without waiting for us: :class:`StaleBufferError`; ``wrote``: the
+        copy wrote the peer's memory, so its bytes may have gone to memory the peer reused, and
+        the error says the op must not be retried: ``retry_safe`` False)."""
         for slot, export_id in slots:
-            self.check1(slot, export_id)
+            self.check1(slot, export_id, wrote)
 
-    def check1(self, slot: int, export_id: int) -> None:
+    def check1(self, slot: int, export_id: int, wrote: bool = False) -> None:
         """:meth:`check` for one slot."""
         if _WORD.unpack_from(self._mm, slot * 8)[0] != export_id:
-            raise StaleBufferError(f"{self.plane}: export {export_id} was taken back by the peer while the copy ran "
-                                   "(the peer did not wait for it: frozen or slow here)")
+            exc = StaleBufferError(f"{self.plane}: export {export_id} was taken back by the peer while the copy ran "
+                                   "(the peer did not wait for it: frozen or slow here)"
+                                   + ("; the put is not retried: its bytes may have reached memory the peer reused"
+                                      if wrote else ""))
+            exc.retry_safe = not wrote
+            raise exc
 
     def leave(self, slots: list[int]) -> None:
         """Drop this op's hold of each slot's shared lock (the last holder in this process unlocks;
