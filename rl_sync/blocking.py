@@ -48,16 +48,26 @@ class BlockingWeightSubscriber:
         return self._sub
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> int:
-        """Block until a version >= ``version`` is committed; :class:`transport.TransportTimeoutError` at the deadline."""
+        """Block until a version >= ``version`` is committed; :class:`transport.TransportTimeoutError` at the deadline.
+        ``RuntimeError`` on the endpoint's loop thread (the commit it waits for runs there)."""
+        self._off_loop("wait_for_version")
         return self._sub.wait_for_version_blocking(version, timeout)
 
     @contextlib.contextmanager
     def hold(self, timeout: float | None = None, *, streams: Sequence[Any] = ()) -> Iterator[int]:
         """Keep the weights from changing inside the block; yields the version held. GPU work
         queued inside it on this thread's current stream and on ``streams`` is part of the read
-        (see :meth:`WeightSubscriber.hold`)."""
+        (see :meth:`WeightSubscriber.hold`). ``RuntimeError`` on the endpoint's loop thread (a
+        commit waiting there for the readers to leave would block it; use the async
+        :meth:`WeightSubscriber.hold` there)."""
+        self._off_loop("hold")
         with self._sub.hold_blocking(timeout, streams=streams) as v:
             yield v
+
+    def _off_loop(self, what: str) -> None:
+        if self._bep.on_loop_thread:
+            raise RuntimeError(f"BlockingWeightSubscriber.{what}() cannot run on the endpoint's event loop thread "
+                               "(e.g. a notification callback): it would block the loop that serves the pushes")
 
     def close(self) -> None:
         """Stop serving pushes (idempotent). Shared mode: the weights leave the publisher's bank

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,33 +48,49 @@ class BlockingEndpoint:
     def __init__(self, name: str, **kwargs: Any) -> None:
         self._ep = Endpoint(name, **kwargs)  # bad arguments raise before any thread starts
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"transport-loop-{name}", daemon=True)
+        self._thread = threading.Thread(target=_run, args=(self._loop,), name=f"transport-loop-{name}", daemon=True)
         self._thread.start()
         self.timeout = self._ep.timeout
         self._submitted: set[concurrent.futures.Future[None]] = set()  # submit_put/get futures not yet resolved
         self._running: set[asyncio.Task[None]] = set()  # their ops' tasks (the loop thread's only)
+        # the blocking calls waiting on the loop: failed with EndpointClosedError if it stops under them
+        self._calls: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._closing = False  # close() began: new calls are refused
+        self._close_lock = threading.Lock()  # one close() at a time; a second waits for the first
         try:
             self._call(self._ep.open(), None)
         except BaseException:
             self._stop_loop()
             raise
+        # dropped without close(): the endpoint is closed and the loop stopped on its own thread (never waited for)
+        self._finalizer = weakref.finalize(self, _close_unreferenced, self._ep, self._loop)
 
-    def _may_call(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Raise (closing ``coro``) if the loop is gone or this is the loop's own thread."""
-        if not self._thread.is_alive():
-            coro.close()
-            raise EndpointClosedError("the blocking endpoint's loop has stopped")
+    def _may_call(self, coro: Coroutine[Any, Any, Any], closing: bool = False) -> None:
+        """Raise (closing ``coro``) if the loop is gone (or closing, unless this is the close), or
+        this is the loop's own thread."""
         if threading.current_thread() is self._thread:
             coro.close()
-            raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread")
+            raise RuntimeError("BlockingEndpoint methods cannot be called from its own event loop thread (e.g. a "
+                               "notification callback): call them from another thread")
+        if not self._thread.is_alive() or (self._closing and not closing):
+            coro.close()
+            raise EndpointClosedError("the blocking endpoint is closed" if self._closing else
+                                      "the blocking endpoint's loop has stopped")
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, *, settle: bool = False) -> T:
-        self._may_call(coro)
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, *, settle: bool = False,
+              closing: bool = False) -> T:
+        self._may_call(coro, closing)
         over = None
         if settle:  # a put/get given up on below is cancelled, and waited for until it ended (bounded)
             over = threading.Event()
             coro = _until_over(coro, over)
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop closed meanwhile
+            coro.close()
+            raise EndpointClosedError("the blocking endpoint's loop has stopped") from None
+        self._calls[fut] = coro
+        fut.add_done_callback(self._forget_call)
         limit = (self.timeout if timeout is None else timeout) + _GRACE
         try:
             return fut.result(limit)
@@ -86,6 +104,11 @@ class BlockingEndpoint:
             raise TransportTimeoutError(f"the endpoint's loop did not answer within {limit:.1f} s"
                                         + (f"; the op had not ended {_SETTLE:g} s after it was cancelled and may "
                                            "still be writing" if still else ""), Phase.TRANSFER) from None
+
+    @property
+    def on_loop_thread(self) -> bool:
+        """Whether the calling thread is this endpoint's loop thread (where its blocking calls raise)."""
+        return threading.current_thread() is self._thread
 
     @property
     def endpoint(self) -> Endpoint:
@@ -238,17 +261,29 @@ class BlockingEndpoint:
     def dump_flight_recorder(self, path: str | Path | None = None) -> Path:
         return self._call(_as_coro(self._ep.dump_flight_recorder, path), None)
 
+    def _forget_call(self, fut: concurrent.futures.Future[Any]) -> None:
+        self._calls.pop(fut, None)
+
     def close(self, timeout: float = 5.0) -> None:
-        """Close the endpoint and stop the loop thread. Idempotent. Bounded by ``timeout``, plus
-        up to the settle bound (30 s) for submitted ops still ending: their futures resolve with
-        their own outcome (closing fails them with :class:`EndpointClosedError` once nothing of
-        them writes any more) before the loop stops."""
-        if not self._thread.is_alive():
-            return
-        try:
-            self._call(self._close_settled(timeout), timeout + _SETTLE)
-        finally:
-            self._stop_loop()
+        """Close the endpoint and stop the loop thread. Idempotent; a close from another thread
+        meanwhile waits for this one to end. Bounded by ``timeout``, plus up to the settle bound
+        (30 s) for submitted ops still ending: their futures resolve with their own outcome
+        (closing fails them with :class:`EndpointClosedError` once nothing of them writes any
+        more) before the loop stops. Calls made once it began, and those still waiting on the
+        loop when it stops, raise :class:`EndpointClosedError`. ``RuntimeError`` on the loop's
+        own thread (a notification callback): nothing is closed then."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BlockingEndpoint.close() cannot be called from its own event loop thread (e.g. a "
+                               "notification callback): call it from another thread")
+        with self._close_lock:
+            if not self._thread.is_alive():
+                return
+            self._closing = True
+            try:
+                self._call(self._close_settled(timeout), timeout + _SETTLE, closing=True)
+            finally:
+                self._stop_loop()
+                self._finalizer.detach()
 
     async def _close_settled(self, timeout: float) -> None:
         await self._ep.close(timeout)
@@ -257,17 +292,47 @@ class BlockingEndpoint:
             await asyncio.wait(running, timeout=_SETTLE)
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        try:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        except RuntimeError:  # (closed already)
+            pass
         self._thread.join(_GRACE)
         if not self._thread.is_alive():
             self._loop.close()
             for fut in list(self._submitted):  # never started, or the loop stopped under them: nothing runs them now
                 if not fut.done():
                     fut.set_exception(EndpointClosedError("the blocking endpoint closed before the op ended"))
+            for fut, coro in list(self._calls.items()):  # calls the loop never answered: they raise now
+                if not fut.done():
+                    with contextlib.suppress(Exception):
+                        coro.close()  # (never started, or left suspended by the stopped loop)
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        fut.set_exception(EndpointClosedError("the blocking endpoint closed before the call ended"))
 
 
 async def _as_coro(fn: Any, *args: Any) -> Any:
     return fn(*args)
+
+
+def _close_unreferenced(ep: Endpoint, loop: asyncio.AbstractEventLoop) -> None:
+    """A BlockingEndpoint dropped without ``close()`` (its finalizer, on whichever thread collected
+    it, maybe the loop's own): close the endpoint on its loop, then stop the loop and close it
+    there; nothing waits for it."""
+    async def close() -> None:
+        try:
+            await ep.close()
+        finally:
+            loop.stop()
+
+    with contextlib.suppress(RuntimeError):  # (the loop closed already)
+        loop.call_soon_threadsafe(lambda: loop.create_task(close()))
+
+
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread: run the loop until stopped, then close it (idempotent; ``_stop_loop``
+    closes it too, after joining)."""
+    loop.run_forever()
+    loop.close()
 
 
 async def _until_over(coro: Coroutine[Any, Any, T], over: threading.Event) -> T:

@@ -268,7 +268,7 @@ class Endpoint(Operations):
     async def close(self, timeout: float = 5.0) -> None:
         """Close every channel (pending ops fail with :class:`EndpointClosedError`),
         withdraw from the store and release exported memory. Idempotent; bounded by ``timeout``.
-        Registered tensors stay valid for the caller. Called while :meth:`open` is still running
+        Registered tensors stay valid. Called while :meth:`open` is still running
         in another task, it cancels that open, which then raises :class:`EndpointClosedError`
         (not :class:`asyncio.CancelledError`) after undoing what it had done, and waits for it
         (bounded by ``timeout``)."""
@@ -286,6 +286,7 @@ class Endpoint(Operations):
             self._state = "closed"
             return
         self._state = "closing"
+        self._inbox.close()  # (next_notification waiters raise EndpointClosedError now)
         if self._dump_signal is not None:
             self.loop.remove_signal_handler(self._dump_signal)
         if self._record is not None:
@@ -365,6 +366,11 @@ class Endpoint(Operations):
         Blocks while same-host peers' one-sided copies into or out of it are in flight (``shm``,
         ``cuda_ipc``: each plane's export waits for them, up to 2 s, then takes the buffer back
         anyway and those ops fail), so no copy of theirs is reported done after this returned.
+        Likewise for peers' ops whose bytes travel through a channel (a ``tcp`` put's payload
+        still arriving into it, a get's reply still being sent from it, the staged path): it
+        waits for them up to 2 s, then breaks the channels that still move its bytes (their ops
+        fail with :class:`PeerLostError`, the peer dials again), so no byte is written into or
+        read from the tensor after this returned.
         If the tensor lived alone in a shared-memory segment, its bytes are copied
         back into private memory (blocking for the copy; the tensor object is
         re-pointed in place), so a peer still holding a stale mapping can never

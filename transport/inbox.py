@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from .errors import Phase, TransportTimeoutError
+from .errors import EndpointClosedError, Phase, TransportTimeoutError
 from .peer import Notification
 
 __all__ = ["Inbox"]
@@ -47,10 +47,16 @@ class Inbox:
         self._room = threading.Semaphore(max_pending)
         self._catch_all: Callable[[Notification], Any] | None = None
         self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
+        self._closed = asyncio.Event()
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver on ``loop`` from now on (the endpoint's, at ``open()``)."""
         self._loop = loop
+
+    def close(self) -> None:
+        """The endpoint closes: every :meth:`next` waiting, and any later, raises
+        :class:`EndpointClosedError` (event loop)."""
+        self._closed.set()
 
     # ---------------------------------------------------------------- reader threads
     def deliver(self, note: Notification, ch: _Delivering) -> bool:
@@ -105,12 +111,30 @@ class Inbox:
             self._routes[prefix] = callback
 
     async def next(self, timeout: float) -> Notification:
-        """The next queued notification; :class:`TransportTimeoutError` after ``timeout`` s."""
-        try:
-            async with asyncio.timeout(timeout):
-                note = await self._queue.get()
-        except TimeoutError:
-            raise TransportTimeoutError("no notification arrived before the deadline", Phase.NOTIFY) from None
+        """The next queued notification; :class:`TransportTimeoutError` after ``timeout`` s,
+        :class:`EndpointClosedError` once the endpoint closes (a waiter is woken at once)."""
+        if self._queue.empty():
+            if self._closed.is_set():
+                raise EndpointClosedError("the endpoint closed: no notification will arrive")
+            get = asyncio.ensure_future(self._queue.get())
+            closed = asyncio.ensure_future(self._closed.wait())
+            try:
+                await asyncio.wait({get, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # (cancelled): a notification taken meanwhile goes back to the front, never lost
+                if get.done() and not get.cancelled():
+                    self._queue._queue.appendleft(get.result())  # type: ignore[attr-defined]
+                raise
+            finally:
+                closed.cancel()
+                if not get.done():
+                    get.cancel()
+            if not get.done() or get.cancelled():
+                if self._closed.is_set():
+                    raise EndpointClosedError("the endpoint closed while waiting for a notification")
+                raise TransportTimeoutError("no notification arrived before the deadline", Phase.NOTIFY)
+            note = get.result()
+        else:
+            note = self._queue.get_nowait()
         self._room.release()
         return note
 
