@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tests._remote import serve_commands
+
 _CTX = mp.get_context("spawn")
 
 
@@ -77,27 +79,8 @@ def target_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return None
         raise ValueError(cmd)
 
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                if not conn.poll(0.2):
-                    continue
-                cmd, args = conn.recv()
-            except (EOFError, OSError):
-                break
-            if cmd == "stop":
-                break
-            fut = asyncio.run_coroutine_threadsafe(handle(cmd, args), loop)
-            try:
-                conn.send(("ok", fut.result(60), ""))
-            except BaseException as exc:
-                conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        stop.set()
-        loop.call_soon_threadsafe(loop.stop)
-
-    threading.Thread(target=serve, daemon=True).start()
+    threading.Thread(target=serve_commands, args=(conn, loop, handle, 60), daemon=True).start()
     loop.run_forever()
     loop.run_until_complete(ep.close())
     loop.close()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tests._remote import pipe_reply
+from tests._remote import pipe_reply, serve_commands
 
 _CTX = mp.get_context("spawn")
 
@@ -137,27 +137,8 @@ def _child(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return cycles + 1
         raise ValueError(f"unknown command {cmd!r}")
 
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                if not conn.poll(0.2):
-                    continue
-                cmd, args = conn.recv()
-            except (EOFError, OSError):
-                break
-            if cmd == "stop":
-                break
-            fut = asyncio.run_coroutine_threadsafe(handle(cmd, args), loop)
-            try:
-                conn.send(("ok", fut.result(), ""))
-            except BaseException as exc:
-                conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        stop.set()
-        loop.call_soon_threadsafe(loop.stop)
-
-    threading.Thread(target=serve, daemon=True).start()
+    threading.Thread(target=serve_commands, args=(conn, loop, handle), daemon=True).start()
     loop.run_forever()
     try:
         loop.run_until_complete(asyncio.wait_for(ep.close(), 10))

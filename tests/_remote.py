@@ -95,7 +95,6 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
         conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
     conn.send(("ok", {"incarnation": ep.incarnation, "pid": os.getpid()}, ""))
-    stop = threading.Event()
 
     async def handle(cmd: str, args: tuple[Any, ...]) -> Any:
         bufs = state["bufs"]
@@ -300,25 +299,7 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return await handle_sub(ep, state, cmd, args)
         raise ValueError(f"unknown command {cmd!r}")
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                if not conn.poll(0.2):
-                    continue
-                cmd, args = conn.recv()
-            except (EOFError, OSError):
-                break
-            if cmd == "stop":
-                break
-            fut = asyncio.run_coroutine_threadsafe(handle(cmd, args), loop)
-            try:
-                conn.send(("ok", fut.result(), ""))
-            except BaseException as exc:  # report any failure to the test
-                conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        stop.set()
-        loop.call_soon_threadsafe(loop.stop)
-
-    threading.Thread(target=serve, daemon=True).start()
+    threading.Thread(target=serve_commands, args=(conn, loop, handle), daemon=True).start()
     loop.run_forever()
     loop.run_until_complete(ep.close())
     loop.close()
@@ -326,6 +307,27 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
         conn.send(("ok", "stopped", ""))
     except OSError:
         pass
+
+
+def serve_commands(conn: Any, loop: asyncio.AbstractEventLoop, handle: Any, timeout: float | None = None) -> None:
+    """A child's command thread: each ``(cmd, args)`` read from ``conn`` runs ``handle(cmd, args)``
+    on ``loop`` (answered ``("ok", result, "")`` or ``("err", message, traceback)``, waiting at most
+    ``timeout`` for it); ``"stop"`` or a closed pipe stops the loop."""
+    while True:
+        try:
+            if not conn.poll(0.2):
+                continue
+            cmd, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if cmd == "stop":
+            break
+        fut = asyncio.run_coroutine_threadsafe(handle(cmd, args), loop)
+        try:
+            conn.send(("ok", fut.result(timeout), ""))
+        except BaseException as exc:  # report any failure to the test
+            conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    loop.call_soon_threadsafe(loop.stop)
 
 
 # ---------------------------------------------------------------------------- test side
