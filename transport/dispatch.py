@@ -20,6 +20,7 @@ import msgspec
 
 from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError
 from .flight_recorder import OpState
+from .loop_reads import LOOP_DATA_MAX
 from .planes import SendingChannel, link_refusal
 from .wire import (
     Ack,
@@ -73,6 +74,7 @@ class Dispatcher:
         self.target = target
         self.ops = ops
         self.reads = reads  # who reads the socket between frames (None: always this thread)
+        self.last_data = 0  # payload bytes of the last get reply received (staged: more than LOOP_DATA_MAX)
 
     def read_loop(self) -> None:
         """The reader thread's body: frames until the channel is no longer open or its socket fails."""
@@ -84,8 +86,12 @@ class Dispatcher:
                     self.dispatch(decode(rx.read_frame()))
             else:  # the event loop may read replies itself meanwhile: the thread reads only on its turn
                 while reads.wait_turn():
-                    self.dispatch(decode(rx.read_frame()))
-                    reads.thread_read()
+                    msg = decode(rx.read_frame())
+                    self.dispatch(msg)
+                    # (a get reply the loop could not have taken whole does not hand the reads back at once:
+                    # back-to-back large gets keep them on the thread, which receives their payloads)
+                    reads.thread_read(isinstance(msg, (Ack, Fail))
+                                      or (isinstance(msg, Data) and self.last_data <= LOOP_DATA_MAX))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
             self._fail_serving(exc)
             if self.ch.is_open:
@@ -160,6 +166,7 @@ class Dispatcher:
             op = self.ops.pending.get(msg.op_id)
         if op is None or op.dests is None:
             raise ProtocolError(f"data for unknown get #{msg.op_id}")
+        self.last_data = sum(len(d) if isinstance(d, memoryview) else LOOP_DATA_MAX + 1 for d in op.dests)
         error = self.target.receive(op.dests, op)
         self.ops.pop(msg.op_id)
         self.ops.settle_from_thread(op, error)

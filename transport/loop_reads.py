@@ -14,19 +14,25 @@ Theory of operation (owner of the reads)::
 
     owner   event                                            next     effect
     THREAD  the loop posts an op (wants replies)             THREAD   the thread is woken (wake pipe)
-    THREAD  the loop wants, no frame for HOLD_S, the loop    LOOP     SO_RCVLOWAT 1; the loop add_reader()s
-            ran the last hand-over (it is not behind), and
-            nothing handed back to the thread is left unread
-    LOOP    Ack / Fail / Ping whole in the read-ahead        LOOP     consumed and handled on the loop
-    LOOP    any other frame (a peer's op, a get's Data, a    THREAD   left unread for the thread; the loop
-            registry, a frame larger than the buffer), EOF            remove_reader()s and wakes the thread
+    THREAD  the loop wants, no frame for HOLD_S (or the      LOOP     SO_RCVLOWAT 1; the loop add_reader()s
+            last was an answer to its op), the loop ran the
+            last hand-over (it is not behind), and nothing
+            handed back to the thread is left unread
+    LOOP    Ack / Fail / Ping whole in the read-ahead; a     LOOP     consumed and handled on the loop
+            get's Data into CPU tensors, with its payload
+            (frame and payload fit in the read-ahead)
+    LOOP    any other frame (a peer's op, a staged get's     THREAD   left unread for the thread; the loop
+            Data or a larger one, a registry, a frame                 remove_reader()s and wakes the thread
+            larger than the buffer), EOF
     LOOP    bytes waiting STALL_S, the loop not reading      THREAD   taken back by the thread (checked every
             (busy, or blocked by the application)                     WATCH_S); the loop stops wanting
     LOOP    no op pending and nothing read for WATCH_S       THREAD   taken back, likewise
     any     the channel closes                               -        the loop unregisters; the thread exits
 
 While the thread reads after the loop wanted, it keeps reading until no frame came for ``HOLD_S``
-(so two-way traffic does not hand over at every frame). The loop reads only under :attr:`lock`
+(so two-way traffic does not hand over at every frame), unless its last frame was an answer to
+one of the loop's ops (a reply handed back to it, e.g. a get's too large for the read-ahead):
+then it hands the reads over again at once, or back-to-back ops would keep it reading for good. The loop reads only under :attr:`lock`
 with the owner ``LOOP``; the owner becomes ``LOOP`` only by the thread's hand-over, so the thread
 never reads while the loop may. The loop registers a ``dup`` of the socket's descriptor, closed
 when it unregisters: a socket closed from another thread meanwhile can never leave the loop's
@@ -51,16 +57,17 @@ from typing import Any, Protocol
 import msgspec
 
 from .errors import ERROR_KINDS, RemoteError
-from .receiver import RX_POLL_S, Receiver
-from .wire import Ack, Fail, Ping, decode
+from .receiver import READ_AHEAD, RX_POLL_S, Receiver
+from .wire import Ack, Data, Fail, Ping, decode
 
-__all__ = ["HOLD_S", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled"]
+__all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled"]
 
 log = logging.getLogger("transport.channel")
 
 WATCH_S = 0.02  # while the loop reads: how often the thread checks that it still does
 STALL_S = 0.02  # bytes left unread this long while the loop owns the reads: the thread takes them back
 HOLD_S = 0.005  # the thread keeps reading after a frame that was its own until none came for this long
+LOOP_DATA_MAX = READ_AHEAD - 4096  # the largest get reply payload the loop takes (whole, from the read-ahead)
 
 
 def enabled() -> bool:
@@ -111,6 +118,7 @@ class LoopReads:
         self._armed = -1  # the hand-over the loop armed for
         self._seen_gen = 0  # the latest hand-over whose _arm the loop ran (it is not behind: it may get another)
         self._must_read = False  # handed back (or taken back) for bytes waiting: read them before giving again
+        self._answers_only = False  # the thread's last frame was an answer to one of the loop's ops
         self._unread_since: float | None = None  # (the thread's stall check) when it first saw bytes unread
         self._go = threading.Event()  # the thread, waiting while the loop reads: the reads are back, or closed
         self._wake_r, self._wake_w = os.pipe()
@@ -144,7 +152,7 @@ class LoopReads:
                     timeout = WATCH_S
                 else:
                     idle = time.monotonic() - self.thread_seen
-                    if idle >= HOLD_S:
+                    if idle >= HOLD_S or self._answers_only:
                         self._give()
                         continue
                     timeout = HOLD_S - idle
@@ -159,10 +167,12 @@ class LoopReads:
                 return True
         return False
 
-    def thread_read(self) -> None:
-        """Reader thread: it handled a frame."""
+    def thread_read(self, answer: bool = False) -> None:
+        """Reader thread: it handled a frame; ``answer``: one the loop could have (an answer to
+        an op of ours: ``Ack``, ``Fail``, ``Data``)."""
         self.thread_seen = time.monotonic()
         self._must_read = False
+        self._answers_only = answer
 
     def _drain_wake(self) -> None:
         try:
@@ -296,6 +306,9 @@ class LoopReads:
                         self.ops.settle(op, None)
                 elif isinstance(msg, Ping):
                     rx.consume_frame()
+                elif isinstance(msg, Data):
+                    if not self._take_data(msg):
+                        return
                 elif isinstance(msg, Fail) and self.ch.link is None:
                     rx.consume_frame()
                     op = self.ops.pop(msg.op_id)
@@ -308,6 +321,34 @@ class LoopReads:
                 self.loop_frames += 1
         finally:
             self.lock.release()
+
+    def _take_data(self, msg: Data) -> bool:
+        """Event loop, under the lock: a get's reply (``Data`` and its payload) into the caller's
+        CPU tensors, if it is buffered whole; True if it was consumed. Not yet whole: False, and
+        the selector calls again as the rest arrives. One that could never be buffered whole, or
+        of a get the thread must serve (staged, unknown): handed back. An op abandoned meanwhile
+        (on this loop) gets nothing written: its bytes are stepped over."""
+        op = self.ops.pending.get(msg.op_id)
+        dests = None if op is None else op.dests
+        if op is None or dests is None or any(type(d) is not memoryview for d in dests):
+            self._hand_back("")
+            return False
+        nbytes = sum(len(d) for d in dests)
+        payload = self.rx.peek_payload(nbytes) if nbytes <= LOOP_DATA_MAX else False
+        if payload is False:
+            self._hand_back("a get reply larger than the read-ahead")
+            return False
+        if payload is True:
+            return False
+        if not op.abandoned:
+            off = 0
+            for d in dests:
+                d[:] = payload[off : off + len(d)]
+                off += len(d)
+        self.rx.consume_frame(nbytes)
+        if self.ops.pop(msg.op_id) is not None:
+            self.ops.settle(op, None)
+        return True
 
     def _hand_back(self, why: str) -> None:
         """Event loop, under the lock: the reads go back to the thread (the next frame is its, or

@@ -153,10 +153,23 @@ class Receiver:
         (n,) = _LEN.unpack_from(self._buf, self._start)
         return 4 + n <= READ_AHEAD
 
-    def consume_frame(self) -> None:
-        """Step over the frame :meth:`peek_frame` returned."""
+    def peek_payload(self, nbytes: int) -> memoryview | bool:
+        """The ``nbytes`` of payload behind the frame :meth:`peek_frame` returned, if they are
+        buffered whole (valid until the next read); True if they are not yet but could be
+        (frame and payload fit in the buffer), False if they never could."""
         (n,) = _LEN.unpack_from(self._buf, self._start)
-        self._start += 4 + n
+        s = self._start + 4 + n
+        if 4 + n + nbytes > READ_AHEAD:
+            return False
+        if self._end - s < nbytes:
+            return True
+        return self._view[s : s + nbytes]
+
+    def consume_frame(self, payload: int = 0) -> None:
+        """Step over the frame :meth:`peek_frame` returned (and the ``payload`` bytes behind it,
+        which :meth:`peek_payload` returned)."""
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        self._start += 4 + n + payload
         if self._start == self._end:
             self._start = self._end = 0
 
