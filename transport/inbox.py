@@ -11,6 +11,7 @@ catch-all callback, else the queue that :meth:`Inbox.next` and :meth:`Inbox.iter
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -38,16 +39,22 @@ class _Delivering(Protocol):
 class Inbox:
     """The notifications of one endpoint; ``is_open()`` says whether the endpoint still takes
     them. Routes may be set at once; deliveries start once :meth:`attach` gave it the endpoint's
-    event loop (at ``open()``)."""
+    event loop (at ``open()``).
+
+    The queue is a deque read only on the event loop; each waiter of :meth:`next` or
+    :meth:`iterate` parks one future, woken in the order they came. A waiter takes a notification
+    only when it runs again (never while it may still be cancelled), so a cancelled or timed-out
+    wait loses nothing; one that leaves without taking passes its wake-up on."""
 
     def __init__(self, max_pending: int, is_open: Callable[[], bool]) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_open = is_open
-        self._queue: asyncio.Queue[Notification] = asyncio.Queue()
+        self._notes: collections.deque[Notification] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._room = threading.Semaphore(max_pending)
         self._catch_all: Callable[[Notification], Any] | None = None
         self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
-        self._closed = asyncio.Event()
+        self._closed = False
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver on ``loop`` from now on (the endpoint's, at ``open()``)."""
@@ -56,7 +63,11 @@ class Inbox:
     def close(self) -> None:
         """The endpoint closes: every :meth:`next` waiting, and any later, raises
         :class:`EndpointClosedError` (event loop)."""
-        self._closed.set()
+        self._closed = True
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     # ---------------------------------------------------------------- reader threads
     def deliver(self, note: Notification, ch: _Delivering) -> bool:
@@ -86,7 +97,21 @@ class Inbox:
             except Exception:  # a user callback must not kill the channel
                 log.exception("notification callback failed")
             return
-        self._queue.put_nowait(note)
+        self._notes.append(note)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake the longest-waiting waiter still waiting (event loop)."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def _take(self) -> Notification:
+        note = self._notes.popleft()
+        self._room.release()
+        return note
 
     def _route(self, payload: bytes) -> Callable[[Notification], Any] | None:
         if self._routes:
@@ -110,47 +135,53 @@ class Inbox:
         else:
             self._routes[prefix] = callback
 
+    async def _wait(self, timeout: float) -> None:
+        """Park until a notification is queued, the inbox closes or ``timeout`` s passed (event
+        loop); the caller takes what is queued as soon as this returns. Cancelled (its wake-up
+        may already have come), it passes the wake-up on if notifications are still queued."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        timer = loop.call_later(max(timeout, 0.0), _expire, fut)
+        try:
+            await fut
+        except BaseException:
+            if not fut.done():
+                fut.cancel()
+            if self._notes:  # (never strand a notification behind a waiter that left)
+                self._wake_one()
+            raise
+        finally:
+            timer.cancel()
+            if self._waiters and self._waiters[-1] is fut:  # (timed out: leave no dead entry behind)
+                self._waiters.pop()
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+
     async def next(self, timeout: float) -> Notification:
         """The next queued notification; :class:`TransportTimeoutError` after ``timeout`` s,
-        :class:`EndpointClosedError` once the endpoint closes (a waiter is woken at once)."""
-        if self._queue.empty():
-            if self._closed.is_set():
+        :class:`EndpointClosedError` once the endpoint closes (a waiter is woken at once).
+        Cancelled or timed out, it takes nothing: every notification stays queued for the next."""
+        deadline = time.monotonic() + timeout
+        while not self._notes:
+            if self._closed:
                 raise EndpointClosedError("the endpoint closed: no notification will arrive")
-            get = asyncio.ensure_future(self._queue.get())
-            closed = asyncio.ensure_future(self._closed.wait())
-            try:
-                await asyncio.wait({get, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:  # (cancelled): a notification taken meanwhile goes back to the front, never lost
-                if get.done() and not get.cancelled():
-                    self._queue._queue.appendleft(get.result())  # type: ignore[attr-defined]
-                raise
-            finally:
-                closed.cancel()
-                if not get.done():
-                    get.cancel()
-            if not get.done() or get.cancelled():
-                if self._closed.is_set():
-                    raise EndpointClosedError("the endpoint closed while waiting for a notification")
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TransportTimeoutError("no notification arrived before the deadline", Phase.NOTIFY)
-            note = get.result()
-        else:
-            note = self._queue.get_nowait()
-        self._room.release()
-        return note
+            await self._wait(left)
+        return self._take()
 
     async def iterate(self) -> AsyncGenerator[Notification, None]:
         """Queued notifications as they arrive, until ``is_open()`` turns false (checked at least
-        every 0.5 s)."""
-        while self._is_open():
-            get = asyncio.ensure_future(self._queue.get())
-            try:
-                while not get.done():
-                    await asyncio.wait([get], timeout=0.5)
-                    if not self._is_open() and not get.done():
-                        get.cancel()
-                        return
-            except asyncio.CancelledError:
-                get.cancel()
-                raise
-            self._room.release()
-            yield get.result()
+        every 0.5 s) or the inbox closes."""
+        while self._is_open() and not self._closed:
+            if not self._notes:
+                await self._wait(0.5)
+                continue
+            yield self._take()
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
