@@ -1,8 +1,8 @@
 """Spawned-process helpers for tests/test_hostile_blocking.py.
 
-* :func:`target_main`: an asyncio Endpoint that registers flat uint8 buffers and, for every
-  notification it receives, records (at delivery, on its own loop) what the named buffer holds:
-  the number of bytes equal to each value asked about. Driven over a pipe, every reply bounded.
+* :func:`Target`: a RemoteEndpoint (tests/_remote.py) with this module's commands: it registers
+  flat uint8 buffers and, for every notification it receives, records (at delivery, on its own
+  loop) what the named buffer holds: the number of bytes equal to each value asked about.
 * :func:`trainer_main`: an asyncio trainer that pushes stamped versions (every element of every
   tensor == the version) to one subscriber, as fast as it can, then reports.
 """
@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
-import threading
 import time
 import traceback
 from typing import Any
 
 import torch
 
-from tests._remote import serve_commands
+from tests._remote import NOT_MINE, RemoteEndpoint
 
 _CTX = mp.get_context("spawn")
 
@@ -28,22 +26,12 @@ def _count(t: torch.Tensor, value: int) -> int:
     return int((t == value).sum())
 
 
-def target_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
-    import logging
-
-    import transport
-
-    logging.basicConfig(level=logging.WARNING)
-    loop = asyncio.new_event_loop()
-    bufs: dict[str, torch.Tensor] = {}
-    seen: list[tuple[bytes, dict[int, int]]] = []
-    watch: dict[str, Any] = {"buf": None, "values": ()}
-    try:
-        ep = transport.Endpoint(name, **kwargs)
-        loop.run_until_complete(ep.open())
-    except BaseException as exc:
-        conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return
+def setup(ep: Any, state: dict[str, Any]) -> None:
+    """Once the target's endpoint is open (tests._remote's ``commands=`` protocol): record what
+    the watched buffer holds at each notification's delivery."""
+    bufs = state["bufs"]
+    seen = state["seen"] = []
+    watch = state["watch"] = {"buf": None, "values": ()}
 
     def on_note(note: Any) -> None:  # runs on the loop at delivery: what the buffer holds right now
         if note.payload.startswith(b"chk:"):  # chk:NAME:OFFSET:LENGTH:VALUE -> whether that range is all VALUE
@@ -56,63 +44,29 @@ def target_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
         seen.append((note.payload, counts))
 
     ep.on_notification(on_note)
-    conn.send(("ok", os.getpid(), ""))
-
-    async def handle(cmd: str, args: tuple[Any, ...]) -> Any:
-        if cmd == "register_fill":
-            bname, nbytes, value = args
-            t = torch.full((nbytes,), value, dtype=torch.uint8)
-            bufs[bname] = t
-            ep.register(bname, t)
-            return None
-        if cmd == "watch":
-            watch["buf"], watch["values"] = args[0], tuple(args[1])
-            return None
-        if cmd == "counts":
-            bname, values = args
-            t = bufs[bname]
-            return {v: _count(t, v) for v in values}
-        if cmd == "seen":
-            return list(seen)
-        if cmd == "clear_seen":
-            seen.clear()
-            return None
-        raise ValueError(cmd)
 
 
-    threading.Thread(target=serve_commands, args=(conn, loop, handle, 60), daemon=True).start()
-    loop.run_forever()
-    loop.run_until_complete(ep.close())
-    loop.close()
+async def handle(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
+    """The target's commands; NOT_MINE for the others (tests._remote's)."""
+    bufs, seen, watch = state["bufs"], state["seen"], state["watch"]  # ("register_fill": tests._remote's)
+    if cmd == "watch":
+        watch["buf"], watch["values"] = args[0], tuple(args[1])
+        return None
+    if cmd == "counts":
+        bname, values = args
+        t = bufs[bname]
+        return {v: _count(t, v) for v in values}
+    if cmd == "seen":
+        return list(seen)
+    if cmd == "clear_seen":
+        seen.clear()
+        return None
+    return NOT_MINE
 
 
-class Target:
-    def __init__(self, name: str, **kwargs: Any) -> None:
-        from tests._remote import pipe_reply
-
-        self._pipe_reply = pipe_reply
-        self.name = name
-        self._conn, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=target_main, args=(child, name, kwargs), daemon=True)
-        self.proc.start()
-        child.close()
-        self.pid = self._pipe_reply(self._conn, name, 60)
-
-    def call(self, cmd: str, *args: Any, timeout: float = 30.0) -> Any:
-        self._conn.send((cmd, args))
-        return self._pipe_reply(self._conn, self.name, timeout)
-
-    def kill(self) -> None:
-        import signal
-
-        if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            self.proc.kill()
-        self.proc.join(10)
-        self._conn.close()
+def Target(name: str, **kwargs: Any) -> RemoteEndpoint:  # noqa: N802 (what the tests call it)
+    """A spawned target endpoint with :func:`setup` and :func:`handle`'s commands."""
+    return RemoteEndpoint(name, commands="tests._hostile_blocking_remote", **kwargs)
 
 
 def trainer_main(name: str, store_url: str, sub: str, spec: dict[str, tuple[str, tuple[int, ...]]],

@@ -6,12 +6,19 @@ buffer, check its contents against fresh random data, put, get, ...) and
 every reply is awaited with a bound. Commands that make tensors take an
 optional last argument ``device`` (default ``"cpu"``; e.g. ``"cuda:0"``):
 the data is made on the CPU from the seed and moved there.
+
+``RemoteEndpoint(name, commands="tests.MODULE", ...)`` adds a test file's own commands: the
+child imports that module, calls its ``setup(ep, state)`` if it has one once the endpoint is
+open, and asks its ``async handle(ep, state, cmd, args)`` first for every command (it returns
+:data:`NOT_MINE` for the ones it leaves to this module). ``stage_cpu=True`` stages CPU tensors
+through a small thread copy engine (the staged path's CPU stand-in).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -24,6 +31,7 @@ import torch
 
 _CTX = mp.get_context("spawn")
 POISON = 0xA5
+NOT_MINE = object()  # what a test module's handle() returns for a command it leaves to _child_main
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -80,6 +88,12 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
     state: dict[str, Any] = {"bufs": {}}
 
     cuda_device = kwargs.pop("cuda_device", None)
+    extra = importlib.import_module(kwargs.pop("commands")) if kwargs.get("commands") else None
+    kwargs.pop("commands", None)
+    if kwargs.pop("stage_cpu", False):
+        from transport.staging import StagingConfig, ThreadCopyEngine
+
+        kwargs["staging"] = StagingConfig(chunk_bytes=1 << 20, buffers=4, cpu_engine=ThreadCopyEngine)
 
     async def open_ep() -> transport.Endpoint:
         if cuda_device is not None:  # use CUDA before creating the endpoint (it offers nccl only then)
@@ -94,9 +108,15 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
     except BaseException as exc:
         conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
+    if extra is not None and hasattr(extra, "setup"):
+        extra.setup(ep, state)
     conn.send(("ok", {"incarnation": ep.incarnation, "pid": os.getpid()}, ""))
 
     async def handle(cmd: str, args: tuple[Any, ...]) -> Any:
+        if extra is not None:
+            got = await extra.handle(ep, state, cmd, args)
+            if got is not NOT_MINE:
+                return got
         bufs = state["bufs"]
         if cmd == "register":
             bname, dtype, shape, *dev = args

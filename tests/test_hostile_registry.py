@@ -138,7 +138,7 @@ async def test_a_one_sided_put_to_a_killed_and_reaped_target_is_not_reported_don
         for r in range(rounds):
             tgt = HostileRemote(uname("tgt"), store=store_url, planes=("shm",))
             try:
-                tgt.call("register_fill", "w", n, 0)
+                tgt.call("register_int64", "w", n, 0)
                 await ep.connect(tgt.name)
                 await ep.put(tgt.name, {"w": torch.full((n,), 1, dtype=torch.int64)})  # maps table and segment
                 assert tgt.call("summary", "w") == {1: n}
@@ -170,7 +170,7 @@ async def test_gets_racing_re_registration_of_other_sizes_are_never_torn_or_from
     sizes = (n, n + 64)
     tgt = HostileRemote(uname("tgt"), store=store_url, planes=(plane,))
     try:
-        tgt.call("register_fill", "w", n, 1)
+        tgt.call("register_int64", "w", n, 1)
         async with transport.Endpoint(uname("ini"), store=store_url, planes=(plane,), timeout=10) as ep:
             await ep.connect(tgt.name)
             tgt.start("churn_gens", "w", 60, 0.03, sizes, 7)
