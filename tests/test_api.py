@@ -7,6 +7,7 @@ the multi-process suites live in test_conformance.py and test_faults.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import threading
 import time
@@ -289,6 +290,75 @@ async def test_use_after_close(store_url, uname):
     with pytest.raises(transport.EndpointClosedError):
         ep.register("w", torch.zeros(1))
     await ep.close()  # idempotent
+
+
+def _fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _torn_down(out: dict[str, bool], key: str, ep: transport.Endpoint, _task: object) -> None:
+    out.setdefault(key, ep._listener is None)
+
+
+def _fd_names() -> list[str]:
+    import os
+
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+@pytest.mark.timeout(120)
+async def test_concurrent_and_cancelled_closes_return_only_once_closed(store_url, uname):
+    """Two tasks close an endpoint with an open channel at once: each returns only once it is
+    closed (its sockets and threads' pipes released, and once the endpoint object is dropped its
+    segments), never earlier; a close() that is cancelled stops waiting, and the close still runs
+    to its end."""
+    async with transport.Endpoint(uname("warm"), store=store_url, timeout=10) as warm:  # (one-time set-up)
+        warm.register("x", torch.zeros(4))
+    async with transport.Endpoint(uname("b"), store=store_url, timeout=10) as b:
+        b.register("x", torch.zeros(1024))
+        for cancel in (False, True):
+            before, names = _fds(), _fd_names()
+            a = transport.Endpoint(uname("a"), store=store_url, timeout=10)
+            await a.open()
+            a.register("mine", torch.zeros(1024))
+            await a.put(b.name, {"x": torch.ones(1024)})
+            first = asyncio.ensure_future(a.close())
+            second = asyncio.ensure_future(a.close())
+            await asyncio.sleep(0)
+            if cancel:
+                first.cancel()
+                second.cancel()
+                await asyncio.gather(first, second, return_exceptions=True)
+                deadline = time.monotonic() + 10
+                while repr(a).split()[2] != "closed" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+            else:
+                done_at = {}
+                # (torn down: its listening socket closed, the last step of a close)
+                for key, task in (("first", first), ("second", second)):
+                    task.add_done_callback(functools.partial(_torn_down, done_at, key, a))
+                await asyncio.wait_for(asyncio.gather(first, second), 15)
+                assert done_at == {"first": True, "second": True}, done_at
+            assert not a.is_open and " closed " in repr(a), repr(a)
+            await asyncio.wait_for(a.close(), 5)  # (a later one returns at once)
+            del a, first, second  # (its registered tensor and slot table's mappings hold their memfds)
+            gc.collect()
+            deadline = time.monotonic() + 5
+            while _fds() > before and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            left = _fd_names()
+            for n in names:
+                if n in left:
+                    left.remove(n)
+            assert _fds() <= before, (cancel, before, _fds(), left)
 
 
 async def test_pending_ops_fail_when_the_peer_closes(store_url, uname):

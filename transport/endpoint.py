@@ -24,12 +24,7 @@ from . import auth
 from .address import AddressBook
 from .channel import Channel
 from .connector import Connector
-from .errors import (
-    EndpointClosedError,
-    PeerLostError,
-    ProtocolError,
-    TransportTimeoutError,
-)
+from .errors import EndpointClosedError, PeerLostError, ProtocolError, TransportTimeoutError
 from .exports import Exports
 from .flight_recorder import FlightRecorder
 from .fr_autodump import Dumps
@@ -177,6 +172,7 @@ class Endpoint(Operations):
         self._record: EndpointRecord | None = None
         self._state = "new"
         self._opening: asyncio.Task[Any] | None = None  # the task running open(), while it runs
+        self._closing: asyncio.Future[None] | None = None  # the close, once one started (close())
         self._cut_open = False  # close() cancelled that task: open() raises EndpointClosedError
         self._inbox = Inbox(max_pending_notifications, lambda: self._state == "open")
         self._registry_dirty = False
@@ -271,7 +267,13 @@ class Endpoint(Operations):
         Registered tensors stay valid. Called while :meth:`open` is still running
         in another task, it cancels that open, which then raises :class:`EndpointClosedError`
         (not :class:`asyncio.CancelledError`) after undoing what it had done, and waits for it
-        (bounded by ``timeout``)."""
+        (bounded by ``timeout``). Called while another task closes it, it returns once that close
+        ended. Cancelled, it stops waiting only: the close goes on (a task of its own) to its end."""
+        if self._state == "open":
+            self._state, self._closing = "closing", asyncio.ensure_future(self._close(timeout))
+        if self._state == "closing" and self._closing is not None:
+            await asyncio.wait({self._closing})  # (its own waits are bounded)
+            return self._closing.result()
         if self._state == "opening":  # open() is still running (in another task): stop it, wait for it
             opening = self._opening
             if opening is not None and opening is not asyncio.current_task() and not opening.done():
@@ -279,13 +281,12 @@ class Endpoint(Operations):
                 opening.cancel()
                 await asyncio.wait({opening}, timeout=timeout)
             return
-        if self._state in ("closed", "closing", "new"):
-            if self._state == "new":
-                self._rdv.close()
-                self._exports.close()
-            self._state = "closed"
-            return
-        self._state = "closing"
+        if self._state == "new":
+            self._rdv.close()
+            self._exports.close()
+        self._state = "closed"
+
+    async def _close(self, timeout: float) -> None:
         self._inbox.close()  # (next_notification waiters raise EndpointClosedError now)
         if self._dump_signal is not None:
             self.loop.remove_signal_handler(self._dump_signal)
@@ -322,14 +323,12 @@ class Endpoint(Operations):
     def register(self, name: str, tensor: torch.Tensor) -> BufferSpec:
         """Make ``tensor`` reachable by peers as ``name``. Non-blocking.
 
-        The tensor must be contiguous, on the CPU or a CUDA device. A CUDA
-        tensor stays where it is: peers reach it through the staged path
-        (its spec's ``device`` says e.g. ``cuda:0``). If the endpoint allows
-        the ``shm`` plane, a CPU tensor's storage is moved into a shared-memory
-        segment *in place*: the tensor object (and a Parameter wrapping it)
-        keeps working, but other tensors that were views of its old storage no
-        longer alias it. Registering the same tensor under the same name again
-        is a no-op; the same name with another tensor raises
+        The tensor must be contiguous, on the CPU or a CUDA device. A CUDA tensor stays where it is:
+        peers reach it through the staged path (its spec's ``device`` says e.g. ``cuda:0``). If the
+        endpoint allows the ``shm`` plane, a CPU tensor's storage is moved into a shared-memory segment
+        *in place*: the tensor object (and a Parameter wrapping it) keeps working, but other tensors
+        that were views of its old storage no longer alias it. Registering the same tensor under the
+        same name again is a no-op; the same name with another tensor raises
         :class:`BufferMismatchError`. Connected peers learn of the change.
         """
         if self._state in ("closing", "closed"):
@@ -371,15 +370,13 @@ class Endpoint(Operations):
         waits for them up to 2 s, then breaks the channels that still move its bytes (their ops
         fail with :class:`PeerLostError`, the peer dials again), so no byte is written into or
         read from the tensor after this returned.
-        If the tensor lived alone in a shared-memory segment, its bytes are copied
-        back into private memory (blocking for the copy; the tensor object is
-        re-pointed in place), so a peer still holding a stale mapping can never
-        write into it again. Other tensor objects that shared its storage keep
-        the shared segment and no longer alias it. A tensor that shares a segment
-        with other registered buffers (a view of an arena) stays where it is.
-        ``discard=True`` (for a buffer its owner is done with) skips that copy:
-        the tensor object is left empty (no elements) instead (so a second
-        name it is registered under must be registered again).
+        If the tensor lived alone in a shared-memory segment, its bytes are copied back into private
+        memory (blocking for the copy; the tensor object is re-pointed in place), so a peer still
+        holding a stale mapping can never write into it again. Other tensor objects that shared its
+        storage keep the shared segment and no longer alias it. A tensor that shares a segment with
+        other registered buffers (a view of an arena) stays where it is. ``discard=True`` (for a buffer
+        its owner is done with) skips that copy: the tensor object is left empty (no elements) instead
+        (so a second name it is registered under must be registered again).
         """
         self._exports.unregister(name, discard=discard)
         self._registry_changed()
