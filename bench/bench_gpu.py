@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - reported, and the NCCL part still runs
         doc["errors"].append(f"copies: {type(exc).__name__}: {exc}")
         print(f"ERROR copies: {type(exc).__name__}: {exc}")
+    _write(out, doc)  # after each part: a run killed at its time limit keeps what it measured
     torch.cuda.empty_cache()
     try:
         doc["nccl_self_send_recv"] = nccl = bench_nccl(torch, stream, reps, nccl_sizes)
@@ -426,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         doc["errors"].append(f"nccl: {type(exc).__name__}: {exc}")
         print(f"ERROR nccl: {type(exc).__name__}: {exc}")
+    _write(out, doc)
     torch.cuda.empty_cache()
     try:
         doc["planes"] = planes = bench_planes(torch, reps, copy_sizes, doc["copies"])

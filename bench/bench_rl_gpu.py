@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         row["limit_ratio"] = row["limit_ms"] / row["push_ms_median"]
         doc["rows"].append(row)
         _print(row)
+        _save(args.json, doc)  # after each row: a run killed at its time limit keeps the rows it measured
     if not args.skip_modes:
         spec = llama_spec(args.modes_params_b)
         nbytes = 2 * _numel(spec)
@@ -270,16 +271,21 @@ def main(argv: list[str] | None = None) -> int:
             row["limit_ratio"] = row["limit_ms"] / row["push_ms_median"]
             doc["rows"].append(row)
             _print(row)
+            _save(args.json, doc)
     head = next((r for r in doc["rows"] if r["case"].startswith("headline")), None)
     if head is not None:
         ipc = head.get("per_tensor_ipc_ms_median")
         print(f"SUMMARY rl_sync colocated push {head['case']}: {head['push_ms_median']:.1f} ms (target <= 50 ms for 30B), "
               f"limit {head['limit_ms']:.1f} ms ({head['limit_ratio']:.2f}x)"
               + (f", per-tensor IPC handles {ipc:.1f} ms" if ipc else "") + f", checked={head['checked']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2))
+    _save(args.json, doc)
     return 0 if all(r["checked"] for r in doc["rows"]) else 1
+
+
+def _save(path: Path | None, doc: dict[str, Any]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2))
 
 
 def _print(row: dict[str, Any]) -> None:

@@ -221,7 +221,16 @@ fi
 # -- the checks ------------------------------------------------------------------------------------
 # DEVICE_CHECKS_PYTEST_ARGS (split on spaces; e.g. "-k ipc") narrows the GPU tests of a short rerun
 read -r -a EXTRA <<<"${DEVICE_CHECKS_PYTEST_ARGS:-}"
-step check gpu-tests 300 "${PYTEST[@]}" tests/gpu -v -rA --durations=15 "${EXTRA[@]}"
+# Files in an explicit order, least likely to hang in C first: a hang inside a CUDA/NCCL call on the
+# main thread is out of pytest-timeout's reach (its SIGALRM runs only between bytecodes), so only this
+# step's timeout ends it, and every file after it would be lost. The NCCL ones (abort of an init in
+# progress, two NCCL "hosts" on one GPU over loopback sockets) go last.
+GPU_TEST_FILES=(tests/gpu/test_completion_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_staged_gpu.py
+                tests/gpu/test_rl_sync_gpu.py tests/gpu/test_nccl_gpu.py tests/gpu/test_nccl_plane_gpu.py)
+for f in tests/gpu/test_*.py; do  # a file not listed above runs too, just before the NCCL files
+    case " ${GPU_TEST_FILES[*]} " in *" $f "*) ;; *) GPU_TEST_FILES=("${GPU_TEST_FILES[@]:0:4}" "$f" "${GPU_TEST_FILES[@]:4}") ;; esac
+done
+step check gpu-tests 300 "${PYTEST[@]}" "${GPU_TEST_FILES[@]}" -v -rA --durations=15 "${EXTRA[@]}"
 annotate "$(pytest_note gpu-tests)"
 
 step check cpu-binding 110 "${PYTEST[@]}" tests/test_nccl_binding.py -v

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 import uuid
 
 import pytest
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, poisoned, put_behind_side_stream, same_bytes
+from tests._remote import RemoteEndpoint, child_env, make_tensor, poisoned, put_behind_side_stream, same_bytes
 
 MiB = 1 << 20
 DEV = "cuda:0"
@@ -150,15 +149,10 @@ def test_a_buffer_that_cannot_be_exported_is_staged(store_url):
     """With expandable segments the target's memory (cuMemCreate/cuMemMap) has no legacy cudaIpc
     handle: it logs that, the buffer is announced without an export, and ops on it take the
     staged path (recorded)."""
-    old = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    try:
+    # Both names: torch 2.9.1 honours only the deprecated PYTORCH_CUDA_ALLOC_CONF for CUDA's expandable
+    # segments (pytorch/pytorch#183387), and a later torch may drop that alias.
+    with child_env({var: "expandable_segments:True" for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}):
         t = RemoteEndpoint(f"ipc-gpu-exp-{uuid.uuid4().hex[:6]}", store=store_url)
-    finally:
-        if old is None:
-            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        else:
-            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = old
     try:
         async def body(init: transport.Endpoint) -> None:
             name = f"exp-{uuid.uuid4().hex[:8]}"

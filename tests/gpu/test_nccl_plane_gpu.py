@@ -54,9 +54,10 @@ async def call(t: RemoteEndpoint, *args):
 
 
 # Two NCCL "hosts" on one machine (NCCL_HOSTID): NCCL's multi-node NVLink check can fail the init
-# there, and its socket transport must use the loopback. Both processes need it; NCCL reads its
-# environment once, at the first communicator, so this process sets it at import.
-_ONE_HOST_NCCL = {"NCCL_MNNVL_ENABLE": "0", "NCCL_SOCKET_IFNAME": "lo"}
+# there, and its socket transport must use the loopback (not an InfiniBand HCA the machine may expose,
+# whose loopback between two "hosts" on one node is not what is tested here). Both processes need it;
+# NCCL reads its environment once, at the first communicator, so this process sets it at import.
+_ONE_HOST_NCCL = {"NCCL_MNNVL_ENABLE": "0", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 for _k, _v in _ONE_HOST_NCCL.items():
     os.environ.setdefault(_k, _v)
 

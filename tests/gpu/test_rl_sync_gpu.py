@@ -101,7 +101,9 @@ def test_every_mode_pulls_gpu_to_gpu_over_cuda_ipc(store_url, mode, fanout):
 def test_a_generator_with_expandable_segments_still_pulls_over_cuda_ipc(store_url, mode):
     """Its live weights come from expandable segments (not exportable), its arenas from
     Endpoint.new_buffer(device=) (a cuMemAlloc of their own): the pulls still take cuda_ipc."""
-    with _gens(store_url, 1, mode, env={"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) as gens:
+    # (both names: torch 2.9.1 honours only the deprecated PYTORCH_CUDA_ALLOC_CONF for it, pytorch/pytorch#183387)
+    env = {var: "expandable_segments:True" for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    with _gens(store_url, 1, mode, env=env) as gens:
         async def body() -> None:
             async with transport.Endpoint(_name("gpu-trainer"), store=store_url, timeout=60) as ep:
                 pub = rl_sync.WeightPublisher(ep, [gens[0].name], dtype="auto", bucket_bytes=BUCKET)
