@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["rows"].append(row)
         _print(row)
         _save(args.json, doc)  # after each row: a run killed at its time limit keeps the rows it measured
+    if device.startswith("cuda"):  # (the headline's tensors, ~2 x 60 GB for 30B, are not kept reserved for the rest)
+        torch.cuda.empty_cache()
     if not args.skip_modes:
         spec = llama_spec(args.modes_params_b)
         nbytes = 2 * _numel(spec)
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["rows"].append(row)
             _print(row)
             _save(args.json, doc)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
     head = next((r for r in doc["rows"] if r["case"].startswith("headline")), None)
     if head is not None:
         ipc = head.get("per_tensor_ipc_ms_median")
