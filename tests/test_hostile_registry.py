@@ -12,6 +12,7 @@ real shared memory; every wait bounded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -247,31 +248,38 @@ async def test_puts_with_notifications_racing_re_registration_keep_bytes_and_ord
 
 # ---------------------------------------------------------------------------- shm: a view of an arena
 @pytest.mark.timeout(60)
-async def test_a_late_one_sided_copy_never_lands_in_a_buffer_registered_later_at_the_old_place(store_url, uname):
+@pytest.mark.parametrize("plane", ["shm", "cuda_ipc"])
+async def test_a_late_one_sided_copy_never_lands_in_a_buffer_registered_later_at_the_old_place(store_url, uname, plane):
     """The target registers ``x`` as a view of an arena (rl_sync's layout: arenas, buffers as views).
     The initiator's one-sided put into ``x`` stalls with the slot locked (its copy sleeps 3 s, as a
     frozen or descheduled initiator would); the target's unregister of ``x`` waits the 2 s bound
     and takes it back anyway; it then registers ``y`` at x's old place (filled with -5) and ``x``
     elsewhere in the arena. The late copy must not land in ``y``: that memory was reused under
-    another name after the take-back. Reported done with ``y`` overwritten is the hole."""
+    another name after the take-back. Reported done with ``y`` overwritten is the hole. ``cuda_ipc``:
+    the same through its CPU stand-in engine (one-sided through its exporter's slot table too)."""
     import fcntl
 
     from tests._remote import RemoteEndpoint
+    from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
     from transport.planes.shm_slots import _lock
 
     n = 1 << 16  # int64: 512 KiB per view
-    ini = RemoteEndpoint(uname("ini"), store=store_url, planes=("shm",), timeout=30)
+    kw: dict = {"planes": ("shm",)} if plane == "shm" else {"engines": {"cuda_ipc": MemfdIpcEngine}}
+    ikw: dict = kw if plane == "shm" else {"engines": {"cuda_ipc": functools.partial(MemfdIpcEngine, copy_delay=3.0)}}
+    ini = RemoteEndpoint(uname("ini"), store=store_url, timeout=30, **ikw)
     try:
-        async with transport.Endpoint(uname("tgt"), store=store_url, planes=("shm",), timeout=30) as tgt:
+        async with transport.Endpoint(uname("tgt"), store=store_url, timeout=30, **kw) as tgt:
             arena = tgt.new_buffer("arena", (2 * n,), torch.int64)
             tgt.register("x", arena[:n])
             await asyncio.to_thread(ini.call, "connect", tgt.name)
-            ini.call("slow_shm_copies", 3.0)
+            if plane == "shm":  # (cuda_ipc's engine sleeps 3 s before each copy: copy_delay)
+                ini.call("slow_shm_copies", 3.0)
             ini.start("put_error", tgt.name, {"x": ("int64", (n,), 7)}, 30)
-            exp = tgt._registry.get("x").exports["shm"]
+            exp = tgt._registry.get("x").exports[plane]
+            fd = tgt.exporter(plane).slot_table.made.fd
             end = time.monotonic() + 20
-            while _lock(exp.table.fd, fcntl.F_WRLCK, exp.handle.slot):  # until its copy holds the slot
-                _lock(exp.table.fd, fcntl.F_UNLCK, exp.handle.slot)
+            while _lock(fd, fcntl.F_WRLCK, exp.handle.slot):  # until its copy holds the slot
+                _lock(fd, fcntl.F_UNLCK, exp.handle.slot)
                 assert time.monotonic() < end, "the initiator's copy never locked the slot"
                 await asyncio.sleep(0.005)
             tgt.unregister("x")  # waits 2 s, then takes it back anyway
@@ -281,6 +289,7 @@ async def test_a_late_one_sided_copy_never_lands_in_a_buffer_registered_later_at
             tgt.register("x", arena[n:])
             err = await asyncio.to_thread(ini.result, 30)
             await asyncio.sleep(0.3)
+            assert ini.call("op_planes", "put") == [plane]
             clobbered = int((y != -5).sum())
             print(f"\n  put -> {err or 'done'}; y (registered after the take-back) has {clobbered}/{n} elements "
                   f"overwritten; new x holds the put: {bool((arena[n:] != 0).all())}")

@@ -219,10 +219,10 @@ class CudaIpcPlane(DataPlane):
     #: puts without a notification, and gets, into exports that all have a slot: no message at all
     one_sided = True
 
-    def _guard(self, jobs: list[tuple[Item, torch.Tensor]], used: list[IpcHandle]) -> SlotGuard | None:
+    def _guard(self, jobs: list[tuple[Item, torch.Tensor]], used: list[IpcHandle], wrote: bool) -> SlotGuard | None:
         """The op's slot locks if every export has a word in one table of the peer that this
-        process can open (None: the op keeps its header and acknowledgement)."""
-        return self._slots.guard([it.name for it, _ in jobs], used)
+        process can open (None: the op keeps its header and acknowledgement); ``wrote``: a put."""
+        return self._slots.guard([it.name for it, _ in jobs], used, wrote)
 
     async def _copy(self, op: Op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
                     one_sided: bool = False) -> tuple[list[int], bool]:
@@ -269,7 +269,7 @@ class CudaIpcPlane(DataPlane):
                 pair = (remote, local) if into_peer else (local, remote)
                 groups.setdefault(h.device, []).append((*pair, h))
             if one_sided and self.one_sided:  # the words locked from here until the last copy is over
-                guard = self._guard(jobs, used)
+                guard = self._guard(jobs, used, into_peer)
         except BaseException:
             for h in used:
                 self.cache.release(h)

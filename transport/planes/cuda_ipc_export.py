@@ -101,6 +101,9 @@ class IpcExporter(Exporter):
         engine = self.engine
         if engine is None or not engine.handles(t):
             return
+        table = self.slot_table.table()
+        if table is not None:  # (an export revoked while a frozen peer's copy held it: wait for that copy)
+            table.wait_clear(("cuda_ipc", str(t.device)), t.data_ptr(), t.data_ptr() + buf.spec.nbytes, buf.spec.name)
         try:
             device, handle, size, offset, keep = engine.export(t, self.segments)
         except PlaneUnavailableError as exc:
@@ -108,7 +111,6 @@ class IpcExporter(Exporter):
                         "through the staged path", self.endpoint, buf.spec.name, exc)
             return
         export_id = next(export_ids)
-        table = self.slot_table.table()
         slot = table.alloc(export_id) if table is not None else -1
         if slot > 0 and table is not None:
             ipc = IpcHandle(engine.name, device, handle, size, offset, export_id, table.pid, slot, table.fd,
@@ -128,8 +130,9 @@ class IpcExporter(Exporter):
         if ipc is not None:
             h = ipc.handle
             table = self.slot_table.made
-            if h.slot and table is not None:
-                table.revoke(h.slot, buf.spec.name, wait=not closing)
+            if h.slot and table is not None:  # (the memory may be exported again, a view of it registered: marked)
+                table.revoke(h.slot, buf.spec.name, not closing,
+                             (("cuda_ipc", str(buf.tensor.device)), buf.ptr, buf.ptr + buf.spec.nbytes))
             self.retention.retire(h.export_id, ipc.keep, NEVER if closing else epoch)
 
     def tick(self, bufs: list[LocalBuffer]) -> None:

@@ -63,13 +63,14 @@ class SlotGuard:
     """One one-sided op's shared locks on the peer's export words: taken (and checked) before its
     copies are issued; checked again and released exactly once when the last of its copies is
     over (:meth:`over`, on whichever thread notices, before the op's waiter resumes) or when
-    nothing was issued. ``stale``: the second check's failure, raised by the op."""
+    nothing was issued. ``stale``: the second check's failure, raised by the op (``wrote``: the
+    copies wrote the peer's memory: a put; then that error says it must not be retried)."""
 
-    __slots__ = ("_done", "_lock", "slots", "stale", "view")
+    __slots__ = ("_done", "_lock", "slots", "stale", "view", "wrote")
 
-    def __init__(self, view: TableView, slots: list[tuple[int, int]], names: list[str]) -> None:
+    def __init__(self, view: TableView, slots: list[tuple[int, int]], names: list[str], wrote: bool = False) -> None:
         view.enter(slots, names)  # raises StaleBufferError / BufferMismatchError: nothing held then
-        self.view, self.slots = view, slots
+        self.view, self.slots, self.wrote = view, slots, wrote
         self.stale: StaleBufferError | None = None
         self._lock = threading.Lock()
         self._done = False
@@ -80,7 +81,7 @@ class SlotGuard:
                 return
             self._done = True
         try:
-            self.view.check(self.slots)
+            self.view.check(self.slots, self.wrote)
         except StaleBufferError as exc:
             self.stale = exc
         finally:
@@ -99,7 +100,7 @@ class PeerSlots:
         self._lock = threading.Lock()
         self._closed = False
 
-    def guard(self, names: list[str], used: Sequence[IpcHandle]) -> SlotGuard | None:
+    def guard(self, names: list[str], used: Sequence[IpcHandle], wrote: bool = False) -> SlotGuard | None:
         """The shared locks of every export's word, taken and checked (raises
         :class:`~transport.errors.StaleBufferError` or :class:`~transport.errors.BufferMismatchError`
         if one does not hold its export); None if an export has no word, they are in several
@@ -110,7 +111,7 @@ class PeerSlots:
         view = self._table(used[0])
         if view is None:
             return None
-        return SlotGuard(view, [(h.slot, h.export_id) for h in used], names)
+        return SlotGuard(view, [(h.slot, h.export_id) for h in used], names, wrote)
 
     def _table(self, h: IpcHandle) -> TableView | None:
         """The table, opened at first use (an open and an mmap). None if it cannot be opened

@@ -11,17 +11,16 @@ import itertools
 import logging
 import mmap
 import os
-import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import BufferMismatchError, PlaneUnavailableError, StaleBufferError
+from ..errors import PlaneUnavailableError, StaleBufferError
 from ..registry import LocalBuffer
 from ..wire import ShmHandle
 from .base import Exporter
-from .shm_slots import REVOKE_WAIT_S, ExportSlots, SlotTable, new_slot_table
+from .shm_slots import ExportSlots, SlotTable, new_slot_table
 
 __all__ = ["Segment", "ShmExport", "ShmExporter", "SlotTable", "export_buffer", "map_segment", "memfd_probe",
            "new_segment", "new_slot_table"]
@@ -64,9 +63,6 @@ class Segment:
     size: int
     storage: torch.UntypedStorage | None
     refs: int = 1
-    # byte ranges of exports revoked while a peer's copy still held their slot (a frozen peer): that copy may
-    # still write there, so a buffer registered over one waits for the slot to be let go: (start, end, slot)
-    tainted: list[tuple[int, int, int]] = field(default_factory=list)
 
     def holds(self, t: torch.Tensor) -> bool:
         return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
@@ -101,9 +97,9 @@ class ShmExport:
         (:func:`export_buffer`)."""
         table, self.table = self.table, None
         seg = self.segment
-        if table is not None and self.handle.slot:
-            if not table.revoke(self.handle.slot, self.name, wait) and wait and seg.refs > 1:
-                seg.tainted.append((self.handle.offset, self.handle.offset + nbytes, self.handle.slot))
+        if table is not None and self.handle.slot:  # (a segment still shared may be exported again: marked)
+            table.revoke(self.handle.slot, self.name, wait,
+                         (("shm", seg.inode), self.handle.offset, self.handle.offset + nbytes) if seg.refs > 1 else None)
         seg.refs -= 1
         if seg.refs == 0 and seg.fd >= 0:
             seg.close()
@@ -142,8 +138,8 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
     for seg in segments:
         if seg.fd >= 0 and seg.holds(t):
             offset = t.data_ptr() - seg.storage.data_ptr()  # type: ignore[union-attr]
-            if seg.tainted:
-                _wait_untainted(seg, offset, offset + nbytes, table, buf.spec.name)
+            if table is not None:
+                table.wait_clear(("shm", seg.inode), offset, offset + nbytes, buf.spec.name)
             seg.refs += 1
             return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
     fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
@@ -161,25 +157,6 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
     segments[:] = [s for s in segments if s.fd >= 0]
     segments.append(seg)
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
-
-
-def _wait_untainted(seg: Segment, start: int, end: int, table: SlotTable | None, name: str) -> None:
-    """Wait for the frozen peers' copies that may still write bytes ``[start, end)`` of ``seg`` to
-    let their slots go (bounded; polled); :class:`BufferMismatchError` if one has not."""
-    deadline = time.monotonic() + REVOKE_WAIT_S
-    delay = 1e-3
-    while True:
-        seg.tainted = [(a, b, slot) for a, b, slot in seg.tainted if table is not None and table.still_held(slot)]
-        over = [(a, b) for a, b, _ in seg.tainted if a < end and start < b]
-        if not over:
-            return
-        if time.monotonic() >= deadline:
-            raise BufferMismatchError(
-                f"buffer {name!r} lies over bytes {over[0]} of its shared-memory segment, where a buffer was "
-                f"unregistered while a peer's copy into or out of it still ran (a frozen peer?): that copy could still "
-                f"write it. Register it again later, or elsewhere")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
 
 
 def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Segment, torch.Tensor]:

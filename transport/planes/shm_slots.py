@@ -139,6 +139,10 @@ class SlotTable:
         self.pid = os.getpid()
         self._free: list[int] = []
         self._next = 1  # slot 0 is never handed out (a zero slot field reads as "no slot")
+        # memory of exports revoked while a peer's copy still held their slot (a frozen peer): that copy may
+        # still write there, so a buffer exported over it waits for the slot to be let go (wait_clear):
+        # (what memory (the exporter's key), start, end, slot)
+        self._tainted: list[tuple[Any, int, int, int]] = []
 
     @staticmethod
     def usable() -> bool:
@@ -163,16 +167,41 @@ class SlotTable:
         taken until the export is revoked). Blocking like :meth:`revoke`."""
         self._write(slot, export_id | MOVED, name, True)
 
-    def revoke(self, slot: int, name: str, wait: bool = True) -> bool:
+    def revoke(self, slot: int, name: str, wait: bool = True, memory: tuple[Any, int, int] | None = None) -> bool:
         """Revoke the export in ``slot``: wait (bounded; not at all without ``wait``) for the copies
         in flight on it, zero its word, and free the slot. Blocking, up to :data:`REVOKE_WAIT_S`.
         False if a peer's copy still held the slot then (a frozen peer: its copy may still write
         the buffer's old memory): the slot stays out of use until :meth:`still_held` finds it
-        let go."""
+        let go, and ``memory`` (the exporter's ``(key, start, end)`` of the export's bytes, if it
+        may be exported again) is marked: :meth:`wait_clear` holds back an export over it."""
         if self._write(slot, 0, name, wait) or self.fd < 0:
             self._free.append(slot)
             return True
+        if memory is not None and wait:
+            self._tainted.append((*memory, slot))
         return False
+
+    def wait_clear(self, key: Any, start: int, end: int, name: str) -> None:
+        """Before exporting bytes ``[start, end)`` of memory ``key``: wait (bounded by
+        :data:`REVOKE_WAIT_S`; polled) for the frozen peers' copies that may still write there
+        (:meth:`revoke`) to let their slots go; :class:`BufferMismatchError` if one has not.
+        Returns at once when nothing is marked."""
+        if not self._tainted:
+            return
+        deadline = time.monotonic() + REVOKE_WAIT_S
+        delay = 1e-3
+        while True:
+            self._tainted = [m for m in self._tainted if self.still_held(m[3])]
+            over = [(a, b) for k, a, b, _ in self._tainted if k == key and a < end and start < b]
+            if not over:
+                return
+            if time.monotonic() >= deadline:
+                raise BufferMismatchError(
+                    f"buffer {name!r} lies over memory ({self.plane}, bytes {over[0]}) where a buffer was unregistered "
+                    "while a peer's copy into or out of it still ran (a frozen peer?): that copy could still write "
+                    "it. Register it again later, or elsewhere")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def still_held(self, slot: int) -> bool:
         """Whether a peer's copy still holds ``slot``, revoked while it did (:meth:`revoke` returned
