@@ -31,8 +31,9 @@ Theory of operation (owner of the reads)::
 
 While the thread reads after the loop wanted, it keeps reading until no frame came for ``HOLD_S``
 (so two-way traffic does not hand over at every frame), unless its last frame was an answer to
-one of the loop's ops (a reply handed back to it, e.g. a get's too large for the read-ahead):
-then it hands the reads over again at once, or back-to-back ops would keep it reading for good. The loop reads only under :attr:`lock`
+one of the loop's ops (a reply handed back to it, e.g. a get's too large for the read-ahead) and
+none of the peer's own frames came for ``HOLD_S``: then it hands the reads over again at once, or
+back-to-back ops would keep it reading for good. The loop reads only under :attr:`lock`
 with the owner ``LOOP``; the owner becomes ``LOOP`` only by the thread's hand-over, so the thread
 never reads while the loop may. The loop registers a ``dup`` of the socket's descriptor, closed
 when it unregisters: a socket closed from another thread meanwhile can never leave the loop's
@@ -119,6 +120,7 @@ class LoopReads:
         self._seen_gen = 0  # the latest hand-over whose _arm the loop ran (it is not behind: it may get another)
         self._must_read = False  # handed back (or taken back) for bytes waiting: read them before giving again
         self._answers_only = False  # the thread's last frame was an answer to one of the loop's ops
+        self._peer_seen = 0.0  # when the thread last handled a frame that was not such an answer
         self._unread_since: float | None = None  # (the thread's stall check) when it first saw bytes unread
         self._go = threading.Event()  # the thread, waiting while the loop reads: the reads are back, or closed
         self._wake_r, self._wake_w = os.pipe()
@@ -151,8 +153,9 @@ class LoopReads:
                 if self._seen_gen != self._gen:  # the loop has not run the last hand-over yet (busy, blocked)
                     timeout = WATCH_S
                 else:
-                    idle = time.monotonic() - self.thread_seen
-                    if idle >= HOLD_S or self._answers_only:
+                    now = time.monotonic()
+                    idle = now - self.thread_seen
+                    if idle >= HOLD_S or (self._answers_only and now - self._peer_seen >= HOLD_S):
                         self._give()
                         continue
                     timeout = HOLD_S - idle
@@ -173,6 +176,8 @@ class LoopReads:
         self.thread_seen = time.monotonic()
         self._must_read = False
         self._answers_only = answer
+        if not answer:
+            self._peer_seen = self.thread_seen
 
     def _drain_wake(self) -> None:
         try:
