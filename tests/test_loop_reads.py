@@ -16,6 +16,7 @@ What must hold:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -172,6 +173,20 @@ async def test_ops_both_ways_at_once_lose_nothing(store_url, uname):
         b.kill()
 
 
+@contextlib.asynccontextmanager
+async def _data_peer(store_url: str, uname, n: int):
+    """A spawned peer B with ``x``: ``n`` uint8 bytes of seed 5 (tcp), and an endpoint of ours
+    connected to it: (B, ours, what ``x`` holds)."""
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        b.call("register_data", "x", "uint8", (n,), 5)
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            await ep.connect(b.name)
+            yield b, ep, make_tensor("uint8", (n,), 5)
+    finally:
+        b.kill()
+
+
 @pytest.mark.timeout(180)
 async def test_gets_are_read_on_the_loop_exact_at_every_size(store_url, uname, monkeypatch):
     """Gets of sub-ranges from 1 byte to past the read-ahead: each exact; the small ones' replies
@@ -180,32 +195,25 @@ async def test_gets_are_read_on_the_loop_exact_at_every_size(store_url, uname, m
     monkeypatch.setattr(loop_reads, "STALL_S", 0.5)
     monkeypatch.setattr(loop_reads, "WATCH_S", 0.5)
     n = READ_AHEAD + 16384
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
-    try:
-        b.call("register_data", "x", "uint8", (n,), 5)
-        want = make_tensor("uint8", (n,), 5)
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
-            await ep.connect(b.name)
-            reads = _reads(ep, b.name)
-            small = [1, 7, SIZE, 60000, loop_reads.LOOP_DATA_MAX]
-            large = [loop_reads.LOOP_DATA_MAX + 1, READ_AHEAD - 8, READ_AHEAD, n - 3]
-            for rnd in range(40):
-                for size in small + large:
-                    off = (rnd * 131) % (n - size + 1)
-                    got = torch.full((size,), 0xEE, dtype=torch.uint8)
-                    await ep.get(b.name, {"x": transport.At(got, off)})
-                    assert torch.equal(got, want[off : off + size]), (rnd, size, off)
-            got = torch.empty(SIZE, dtype=torch.uint8)
-            for _ in range(20):  # (settle into the loop's reads)
-                await ep.get(b.name, {"x": transport.At(got, 0)})
-            before = reads.loop_frames
-            for i in range(200):
-                got.fill_(0xEE)
-                await ep.get(b.name, {"x": transport.At(got, i)})
-                assert torch.equal(got, want[i : i + SIZE]), i
-            assert reads.loop_frames - before >= 190, (reads.loop_frames - before, reads.owner, reads.want, reads.handovers, reads._must_read, reads._gen, reads._seen_gen, reads._armed)
-    finally:
-        b.kill()
+    async with _data_peer(store_url, uname, n) as (b, ep, want):
+        reads = _reads(ep, b.name)
+        small = [1, 7, SIZE, 60000, loop_reads.LOOP_DATA_MAX]
+        large = [loop_reads.LOOP_DATA_MAX + 1, READ_AHEAD - 8, READ_AHEAD, n - 3]
+        for rnd in range(40):
+            for size in small + large:
+                off = (rnd * 131) % (n - size + 1)
+                got = torch.full((size,), 0xEE, dtype=torch.uint8)
+                await ep.get(b.name, {"x": transport.At(got, off)})
+                assert torch.equal(got, want[off : off + size]), (rnd, size, off)
+        got = torch.empty(SIZE, dtype=torch.uint8)
+        for _ in range(20):  # (settle into the loop's reads)
+            await ep.get(b.name, {"x": transport.At(got, 0)})
+        before = reads.loop_frames
+        for i in range(200):
+            got.fill_(0xEE)
+            await ep.get(b.name, {"x": transport.At(got, i)})
+            assert torch.equal(got, want[i : i + SIZE]), i
+        assert reads.loop_frames - before >= 190, (reads.loop_frames - before, reads.owner, reads.want, reads.handovers, reads._must_read, reads._gen, reads._seen_gen, reads._armed)
 
 
 @pytest.mark.timeout(180)
@@ -214,38 +222,31 @@ async def test_a_cancelled_get_writes_nothing_once_its_cancellation_returned(sto
     as it is read): once the cancellation returned, the caller's tensor never changes again (a get
     of the same channel that follows, and so is answered after it, is awaited before checking);
     one that completed holds exact bytes."""
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
-    try:
-        b.call("register_data", "x", "uint8", (SIZE,), 5)
-        want = make_tensor("uint8", (SIZE,), 5)
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
-            await ep.connect(b.name)
-            reads = _reads(ep, b.name)
-            after = torch.empty(SIZE, dtype=torch.uint8)
-            outcomes = {"cancelled": 0, "done": 0}
-            before = reads.loop_frames
-            for i in range(400):
-                dest = torch.full((SIZE,), 0xEE, dtype=torch.uint8)
-                task = asyncio.ensure_future(ep.get(b.name, {"x": dest}))
-                for _ in range(i % 6):
-                    await asyncio.sleep(0)
-                task.cancel()
-                try:
-                    await task
-                    outcomes["done"] += 1
-                    assert torch.equal(dest, want), i
-                    continue
-                except asyncio.CancelledError:
-                    outcomes["cancelled"] += 1
-                snapshot = dest.clone()
-                await ep.get(b.name, {"x": after})
-                assert torch.equal(after, want), i
-                assert torch.equal(dest, snapshot), f"get {i} wrote into the caller's tensor after its cancellation returned"
-            assert outcomes["cancelled"] >= 100, outcomes
-            assert reads.loop_frames > before, "no reply was read on the loop"
-            assert ep._channels[b.name].is_open
-    finally:
-        b.kill()
+    async with _data_peer(store_url, uname, SIZE) as (b, ep, want):
+        reads = _reads(ep, b.name)
+        after = torch.empty(SIZE, dtype=torch.uint8)
+        outcomes = {"cancelled": 0, "done": 0}
+        before = reads.loop_frames
+        for i in range(400):
+            dest = torch.full((SIZE,), 0xEE, dtype=torch.uint8)
+            task = asyncio.ensure_future(ep.get(b.name, {"x": dest}))
+            for _ in range(i % 6):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+                outcomes["done"] += 1
+                assert torch.equal(dest, want), i
+                continue
+            except asyncio.CancelledError:
+                outcomes["cancelled"] += 1
+            snapshot = dest.clone()
+            await ep.get(b.name, {"x": after})
+            assert torch.equal(after, want), i
+            assert torch.equal(dest, snapshot), f"get {i} wrote into the caller's tensor after its cancellation returned"
+        assert outcomes["cancelled"] >= 100, outcomes
+        assert reads.loop_frames > before, "no reply was read on the loop"
+        assert ep._channels[b.name].is_open
 
 
 def _fds() -> int:
