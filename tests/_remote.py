@@ -456,6 +456,17 @@ def child_env(env: dict[str, str] | None) -> Any:
                 os.environ[k] = v
 
 
+def open_fds() -> list[str]:
+    """What this process's open file descriptors point at (``readlink`` of each), sorted."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own descriptor, or one closed meanwhile)
+            pass
+    return sorted(out)
+
+
 async def until(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
     """Poll ``cond()`` (bounded) from a test's event loop; AssertionError if it never holds."""
     end = time.monotonic() + timeout

@@ -17,7 +17,7 @@ import torch
 from torch.distributed import TCPStore
 
 import transport
-from tests._remote import backing
+from tests._remote import backing, open_fds
 from transport import errors
 
 
@@ -292,26 +292,8 @@ async def test_use_after_close(store_url, uname):
     await ep.close()  # idempotent
 
 
-def _fds() -> int:
-    import os
-
-    return len(os.listdir("/proc/self/fd"))
-
-
 def _torn_down(out: dict[str, bool], key: str, ep: transport.Endpoint, _task: object) -> None:
     out.setdefault(key, ep._listener is None)
-
-
-def _fd_names() -> list[str]:
-    import os
-
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return sorted(out)
 
 
 @pytest.mark.timeout(120)
@@ -325,7 +307,8 @@ async def test_concurrent_and_cancelled_closes_return_only_once_closed(store_url
     async with transport.Endpoint(uname("b"), store=store_url, timeout=10) as b:
         b.register("x", torch.zeros(1024))
         for cancel in (False, True):
-            before, names = _fds(), _fd_names()
+            names = open_fds()
+            before = len(names)
             a = transport.Endpoint(uname("a"), store=store_url, timeout=10)
             await a.open()
             a.register("mine", torch.zeros(1024))
@@ -352,13 +335,13 @@ async def test_concurrent_and_cancelled_closes_return_only_once_closed(store_url
             del a, first, second  # (its registered tensor and slot table's mappings hold their memfds)
             gc.collect()
             deadline = time.monotonic() + 5
-            while _fds() > before and time.monotonic() < deadline:
+            while len(open_fds()) > before and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            left = _fd_names()
+            left = open_fds()
             for n in names:
                 if n in left:
                     left.remove(n)
-            assert _fds() <= before, (cancel, before, _fds(), left)
+            assert len(open_fds()) <= before, (cancel, before, left)
 
 
 async def test_pending_ops_fail_when_the_peer_closes(store_url, uname):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor
+from tests._remote import RemoteEndpoint, make_tensor, open_fds
 from transport import loop_reads
 from transport.loop_reads import Owner
 from transport.receiver import READ_AHEAD
@@ -249,10 +248,6 @@ async def test_a_cancelled_get_writes_nothing_once_its_cancellation_returned(sto
         assert ep._channels[b.name].is_open
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.timeout(120)
 async def test_closing_while_the_loop_owns_the_reads_leaves_no_descriptor(store_url, uname):
     b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
@@ -261,7 +256,7 @@ async def test_closing_while_the_loop_owns_the_reads_leaves_no_descriptor(store_
         src = make_tensor("uint8", (SIZE,), 9)
         async with transport.Endpoint(uname("a0"), store=store_url, planes=("tcp",), timeout=10) as warm:
             await warm.put(b.name, {"x": src})  # (imports, executor threads: made once)
-        start = _fds()
+        start = len(open_fds())
         for i in range(3):
             ep = transport.Endpoint(uname(f"a{i + 1}"), store=store_url, planes=("tcp",), timeout=10)
             async with ep:
@@ -277,6 +272,6 @@ async def test_closing_while_the_loop_owns_the_reads_leaves_no_descriptor(store_
             with pytest.raises(transport.TransportError):
                 await asyncio.wait_for(pending, 10)
             await asyncio.sleep(0.2)
-        assert _fds() <= start + 1, (start, _fds(), sorted(os.listdir("/proc/self/fd")))
+        assert len(open_fds()) <= start + 1, (start, open_fds())
     finally:
         b.kill()

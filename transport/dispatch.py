@@ -20,7 +20,7 @@ import msgspec
 
 from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError
 from .flight_recorder import OpState
-from .loop_reads import LOOP_DATA_MAX
+from .loop_reads import loop_takes
 from .planes import SendingChannel, link_refusal
 from .wire import (
     Ack,
@@ -74,7 +74,7 @@ class Dispatcher:
         self.target = target
         self.ops = ops
         self.reads = reads  # who reads the socket between frames (None: always this thread)
-        self.last_data = 0  # payload bytes of the last get reply received (staged: more than LOOP_DATA_MAX)
+        self.last_data_loops = False  # whether the loop would have taken the last get reply received itself
 
     def read_loop(self) -> None:
         """The reader thread's body: frames until the channel is no longer open or its socket fails."""
@@ -90,8 +90,7 @@ class Dispatcher:
                     self.dispatch(msg)
                     # (a get reply the loop could not have taken whole does not hand the reads back at once:
                     # back-to-back large gets keep them on the thread, which receives their payloads)
-                    reads.thread_read(isinstance(msg, (Ack, Fail))
-                                      or (isinstance(msg, Data) and self.last_data <= LOOP_DATA_MAX))
+                    reads.thread_read(isinstance(msg, (Ack, Fail)) or (isinstance(msg, Data) and self.last_data_loops))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
             self._fail_serving(exc)
             if self.ch.is_open:
@@ -166,7 +165,7 @@ class Dispatcher:
             op = self.ops.pending.get(msg.op_id)
         if op is None or op.dests is None:
             raise ProtocolError(f"data for unknown get #{msg.op_id}")
-        self.last_data = sum(len(d) if isinstance(d, memoryview) else LOOP_DATA_MAX + 1 for d in op.dests)
+        self.last_data_loops = loop_takes(op.dests)
         error = self.target.receive(op.dests, op)
         self.ops.pop(msg.op_id)
         self.ops.settle_from_thread(op, error)

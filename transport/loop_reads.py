@@ -53,6 +53,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -61,7 +62,7 @@ from .errors import ERROR_KINDS, RemoteError
 from .receiver import READ_AHEAD, RX_POLL_S, Receiver
 from .wire import Ack, Data, Fail, Ping, decode
 
-__all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled"]
+__all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled", "loop_takes"]
 
 log = logging.getLogger("transport.channel")
 
@@ -69,6 +70,17 @@ WATCH_S = 0.02  # while the loop reads: how often the thread checks that it stil
 STALL_S = 0.02  # bytes left unread this long while the loop owns the reads: the thread takes them back
 HOLD_S = 0.005  # the thread keeps reading after a frame that was its own until none came for this long
 LOOP_DATA_MAX = READ_AHEAD - 4096  # the largest get reply payload the loop takes (whole, from the read-ahead)
+
+
+def loop_takes(dests: Sequence[object]) -> bool:
+    """Whether the loop takes a get's reply into ``dests`` itself: CPU byte views (not a staged
+    get's tensors) of at most :data:`LOOP_DATA_MAX` bytes in all."""
+    total = 0
+    for d in dests:
+        if type(d) is not memoryview:
+            return False
+        total += len(d)
+    return total <= LOOP_DATA_MAX
 
 
 def enabled() -> bool:
@@ -335,11 +347,11 @@ class LoopReads:
         (on this loop) gets nothing written: its bytes are stepped over."""
         op = self.ops.pending.get(msg.op_id)
         dests = None if op is None else op.dests
-        if op is None or dests is None or any(type(d) is not memoryview for d in dests):
-            self._hand_back("")
+        if op is None or dests is None or not loop_takes(dests):
+            self._hand_back("")  # (the thread's: unknown, staged, or larger than the read-ahead)
             return False
         nbytes = sum(len(d) for d in dests)
-        payload = self.rx.peek_payload(nbytes) if nbytes <= LOOP_DATA_MAX else False
+        payload = self.rx.peek_payload(nbytes)
         if payload is False:
             self._hand_back("a get reply larger than the read-ahead")
             return False
