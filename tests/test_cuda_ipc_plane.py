@@ -577,7 +577,7 @@ def test_a_slot_table_that_cannot_be_opened_keeps_the_header_path(caplog):
         assert isinstance(guard.stale, transport.StaleBufferError)
         with pytest.raises(transport.StaleBufferError):
             slots.guard(["w"], [live])
-        assert not slots.peer_exited(table.inode)
+        assert not guard.view.owner_exited()  # (this process: alive)
     finally:
         slots.close()
         table.close()

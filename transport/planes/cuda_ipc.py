@@ -295,14 +295,13 @@ class CudaIpcPlane(DataPlane):
         if guard is None:
             return ids, False
         guard.over()  # (done already by the last copy's completion; idempotent)
-        if guard.stale is not None:  # the peer took a buffer back while the copy ran (it did not wait for us)
+        # the peer took a buffer back while the copy ran (it did not wait for us), or it exited (before the channel
+        # noticed: our mapping kept its memory)
+        if guard.stale is not None:
             raise guard.stale
         if not self.channel.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere
             raise PeerLostError(f"{op.kind.value} #{op.op_id}: the channel to {self.channel.peer_name!r} closed while "
                                 f"its cuda_ipc copy ran: {self.channel.error}")
-        if self._slots.peer_exited(used[0].table_inode):  # (dead before the channel noticed: our mapping kept its memory)
-            raise PeerLostError(f"{op.kind.value} #{op.op_id}: {self.channel.peer_name!r} exited while its cuda_ipc "
-                                "copy ran")
         return ids, True
 
     async def _await_marks(self, op: Op, marks: Any) -> None:

@@ -7,8 +7,6 @@ thread is first to notice."""
 from __future__ import annotations
 
 import logging
-import os
-import select
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -63,7 +61,8 @@ class SlotGuard:
     """One one-sided op's shared locks on the peer's export words: taken (and checked) before its
     copies are issued; checked again and released exactly once when the last of its copies is
     over (:meth:`over`, on whichever thread notices, before the op's waiter resumes) or when
-    nothing was issued. ``stale``: the second check's failure, raised by the op (``wrote``: the
+    nothing was issued. ``stale``: the second check's failure (the export taken back, or the peer's
+    process gone: :meth:`TableView.check`), raised by the op (``wrote``: the
     copies wrote the peer's memory: a put; then that error says it must not be retried)."""
 
     __slots__ = ("_done", "_lock", "slots", "stale", "view", "wrote")
@@ -71,7 +70,7 @@ class SlotGuard:
     def __init__(self, view: TableView, slots: list[tuple[int, int]], names: list[str], wrote: bool = False) -> None:
         view.enter(slots, names)  # raises StaleBufferError / BufferMismatchError: nothing held then
         self.view, self.slots, self.wrote = view, slots, wrote
-        self.stale: StaleBufferError | None = None
+        self.stale: StaleBufferError | PeerLostError | None = None
         self._lock = threading.Lock()
         self._done = False
 
@@ -82,20 +81,20 @@ class SlotGuard:
             self._done = True
         try:
             self.view.check(self.slots, self.wrote)
-        except StaleBufferError as exc:
+        except (StaleBufferError, PeerLostError) as exc:
             self.stale = exc
         finally:
             self.view.leave([s for s, _ in self.slots])
 
 
 class PeerSlots:
-    """One channel's view of the peer's slot tables (by inode), each with a pidfd of its owner.
+    """One channel's view of the peer's slot tables (by inode), each with a pidfd of its owner
+    (:meth:`TableView.owner_exited`).
     Thread-safe."""
 
     def __init__(self, plane: str, peer: str) -> None:
         self.plane, self.peer = plane, peer
         self._tables: dict[int, TableView] = {}
-        self._pidfds: dict[int, int] = {}  # its owner's death ends a copy's "done"
         self._unusable: set[int] = set()  # tables this process cannot open: their ops keep the header
         self._lock = threading.Lock()
         self._closed = False
@@ -129,40 +128,23 @@ class PeerSlots:
             log.warning("%s: the slot table of %r cannot be opened (%s): puts and gets to it keep their round trip",
                         self.plane, self.peer, exc)
             return None
-        try:
-            pidfd: int | None = os.pidfd_open(h.pid)
-        except (AttributeError, OSError):  # (no pidfd: a peer's death is then seen by the channel only)
-            pidfd = None
         with self._lock:
             have = self._tables.get(h.table_inode)
             if self._closed or have is not None:  # (closed meanwhile, or another op opened it first)
                 view.close()
-                if pidfd is not None:
-                    os.close(pidfd)
                 if have is None:
                     raise PeerLostError(f"channel to {self.peer!r} is closed")
                 return have
             self._tables[h.table_inode] = view
-            if pidfd is not None:
-                self._pidfds[h.table_inode] = pidfd
         return view
 
-    def peer_exited(self, inode: int) -> bool:
-        """Whether the process owning table ``inode`` has exited (its pidfd is readable)."""
-        with self._lock:  # (so close() cannot close the descriptor under the poll)
-            pidfd = self._pidfds.get(inode)
-            return pidfd is not None and bool(select.select([pidfd], [], [], 0)[0])
-
     def close(self) -> None:
-        """Close every table (this process's locks on it go with it) and pidfd."""
+        """Close every table (this process's locks on it, and its owner's pidfd, go with it)."""
         with self._lock:
             self._closed = True
             tables, self._tables = list(self._tables.values()), {}
-            pidfds, self._pidfds = list(self._pidfds.values()), {}
         for view in tables:
             view.close()
-        for fd in pidfds:
-            os.close(fd)
 
 
 class _Mappings(Protocol):

@@ -12,7 +12,9 @@ per target endpoint, its *slot table*:
   in the export's :class:`~transport.wire.ShmHandle`.
 - The initiator takes a shared open-file-description lock (``F_OFD_SETLK``, ``F_RDLCK``) on the
   slot's 8 bytes, checks that the word is the export id it was told, copies, checks the word
-  again, and unlocks. A lock it cannot get at once means the target is revoking the export right
+  again and that the table's owner has not exited (a pidfd, opened with the table: a peer
+  killed before its channel read the EOF still has its memory kept by our mapping; the op
+  then fails with :class:`~transport.errors.PeerLostError`), and unlocks. A lock it cannot get at once means the target is revoking the export right
   now: the op fails with :class:`~transport.errors.StaleBufferError` (the endpoint refreshes its
   copy of the peer's registry and retries once, as for a stale header).
 - The target revokes an export (unregister, re-register, close) by taking the exclusive lock on
@@ -35,6 +37,7 @@ import fcntl
 import logging
 import mmap
 import os
+import select
 import struct
 import threading
 import time
@@ -108,6 +111,24 @@ def one_sided_feature() -> dict[str, tuple[bool, str]]:
     ok, why = ofd_locks_work()
     return {"one_sided": (ok, f"puts without a notification, and gets, need no round trip ({why})" if ok else
                           f"every put and get keeps its round trip: {why}")}
+
+
+_NO_PIDFD: list[str] = []  # why pidfds are missing here (logged once)
+
+
+def _pidfd_of(pid: int) -> int:
+    """A pidfd of ``pid`` (-1 where pidfds are missing: logged once). :class:`PeerLostError` if
+    the process is gone."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError as exc:
+        raise PeerLostError(f"the peer's process {pid} has exited") from exc
+    except (AttributeError, OSError) as exc:
+        if not _NO_PIDFD:
+            _NO_PIDFD.append(str(exc))
+            log.warning("no pidfd here (%s): a one-sided op into a peer that died before its channel noticed "
+                        "can be reported done", exc)
+        return -1
 
 
 _PROBE: tuple[bool, str] | None = None
@@ -294,10 +315,18 @@ class TableView:
 
     def __init__(self, pid: int, fd: int, inode: int, plane: str = "shm") -> None:
         self.plane = plane  # (the plane named in errors)
+        self.fd = self._pidfd = -1
+        # the owner's pidfd, opened before its table: once the table's inode is checked, the pidfd is
+        # known to be that of the process that owns it (not of a later one given the same pid)
+        self._pidfd = _pidfd_of(pid)
+        self._poll = select.poll()
+        if self._pidfd >= 0:
+            self._poll.register(self._pidfd, select.POLLIN)
         path = f"/proc/{pid}/fd/{fd}"
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
+            self._close_pidfd()
             raise StaleBufferError(f"{self.plane}: cannot open the peer's slot table {path}: {exc}") from exc
         try:
             st = os.fstat(self.fd)
@@ -307,6 +336,7 @@ class TableView:
             self._mm = mmap.mmap(self.fd, SLOTS * 8, mmap.MAP_SHARED, mmap.PROT_READ)
         except BaseException:
             os.close(self.fd)
+            self._close_pidfd()
             raise
         self.inode = inode
         self._held: dict[int, int] = {}  # slot -> ops of this process holding its shared lock
@@ -369,12 +399,19 @@ class TableView:
         """With the locks held, after the copy: every word still holds its export (else the peer
         took the buffer back without waiting for us: :class:`StaleBufferError`; ``wrote``: the
         copy wrote the peer's memory, so its bytes may have gone to memory the peer reused, and
-        the error says the op must not be retried: ``retry_safe`` False)."""
+        the error says the op must not be retried: ``retry_safe`` False), and the peer's process
+        has not exited (:meth:`owner_exited`; else :class:`PeerLostError`: it died before its
+        channel noticed, and its memory, kept by our mapping, is nobody's)."""
         for slot, export_id in slots:
-            self.check1(slot, export_id, wrote)
+            self._check_word(slot, export_id, wrote)
+        self._check_owner()
 
     def check1(self, slot: int, export_id: int, wrote: bool = False) -> None:
         """:meth:`check` for one slot."""
+        self._check_word(slot, export_id, wrote)
+        self._check_owner()
+
+    def _check_word(self, slot: int, export_id: int, wrote: bool) -> None:
         if _WORD.unpack_from(self._mm, slot * 8)[0] != export_id:
             exc = StaleBufferError(f"{self.plane}: export {export_id} was taken back by the peer while the copy ran "
                                    "(the peer did not wait for it: frozen or slow here)"
@@ -382,6 +419,11 @@ class TableView:
                                       if wrote else ""))
             exc.retry_safe = not wrote
             raise exc
+
+    def _check_owner(self) -> None:
+        if self.owner_exited():
+            raise PeerLostError(f"{self.plane}: the peer's process has exited (before its channel noticed): the "
+                                "op's bytes went nowhere")
 
     def leave(self, slots: list[int]) -> None:
         """Drop this op's hold of each slot's shared lock (the last holder in this process unlocks;
@@ -411,16 +453,33 @@ class TableView:
             if self.fd >= 0:
                 _lock(self.fd, fcntl.F_UNLCK, slot)
 
+    def owner_exited(self) -> bool:
+        """Whether the process that owns the table has exited (its pidfd is readable): called after
+        a copy, so that an op into (or out of) the memory of a peer that died before the channel
+        noticed is not reported done. False where pidfds are missing (Linux < 5.3, or refused by a
+        seccomp filter: logged once; a peer's death is then seen by the channel only). Never
+        waits (one ``poll`` with no timeout)."""
+        with self._lock:  # (one poll() at a time per poll object; close() cannot close the pidfd under it)
+            return self._pidfd >= 0 and bool(self._poll.poll(0))
+
+    def _close_pidfd(self) -> None:
+        fd, self._pidfd = self._pidfd, -1
+        if fd >= 0:
+            os.close(fd)
+
     def close(self) -> None:
         with self._lock:
             if self.fd >= 0:
                 os.close(self.fd)  # (drops every lock of this open file description)
                 self.fd = -1
+            self._close_pidfd()
 
-    def __del__(self) -> None:  # (a view dropped without close(): its descriptor goes with it)
-        fd, self.fd = getattr(self, "fd", -1), -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    def __del__(self) -> None:  # (a view dropped without close(): its descriptors go with it)
+        for attr in ("fd", "_pidfd"):
+            fd = getattr(self, attr, -1)
+            setattr(self, attr, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
