@@ -351,11 +351,11 @@ class LoopReads:
             self._hand_back("")  # (the thread's: unknown, staged, or larger than the read-ahead)
             return False
         nbytes = sum(len(d) for d in dests)
-        payload = self.rx.peek_payload(nbytes)
-        if payload is False:
+        if not self.rx.payload_fits(nbytes):
             self._hand_back("a get reply larger than the read-ahead")
             return False
-        if payload is True:
+        payload = self.rx.peek_payload(nbytes)
+        if payload is None:  # (not whole yet: the selector calls again as the rest arrives)
             return False
         if not op.abandoned:
             off = 0

@@ -153,16 +153,20 @@ class Receiver:
         (n,) = _LEN.unpack_from(self._buf, self._start)
         return 4 + n <= READ_AHEAD
 
-    def peek_payload(self, nbytes: int) -> memoryview | bool:
+    def payload_fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` of payload behind the frame :meth:`peek_frame` returned could be
+        buffered whole with it (else only the thread's :meth:`recv_into` can take them)."""
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        return 4 + n + nbytes <= READ_AHEAD
+
+    def peek_payload(self, nbytes: int) -> memoryview | None:
         """The ``nbytes`` of payload behind the frame :meth:`peek_frame` returned, if they are
-        buffered whole (valid until the next read); True if they are not yet but could be
-        (frame and payload fit in the buffer), False if they never could."""
+        buffered whole (valid until the next read); None if not yet (ask :meth:`payload_fits`
+        first: one that does not fit never will be)."""
         (n,) = _LEN.unpack_from(self._buf, self._start)
         s = self._start + 4 + n
-        if 4 + n + nbytes > READ_AHEAD:
-            return False
         if self._end - s < nbytes:
-            return True
+            return None
         return self._view[s : s + nbytes]
 
     def consume_frame(self, payload: int = 0) -> None:
