@@ -8,18 +8,25 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-__all__ = ["InOrder"]
+__all__ = ["REPLY_EXPECTED", "InOrder"]
+
+REPLY_EXPECTED = True  # (see InOrder)
 
 
 class _Posting(Protocol):
-    def post_nowait(self, peer: str, payload: bytes) -> bool: ...
+    def post_nowait(self, peer: str, payload: bytes, *, reply_expected: bool = False) -> bool: ...
 
 
 class InOrder:
     """Messages to each peer in the order they are given: :meth:`now` posts one right away
     (``Endpoint.post_nowait``) while no earlier message to that peer still waits in a task
     registered with :meth:`behind`; otherwise (or where the transport cannot post at once) the
-    caller posts it in a task of its own and registers it, and later ones wait behind it."""
+    caller posts it in a task of its own and registers it, and later ones wait behind it.
+
+    Every message of rl_sync is answered by one of the peer's (a Reply, or the publisher's next
+    push), so each is posted with ``reply_expected`` (:meth:`transport.Endpoint.post`): the event
+    loop reads the answer off the channel itself, one thread wake-up less per hop. Tasks that
+    post one pass :data:`REPLY_EXPECTED` on."""
 
     def __init__(self, endpoint: _Posting) -> None:
         self._ep = endpoint
@@ -28,7 +35,7 @@ class InOrder:
     def now(self, peer: str, payload: bytes) -> bool:
         """Post ``payload`` to ``peer`` at once if that keeps the order; False: nothing sent, post it
         in a task and pass that to :meth:`behind`. Raises what ``post_nowait`` raises."""
-        return not self._waiting.get(peer) and self._ep.post_nowait(peer, payload)
+        return not self._waiting.get(peer) and self._ep.post_nowait(peer, payload, reply_expected=REPLY_EXPECTED)
 
     def behind(self, peer: str, task: asyncio.Task[Any]) -> None:
         """``task`` posts a message to ``peer``: later ones wait until it is done (a done callback,

@@ -24,7 +24,7 @@ from . import messages as m
 from .device import Copier
 from .errors import CommitTimeoutError, SubscriberRejectedError
 from .plan import arena_name
-from .posting import InOrder
+from .posting import REPLY_EXPECTED, InOrder
 from .push_state import Group, Publisher, Pull, Target, rejection
 from .report import PushEvent
 
@@ -305,7 +305,8 @@ class PushTracker:
 
         async def send() -> None:
             try:
-                await self.ep.post(t.name, payload, timeout=limit)  # (answered by its Reply, not an Ack)
+                await self.ep.post(t.name, payload, timeout=limit,  # (answered by its Reply, not an Ack)
+                                   reply_expected=REPLY_EXPECTED)
                 sent()
             except transport.TransportTimeoutError as exc:
                 if not best_effort and t.alive:  # (it ran into the push's deadline)

@@ -48,7 +48,7 @@ from .plan import (
     make_buckets,
     plan_hash,
 )
-from .posting import InOrder
+from .posting import REPLY_EXPECTED, InOrder
 from .rwlock import RWLock
 from .weights import live_tensors, repoint, shared_memory
 
@@ -466,7 +466,7 @@ class WeightSubscriber(Holding):
 
         async def send() -> None:
             try:
-                await self.endpoint.post(peer, payload)
+                await self.endpoint.post(peer, payload, reply_expected=REPLY_EXPECTED)
             except transport.TransportError as exc:
                 log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
 

@@ -306,6 +306,11 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             peer, payload = args
             await ep.notify(peer, payload)
             return None
+        if cmd == "post":  # posted notifications (nothing answers them), in order
+            peer, payloads = args
+            for payload in payloads:
+                await ep.post(peer, payload)
+            return None
         if cmd == "dump":
             return str(ep.dump_flight_recorder(args[0]))
         if cmd == "store_url":

@@ -10,6 +10,8 @@ What must hold:
 - a get's reply (its Data and payload) is read and written into the caller's tensor on the loop
   when it fits the read-ahead, handed to the thread when it does not: exact bytes at every size
   around that limit, and a get cancelled at any point writes nothing once its cancellation returned;
+- the peer's posts, once we posted to it with ``reply_expected`` (a request answered by a post),
+  are read and delivered on the loop too, on tcp and same-host channels, in order, none lost;
 - closing an endpoint while its loop owns the reads leaves no descriptor behind.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import threading
 import time
 
@@ -61,6 +64,126 @@ async def test_answers_are_read_on_the_loop_with_few_handovers(store_url, uname,
             assert b.call("check", "x", 7)
     finally:
         b.kill()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("planes", [("tcp",), None], ids=["tcp", "same-host-default"])
+@pytest.mark.parametrize("expected", [True, False], ids=["reply-expected", "plain"])
+async def test_posts_answered_by_posts_are_read_on_the_loop(store_url, uname, monkeypatch, planes, expected):
+    """Requests and answers as posts (rl_sync's pattern): once we posted to B with
+    ``reply_expected``, our loop reads B's posts itself and delivers them without the reader
+    thread; so do same-host channels with the default planes (shm, and cuda_ipc's unmap acks).
+    A plain post leaves B's frames to the thread. Every post arrives once and in order, whoever
+    read it, and a notification B asks us to acknowledge (notify) is answered from the loop."""
+    monkeypatch.setattr(loop_reads, "STALL_S", 0.5)
+    monkeypatch.setattr(loop_reads, "WATCH_S", 0.5)
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=planes, timeout=10)
+    try:
+        async with transport.Endpoint(uname("a"), store=store_url, planes=planes, timeout=10) as ep:
+            await ep.connect(b.name)
+            await asyncio.to_thread(b.call, "connect", ep.name)
+
+            def loop_frames() -> int:
+                return sum(ch.reads.loop_frames for ch in ep._connector.all
+                           if ch.peer_name == b.name and ch.reads is not None)
+
+            assert _reads(ep, b.name) is not None
+            before = loop_frames()
+            rounds = 60
+            for i in range(rounds):
+                await ep.post(b.name, b"q%d" % i, reply_expected=expected)  # (B answers by itself: b.call below)
+                await asyncio.to_thread(b.call, "post", ep.name, [b"a%d.0" % i, b"a%d.1" % i])
+                for k in range(2):
+                    note = await ep.next_notification(timeout=10)
+                    assert (note.peer, note.payload) == (b.name, b"a%d.%d" % (i, k))
+            taken = loop_frames() - before
+            if expected:
+                assert taken >= rounds, (taken, rounds)  # (most of the 120: a hand-over at the start, a Ping or two)
+            else:
+                assert taken == 0, taken
+            await asyncio.to_thread(b.call, "notify", ep.name, b"answered")  # returns once our Ack came
+            assert (await ep.next_notification(timeout=10)).payload == b"answered"
+            got = await asyncio.to_thread(b.call, "notifications", rounds, 10)
+            assert [p for _, p in got] == [b"q%d" % i for i in range(rounds)]
+    finally:
+        b.kill()
+
+
+@pytest.mark.timeout(120)
+async def test_posts_beyond_a_full_queue_wait_in_order_without_a_hand_over_each(store_url, uname, monkeypatch):
+    """Our queue of notifications holds 8; B posts 200 while we read none (after we posted to B:
+    our loop wants the reads). The ones the loop cannot queue go to the reader thread, which waits
+    for room (back-pressure): all 200 then arrive in order, and the reads do not change hands per
+    notification meanwhile."""
+    monkeypatch.setattr(loop_reads, "STALL_S", 0.5)
+    monkeypatch.setattr(loop_reads, "WATCH_S", 0.5)
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10,
+                                      max_pending_notifications=8) as ep:
+            await ep.connect(b.name)
+            await asyncio.to_thread(b.call, "connect", ep.name)
+            await ep.post(b.name, b"go", reply_expected=True)
+            reads = _reads(ep, b.name)
+            before = reads.handovers
+            n = 200
+            sender = asyncio.ensure_future(asyncio.to_thread(b.call, "post", ep.name, [b"p%d" % i for i in range(n)]))
+            await asyncio.sleep(1.0)  # (reading nothing: the queue fills, the rest waits in the socket)
+            for i in range(n):
+                note = await ep.next_notification(timeout=10)
+                assert note.payload == b"p%d" % i, (i, note.payload)
+                if i % 50 == 0:
+                    await ep.post(b.name, b"more", reply_expected=True)  # (we keep wanting the reads)
+            await asyncio.wait_for(sender, 20)
+            assert reads.handovers - before <= 20, reads.handovers - before
+    finally:
+        b.kill()
+
+
+class _FailingSends:
+    """A channel socket whose sends fail with ETIMEDOUT once ``fail`` is set (what a keepalive or
+    TCP user timeout raises): the rest is the real socket."""
+
+    def __init__(self, sock) -> None:
+        self._sock, self.fail = sock, False
+
+    def sendmsg(self, *args, **kwargs):
+        if self.fail:
+            raise OSError(errno.ETIMEDOUT, "ETIMEDOUT (injected)")
+        return self._sock.sendmsg(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+@pytest.mark.timeout(60)
+async def test_an_ack_the_loop_cannot_send_breaks_the_channel_without_a_hang(store_url, uname, monkeypatch):
+    """The loop reads B's notify (we posted to B with reply_expected) and answers it; the answer's
+    send fails (ETIMEDOUT): the channel breaks (B's notify fails typed) and our loop goes on. The
+    send must not run under the reads' lock, which breaking the channel takes (a deadlock that
+    froze the loop and the reader thread, found by a review)."""
+    monkeypatch.setattr(loop_reads, "STALL_S", 5.0)
+    monkeypatch.setattr(loop_reads, "WATCH_S", 5.0)
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=5) as a, \
+            transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), timeout=5) as b:
+        await a.connect(b.name)
+        await b.connect(a.name)
+        ch = a._channels[b.name]
+        assert b._channels[a.name].id == ch.id  # (one channel both ways)
+        await a.post(b.name, b"hello", reply_expected=True)
+        deadline = time.monotonic() + 5
+        while not (ch.reads.owner is Owner.LOOP and ch.reads._armed == ch.reads._gen):
+            assert time.monotonic() < deadline, "the loop never took the reads"
+            await asyncio.sleep(0.01)
+        failing = _FailingSends(ch._tx._sock)
+        ch._tx._sock = failing
+        failing.fail = True
+        t0 = time.monotonic()
+        with pytest.raises((transport.PeerLostError, transport.TransportTimeoutError)):
+            await b.notify(a.name, b"x", timeout=3)
+        assert (await a.next_notification(timeout=5)).payload == b"x"  # (delivered before its answer failed)
+        assert not ch.is_open
+        assert time.monotonic() - t0 < 8.0, "the loop was frozen"
 
 
 @pytest.mark.timeout(120)

@@ -250,9 +250,9 @@ class BlockingEndpoint:
         """See :meth:`Endpoint.notify`."""
         self._call(self._ep.notify(peer, payload, timeout=timeout), timeout)
 
-    def post(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+    def post(self, peer: str, payload: bytes, *, timeout: float | None = None, reply_expected: bool = False) -> None:
         """See :meth:`Endpoint.post`."""
-        self._call(self._ep.post(peer, payload, timeout=timeout), timeout)
+        self._call(self._ep.post(peer, payload, timeout=timeout, reply_expected=reply_expected), timeout)
 
     def next_notification(self, timeout: float | None = None) -> Notification:
         """See :meth:`Endpoint.next_notification`."""

@@ -113,7 +113,7 @@ class CoreProtocol(Protocol):
     def exporter(self, plane: str) -> Exporter | None: ...  # a plane's exporter (None: not allowed, exports nothing)
 
     def unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
-    def deliver(self, note: Notification, ch: Channel) -> bool: ...  # reader thread; blocks while the queue is full
+    def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool: ...  # reader thread (blocks) or loop
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
     def on_timeout(self, ch: Channel, op: Op, exc: TransportTimeoutError) -> None: ...  # event loop
@@ -166,8 +166,7 @@ class Channel:
         self.incarnation = remote.incarnation
         self.host: HostInfo = remote.host
         self.remote_planes: tuple[str, ...] = tuple(remote.planes)
-        # a same-host peer that may map our exports confirms each registry update (Unmapped): the
-        # owner of an unregistered export holds its memory until it did (transport.planes.needs_unmap_acks)
+        # a same-host peer that may map our exports confirms registry updates (planes.needs_unmap_acks)
         here = local_host()
         self.unmap_acks = needs_unmap_acks(core.planes, self.remote_planes,
                                          same_host(here, remote.host)[0] and here.pid != remote.host.pid)
@@ -194,10 +193,10 @@ class Channel:
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
-        # while ops of ours wait here, the loop reads their answers itself (transport.loop_reads), where
-        # the channel's plane allows it (DataPlane.answers_on_loop) and no unmap acks flow
-        loop_reads = loop_reads_enabled() and self.plane.answers_on_loop and not self.unmap_acks
-        self.reads: LoopReads | None = LoopReads(self, sock, self._rx, self.ops) if loop_reads else None
+        # the loop reads its ops' answers (and posts) itself (loop_reads), where the plane allows, no unmap acks
+        loop_reads = loop_reads_enabled() and self.plane.answers_on_loop
+        self.reads: LoopReads | None = (LoopReads(self, sock, self._rx, self.ops, self._target.serve_notify_here)
+                                        if loop_reads else None)
         self._frames = Dispatcher(self, self._rx, self._target, self.ops, self.reads)  # the reader thread's frames
         self._reader = threading.Thread(target=self._frames.read_loop, name=f"transport-rx-{self.peer_name}",
                                         daemon=True)
@@ -215,9 +214,9 @@ class Channel:
     def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane | None = None, *,
                answered: bool = True) -> Op:
         """Allocate an op (event loop) that moves its bytes over ``plane`` (default: the channel's);
-        ``answered`` False: the peer answers nothing (a posted notification), so the loop does not
-        ask for the socket's reads (:mod:`transport.loop_reads`). Raises :class:`PeerLostError` if
-        the channel is down."""
+        ``answered`` False: no answer is expected (a posted notification, an op its plane may finish
+        on this side alone), so the loop does not ask for the socket's reads (:mod:`transport.loop_reads`).
+        Raises :class:`PeerLostError` if the channel is down."""
         plane = plane or self.plane
         if not self.is_open:
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
@@ -386,13 +385,15 @@ class Channel:
         the event loop): :meth:`~transport.op_table.OpTable.hold_order`."""
         return self.ops.hold_order()
 
-    def post_here(self, payload: bytes) -> None:
+    def post_here(self, payload: bytes, reply_expected: bool = False) -> None:
         """Event loop: send ``payload`` as a notification nothing answers, right now (nothing of
         the channel is held back: :meth:`in_order_now`), recorded in the flight recorder as done
         (or failed) in one step (:meth:`~transport.op_table.OpTable.post_here`). Raises
-        :class:`PeerLostError` if the channel is down."""
+        :class:`PeerLostError` if the channel is down. ``reply_expected``: the loop asks for the reads."""
         self.ops.post_here(lambda op_id, seq: self.send(Notify(op_id, seq, bytes(payload), False)), len(payload),
                            self.plane.name)
+        if self.reads is not None and reply_expected:
+            self.reads.want_replies()
 
     def finish_here(self, op: Op) -> None:
         """Event loop: ``op`` completed on this side alone (a one-sided shm put or get): it leaves

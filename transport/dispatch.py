@@ -90,7 +90,8 @@ class Dispatcher:
                     self.dispatch(msg)
                     # (a get reply the loop could not have taken whole does not hand the reads back at once:
                     # back-to-back large gets keep them on the thread, which receives their payloads)
-                    reads.thread_read(isinstance(msg, (Ack, Fail)) or (isinstance(msg, Data) and self.last_data_loops))
+                    reads.thread_read(isinstance(msg, (Ack, Fail, Notify))
+                                      or (isinstance(msg, Data) and self.last_data_loops))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
             self._fail_serving(exc)
             if self.ch.is_open:

@@ -454,11 +454,12 @@ class Endpoint(Operations):
             self._exports.tick()
 
     # ------------------------------------------------------------------ notifications
-    def deliver(self, note: Notification, ch: Channel) -> bool:
+    def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool:
         """Channel reader threads hand notifications over here; blocks while the queue is full
         (back-pressure: the channel reads nothing meanwhile). False if the endpoint or the
-        channel closed while waiting (the op is then not acknowledged)."""
-        return self._inbox.deliver(note, ch)
+        channel closed while waiting (the op is then not acknowledged). ``here``: from the event
+        loop (its reads), never blocks: False at once if the queue is full (``Inbox.deliver_here``)."""
+        return self._inbox.deliver_here(note) if here else self._inbox.deliver(note, ch)
 
     def on_notification(self, callback: Callable[[Notification], Any] | None, *, prefix: bytes = b"") -> None:
         """Call ``callback(note)`` on the event loop for each notification instead of queueing it.

@@ -88,6 +88,17 @@ class Inbox:
         return True
 
     # ---------------------------------------------------------------- event loop
+    def deliver_here(self, note: Notification) -> bool:
+        """:meth:`deliver` from the event loop itself (it read the notification: a channel's
+        ``LoopReads``): queued on the loop behind what the reader threads delivered before, without
+        a thread's wake-up. False, nothing done, if the queue is full (the caller leaves the
+        notification to the reader thread, which waits for room)."""
+        if not self._room.acquire(blocking=False):
+            return False
+        assert self._loop is not None
+        self._loop.call_soon(self._enqueue, note)
+        return True
+
     def _enqueue(self, note: Notification) -> None:
         callback = self._route(note.payload)
         if callback is not None:

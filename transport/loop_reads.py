@@ -2,25 +2,28 @@
 
 Without this, the answer to an op (an ``Ack``) wakes the channel's reader thread, which parses it
 and wakes the event loop (``call_soon_threadsafe``): two wake-ups on the op's critical path, each
-50-180 us on a loaded VM. While the loop has ops of its own waiting on a channel, it reads that
-channel's socket itself (``add_reader``), and settles the ops whose answers it finds: one wake-up.
+50-180 us on a loaded VM. While the loop has ops of its own waiting on a channel, or posted to
+the peer (most often answered by a post of the peer's: rl_sync's requests and replies), it reads
+that channel's socket itself (``add_reader``), settles the ops whose answers it finds and delivers
+the peer's notifications itself: one wake-up.
 
 Only the thread serves the peer's ops (the target's half never depends on the application's loop),
 and only one of them reads at a time: :class:`LoopReads` hands the socket over at frame boundaries.
-A channel uses it only where a peer's registry update may wait for the loop (the ``tcp`` plane:
-its target checks each op against its registry as it serves it; see ``Channel.__init__``).
+A channel uses it only where a peer's registry update may wait for the loop (``tcp`` and ``shm``:
+every op is checked against the live export; see ``DataPlane.answers_on_loop``).
 
 Theory of operation (owner of the reads)::
 
     owner   event                                            next     effect
-    THREAD  the loop posts an op (wants replies)             THREAD   the thread is woken (wake pipe)
+    THREAD  the loop starts an op or posts (wants replies)   THREAD   the thread is woken (wake pipe)
     THREAD  the loop wants, no frame for HOLD_S (or the      LOOP     SO_RCVLOWAT 1; the loop add_reader()s
-            last was an answer to its op), the loop ran the
+            last was an answer to its op, or a Notify), the loop ran the
             last hand-over (it is not behind), and nothing
             handed back to the thread is left unread
     LOOP    Ack / Fail / Ping whole in the read-ahead; a     LOOP     consumed and handled on the loop
             get's Data into CPU tensors, with its payload
-            (frame and payload fit in the read-ahead)
+            (frame and payload fit in the read-ahead); a
+            Notify the endpoint's queue has room for
     LOOP    any other frame (a peer's op, a staged get's     THREAD   left unread for the thread; the loop
             Data or a larger one, a registry, a frame                 remove_reader()s and wakes the thread
             larger than the buffer), EOF
@@ -53,14 +56,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
 
 from .errors import ERROR_KINDS, RemoteError
 from .receiver import READ_AHEAD, RX_POLL_S, Receiver
-from .wire import Ack, Data, Fail, Ping, decode
+from .wire import Ack, Data, Fail, Notify, Ping, decode
 
 __all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled", "loop_takes"]
 
@@ -114,8 +117,10 @@ class LoopReads:
     """Who reads one channel's socket (see the module's theory of operation). The thread calls
     :meth:`wait_turn` and :meth:`thread_read`; the loop :meth:`want_replies` and :meth:`close`."""
 
-    def __init__(self, channel: _Channel, sock: socket.socket, rx: Receiver, ops: _Ops) -> None:
+    def __init__(self, channel: _Channel, sock: socket.socket, rx: Receiver, ops: _Ops,
+                 notify: Callable[[Notify], bool] | None = None) -> None:
         self.ch = channel
+        self._notify = notify  # serves a notification on the loop (False: it is the thread's)
         self.loop = channel.loop
         self.sock = sock
         self.rx = rx
@@ -184,7 +189,8 @@ class LoopReads:
 
     def thread_read(self, answer: bool = False) -> None:
         """Reader thread: it handled a frame; ``answer``: one the loop could have (an answer to
-        an op of ours: ``Ack``, ``Fail``, ``Data``)."""
+        an op of ours: ``Ack``, ``Fail``, ``Data``; or a notification, most often the answer to
+        one of our posts)."""
         self.thread_seen = time.monotonic()
         self._must_read = False
         self._answers_only = answer
@@ -326,6 +332,12 @@ class LoopReads:
                 elif isinstance(msg, Data):
                     if not self._take_data(msg):
                         return
+                elif isinstance(msg, Notify) and self._notify is not None:
+                    if not self._notify(msg):  # (the thread waits for room; no hand-over per frame meanwhile)
+                        self.want = bool(self.ops.pending)
+                        self._hand_back("a notification the loop cannot deliver (too large, or the queue is full)")
+                        return
+                    rx.consume_frame()
                 elif isinstance(msg, Fail) and self.ch.link is None:
                     rx.consume_frame()
                     op = self.ops.pop(msg.op_id)

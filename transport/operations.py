@@ -222,7 +222,8 @@ class Operations:
         """
         await self._notification(peer, payload, timeout, answer=True)
 
-    async def post(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+    async def post(self, peer: str, payload: bytes, *, timeout: float | None = None,
+                   reply_expected: bool = False) -> None:
         """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications without waiting for it to arrive.
 
         Returns once it is handed to the channel to ``peer`` (dialled first if none is open,
@@ -239,10 +240,18 @@ class Operations:
         (waiting to dial, or behind a staged op still waiting for the caller's CUDA work):
         not sent. Raises :class:`InvalidTensorError` for a payload that is not bytes or too
         large, :class:`PeerLostError` if the channel is broken, and what dialling raises.
-        """
-        await self._notification(peer, payload, timeout, answer=False)
 
-    def post_nowait(self, peer: str, payload: bytes) -> bool:
+        ``reply_expected``: ``peer`` answers with a post (or notification) of its own, which
+        this endpoint's event loop then reads off the channel and delivers itself, one thread
+        wake-up less on the answer's way (on ``tcp`` and ``shm`` channels: see
+        ``docs/architecture.md``, "answers read on the loop"). Meanwhile the peer's other
+        frames on that channel (its ops to us, its registry updates) go to the reader thread
+        once the loop meets them: at once while the loop is idle, within about 40 ms if it is
+        blocked by synchronous code. So set it where the loop awaits the answer.
+        """
+        await self._notification(peer, payload, timeout, answer=False, reply_expected=reply_expected)
+
+    def post_nowait(self, peer: str, payload: bytes, *, reply_expected: bool = False) -> bool:
         """:meth:`post` ``payload`` to ``peer`` right now, without a coroutine, if it can be: True
         once it is handed to the channel (the same guarantees as :meth:`post`: behind every frame
         already handed to the channel); False, with nothing sent, if no channel to ``peer`` is
@@ -253,22 +262,24 @@ class Operations:
         to ``peer`` behind it (a ``post_nowait`` made before the task ran would overtake it).
         Never blocks; call it on the endpoint's event loop. Raises :class:`InvalidTensorError`
         for a payload that is not bytes or too large, and :class:`PeerLostError` if the channel
-        broke just now."""
+        broke just now. ``reply_expected``: as for :meth:`post`."""
         _check_payload(payload)
         ch = self._open_channel(peer)
         if ch is None or not ch.in_order_now():
             return False
-        ch.post_here(payload)
+        ch.post_here(payload, reply_expected)
         return True
 
-    async def _notification(self, peer: str, payload: bytes, timeout: float | None, *, answer: bool) -> None:
+    async def _notification(self, peer: str, payload: bytes, timeout: float | None, *, answer: bool,
+                            reply_expected: bool = False) -> None:
         """:meth:`notify` (``answer``: wait for the peer's Ack) or :meth:`post` (done once handed over)."""
         _check_payload(payload)
         deadline = self._deadline(timeout)
-        if not answer and self.post_nowait(peer, payload):  # the common case: sent right here, no op object
+        if not answer and self.post_nowait(peer, payload, reply_expected=reply_expected):  # (no op object)
             return
         ch = await self._channel(peer, deadline)
-        op = ch.new_op(OpKind.NOTIFY if answer else OpKind.POST, [], len(payload), answered=answer)
+        op = ch.new_op(OpKind.NOTIFY if answer else OpKind.POST, [], len(payload),
+                       answered=answer or reply_expected)
 
         async def _send() -> None:
             if answer:

@@ -16,6 +16,7 @@ writing into the caller's tensors once the caller abandoned the op).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -57,6 +58,7 @@ class ServedChannel(SendingChannel, Protocol):
     :class:`~transport.planes.SendingChannel` (its ``core``: ``deliver()``, ``name``)."""
 
     id: str
+    loop: asyncio.AbstractEventLoop
     plane: Any  # the channel's CPU plane (its name)
     registry: Any  # the endpoint's LocalRegistry
     staging: Staging
@@ -386,6 +388,27 @@ class Serving:
             if op is not None:
                 op.quiet.set()
         return error
+
+    def serve_notify_here(self, msg: Notify) -> bool:
+        """:meth:`serve_notify` on the event loop, which read ``msg`` (``LoopReads``, under its
+        lock): delivered without the reader thread, recorded, and answered if asked, on the loop's
+        next turn (outside that lock: a send that fails breaks the channel, which wakes the
+        reader). False, nothing done, where it must be the thread's: too large (a protocol error),
+        or the endpoint's queue full (the thread waits for room: back-pressure). Never raises."""
+        if len(msg.payload) > MAX_NOTIFY or not self.ch.core.deliver(
+                Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch, here=True):
+            return False
+        self._done(self._target_record(msg, OpKind.NOTIFY if msg.answer else OpKind.POST, [], "control"))
+        if msg.answer:
+            self.ch.loop.call_soon(self._ack_here, msg.op_id)
+        return True
+
+    def _ack_here(self, op_id: int) -> None:
+        if self.ch.is_open:  # (closed meanwhile: the initiator's op fails with the channel)
+            try:
+                self.ch.send(Ack(op_id))
+            except TransportError:  # (broken just now: the same)
+                pass
 
     def serve_notify(self, msg: Notify) -> None:
         rec = self._target_record(msg, OpKind.NOTIFY if msg.answer else OpKind.POST, [], "control")

@@ -89,7 +89,8 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
                     place = ch.reserve()
                     await ch.sync_registry(deadline)
                     continue
-            op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane)
+            op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane,
+                           answered=not (here and plane.one_sided))  # (no answer to read if it is done here)
             mine, place = place, None  # (run consumes it)
             try:
                 await ch.run(op, lambda: start(plane, op, pairs), deadline, mine)  # noqa: B023

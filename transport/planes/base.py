@@ -183,11 +183,16 @@ class DataPlane(abc.ABC):
     #: False for a plane whose ``put``/``get`` may wait before handing the op to the channel (the
     #: staged path awaits the caller's CUDA work): the channel then keeps later ops behind it
     sends_at_once: ClassVar[bool] = True
-    #: True for a channel plane (a CPU plane) whose answers the event loop may read itself while
-    #: ops of its own wait (:mod:`transport.loop_reads`): only where a peer's registry update may
-    #: wait for our loop (tcp: its target checks each op against its registry as it serves it; not
-    #: planes whose copies into the peer's memory rely on the update being taken at once)
+    #: True for a channel plane (a CPU plane) whose answers, and the peer's posts, the event loop
+    #: may read itself while it waits for them (:mod:`transport.loop_reads`): the peer's registry
+    #: updates then reach the reader thread once the loop hands the reads back (at once when it
+    #: meets one; within the stall bound if the loop is busy), so only where every op is checked
+    #: against the live export whatever our copy of the registry says (tcp: the target checks its
+    #: registry as it serves each op; shm: the slot's word, or the header's export ids)
     answers_on_loop: ClassVar[bool] = False
+    #: True for a plane that may finish a put without a notification, or a get, on this side
+    #: alone (no message: ``shm``'s and ``cuda_ipc``'s slot words): the loop then expects no answer
+    one_sided: ClassVar[bool] = False
 
     def __init__(self, channel: ChannelPort) -> None:
         self.channel = channel

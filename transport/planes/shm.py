@@ -81,6 +81,7 @@ def _move(into_peer: bool, remote: int, t: torch.Tensor, n: int) -> None:
 class ShmPlane(DataPlane):
     name = "shm"
     inline_payload = False
+    answers_on_loop = True  # (a registry update left to the thread waits at most the stall bound: ops check words)
 
     def __init__(self, channel) -> None:
         super().__init__(channel)
