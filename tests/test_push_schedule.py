@@ -85,10 +85,11 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
         name = "pub"
         peers: dict[str, Any] = {}
 
-        def post_nowait(self, name: str, payload: bytes) -> bool:  # (no channel is ever open "right now" here)
-            return False
+        def post_nowait(self, name: str, payload: bytes, *, reply_expected: bool = False) -> bool:  # (no channel
+            return False  # is ever open "right now" here)
 
-        async def post(self, name: str, payload: bytes, timeout: float) -> None:  # (what PushRun sends with)
+        async def post(self, name: str, payload: bytes, timeout: float,  # (what PushRun sends with)
+                       reply_expected: bool = False) -> None:
             msg = m.decode(payload)
             if isinstance(msg, m.Commit) and subs[name].break_at_commit:
                 self.peers[name] = types.SimpleNamespace(incarnation=1, channel_id="c2")  # (redialled at once)
