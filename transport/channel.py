@@ -193,7 +193,7 @@ class Channel:
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
-        # the loop reads its ops' answers (and posts) itself (loop_reads), where the plane allows, no unmap acks
+        # the loop reads its ops' answers and the posts it expects itself (loop_reads), where the plane allows
         loop_reads = loop_reads_enabled() and self.plane.answers_on_loop
         self.reads: LoopReads | None = (LoopReads(self, sock, self._rx, self.ops, self._target.serve_notify_here)
                                         if loop_reads else None)
