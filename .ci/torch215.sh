@@ -21,16 +21,16 @@ echo "torch215: $(date -u +%FT%TZ) on $(nproc) cores, venv $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+PIP=(bash scripts/pip_install.sh "$VENV")  # tried again if a download breaks off
 # PIP_CONFIG_FILE=/dev/null: the public index as pip resolves it (a CPU or CUDA wheel, either is fine)
 if [ "$FULL" = 1 ]; then
   # everything the whole suite needs, as scripts/setup.sh installs it for the default venv (torch stays 2.15)
   PIP_CONFIG_FILE=/dev/null TORCH_SPEC=torch==2.15.0 PYTHON="$PYTHON" bash scripts/setup.sh "$VENV"
 else
-  PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install torch==2.15.0 msgspec numpy tqdm pytest pytest-asyncio \
+  PIP_CONFIG_FILE=/dev/null "${PIP[@]}" torch==2.15.0 msgspec numpy tqdm pytest pytest-asyncio \
     pytest-timeout hypothesis
   # the project itself, for its entry point; its other dependencies (cuda-python, NCCL) are not needed here
-  PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install --no-deps -e .
+  PIP_CONFIG_FILE=/dev/null "${PIP[@]}" --no-deps -e .
 fi
 "$VENV/bin/python" - <<'EOF'
 import torch

@@ -11,13 +11,14 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored: it is neither" || true
+# each install is tried again if the download breaks off, and fails the setup if it still fails
+PIP=(bash scripts/pip_install.sh "$VENV")
+"${PIP[@]}" --upgrade pip setuptools wheel
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "installing ${TORCH_SPEC:-torch==2.13.0} into $VENV"
-  "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored: it is neither" || true
+  "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
 echo "installing transport (editable) with its test tools, transformers and Ray into $VENV"
-"${PIP[@]}" install -e ".[test,dev,hf,ray]" 2>&1 | grep -v "is ignored: it is neither" || true
+"${PIP[@]}" -e ".[test,dev,hf,ray]"
 "$VENV/bin/python" -c "import torch, msgspec, pytest, hypothesis, ray, transformers, transport; print('environment ready: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
 touch "$VENV/.installed"
