@@ -31,6 +31,7 @@ log = logging.getLogger("transport.endpoint")
 # how long unregister waits for peers' ops moving a buffer's bytes through a channel's stream (a tcp put's
 # payload still arriving, a get's reply still being sent, a staged copy) before it breaks their channels
 UNHELD_WAIT_S = 2.0
+_WIRE_TRIES = 100  # snapshots wire_registry takes at most while the registry keeps changing under it
 
 
 class Exports:
@@ -132,13 +133,20 @@ class Exports:
 
     def wire_registry(self) -> tuple[int, list[WireBuffer]]:
         """The registry as peers are told it: its epoch and each buffer with every plane's handle.
-        Any thread."""
-        epoch, bufs = self.registry.snapshot()
-        out = []
-        for b in bufs:
-            s = b.spec
-            handles = {e.wire_field: e.handle(b) for e in self.exporters}
-            out.append(WireBuffer(s.name, dtype_name(s.dtype), list(s.shape), s.device, s.nbytes, **handles))
+        Any thread. The handles are read after the snapshot: an unregister on another thread
+        between the two (it leaves the registry, bumping the epoch, then drops its exports) would
+        describe the buffer without its exports under the older epoch, so the snapshot is taken
+        again until the epoch held still (a peer told that got ``PlaneUnavailableError`` for an
+        op racing the re-registration, instead of the stale buffer's typed error)."""
+        for _ in range(_WIRE_TRIES):
+            epoch, bufs = self.registry.snapshot()
+            out = []
+            for b in bufs:
+                s = b.spec
+                handles = {e.wire_field: e.handle(b) for e in self.exporters}
+                out.append(WireBuffer(s.name, dtype_name(s.dtype), list(s.shape), s.device, s.nbytes, **handles))
+            if self.registry.epoch == epoch:
+                break
         return epoch, out
 
     # ------------------------------------------------------------------ lifecycle

@@ -1,13 +1,11 @@
 """``shm``: same host, CPU. The initiator copies straight into the peer's memory.
 
-Export (target side, at ``register``): the tensor's bytes move into a
-``memfd`` segment and the user's tensor object is re-pointed at it in place
-(``Tensor.set_``), so the object the caller holds keeps working and now lives
-in shared memory. A tensor that already lies inside an exported segment (a
-tied weight registered under a second name, a view of a registered arena) is
-not moved again: it shares that segment at an offset. Segments are never
-named in ``/dev/shm``: one disappears with the last process that maps it, so a
-killed process leaks nothing.
+Export (target side, at ``register``): the tensor's bytes move into a ``memfd`` segment and the
+user's tensor object is re-pointed at it in place (``Tensor.set_``), so the object the caller holds
+keeps working and now lives in shared memory. A tensor that already lies inside an exported segment
+(a tied weight registered under a second name, a view of a registered arena) is not moved again: it
+shares that segment at an offset. Segments are never named in ``/dev/shm``: one disappears with the
+last process that maps it, so a killed process leaks nothing.
 
 Import (initiator side): the peer advertises ``(pid, fd, inode, size,
 offset, export_id)``; the initiator opens ``/proc/<pid>/fd/<fd>``, checks the
@@ -103,8 +101,10 @@ class ShmPlane(DataPlane):
 
     def _handle(self, item: Item) -> ShmHandle:
         wb = self.channel.remote_wire.get(item.name)
-        if wb is None or wb.shm is None:
-            raise PlaneUnavailableError(f"shm: peer {self.channel.peer_name!r} exports no segment for {item.name!r}")
+        if wb is None or wb.shm is None:  # (no wb: a registry without it came since the op was planned)
+            raise (StaleBufferError(f"shm: peer {self.channel.peer_name!r} unregistered {item.name!r} meanwhile")
+                   if wb is None else PlaneUnavailableError(f"shm: peer {self.channel.peer_name!r} exports no "
+                                                            f"segment for {item.name!r}"))
         return wb.shm
 
     def _view(self, item: Item, h: ShmHandle, itemsize: int) -> torch.Tensor:
