@@ -502,6 +502,43 @@ class TestShm(PlaneCase, TransportContractMixin, LifecycleCases):
         with self.assertRaisesRegex(ValueError, "base tensor"):
             first.register_memory(torch.zeros(16)[4:])
 
+    def test_small_transfers_are_copied_by_the_calling_thread(self) -> None:
+        """Once the peer's memory is mapped (a first transfer), a transfer submitted while none is
+        pending needs nothing of the loop thread: with the loop stalled, a write and a read return
+        with the bytes moved, an async_op one's Work completed at once; while one is pending the
+        next waits its turn on the loop (submission order); a large async one goes to the loop."""
+        first, second = self.make_transport_pair()
+        values = torch.arange(4096, dtype=torch.int32)
+        mine = first.register_memory(values)
+        landed = torch.zeros(4096, dtype=torch.int32)
+        theirs = second.register_memory(landed).to_remote_buffer()
+        self.assertEqual(first.write(mine.to_view(), theirs), 0)  # (maps the peer's segment)
+        back = torch.zeros(4096, dtype=torch.int32)
+        readback = first.register_memory(back)
+        big = torch.ones(2 << 20, dtype=torch.uint8)  # 2 MiB: over the async limit of the fast path
+        big_mem, big_landed = first.register_memory(big), torch.zeros(2 << 20, dtype=torch.uint8)
+        big_remote = second.register_memory(big_landed).to_remote_buffer()
+        self.assertEqual(first.write(big_mem.to_view(), big_remote), 0)
+        with stalled(first):
+            values += 1
+            self.assertEqual(first.write(mine.to_view(), theirs, timeout=5), 0)
+            self.assertEqual(landed, values)
+            self.assertEqual(first.read(readback.to_mutable_view(), theirs, timeout=5), 0)
+            self.assertEqual(back, values)
+            values += 1
+            work = first.write(mine.to_view(), theirs, async_op=True)
+            self.assertTrue(work.is_completed() and work.is_success())
+            self.assertEqual(landed, values)
+            big.fill_(7)
+            pending = first.write(big_mem.to_view(), big_remote, async_op=True)  # 2 MiB, async: the loop's
+            values += 1
+            queued = first.write(mine.to_view(), theirs, async_op=True)  # behind it: the loop's too
+            self.assertFalse(pending.is_completed() or queued.is_completed())
+        self.assertTrue(pending.wait(timedelta(seconds=10)) and queued.wait(timedelta(seconds=10)))
+        self.assertEqual(big_landed, big)
+        self.assertEqual(landed, values)
+        self.assertFalse(first._pending)
+
 
 # ---------------------------------------------------------------------------- backend-wide cases
 def test_descriptor_is_torchs_json_v1_envelope():

@@ -165,15 +165,31 @@ class BlockingEndpoint:
             timeout: float | None = None) -> None:
         """See :meth:`Endpoint.put`; a timeout means the same (the call cannot be cancelled otherwise).
 
+        A put without ``notify`` that :meth:`Endpoint.put_now` can do (a small ``shm`` copy into the
+        peer's mapped memory) is done by the calling thread, without a hand-off to the loop, unless
+        an op of :meth:`submit_put`/:meth:`submit_get` is still unresolved. (:meth:`get` likewise.)
+
         Should the endpoint's loop itself not answer within ``timeout`` (or the endpoint's) plus 5 s,
         the op is cancelled and the call waits (at most 30 s more) until it ended, which it does only
         once nothing of it writes any more, then raises :class:`TransportTimeoutError` (which says
         so if it had not ended by then).
         """
+        if notify is None and self._may_now(timeout) and self._ep.put_now(peer, tensors):
+            return
         self._call(self._ep.put(peer, tensors, notify=notify, timeout=timeout), timeout, settle=True)
+
+    def _may_now(self, timeout: float | None) -> bool:
+        """Whether a put or get may try :meth:`Endpoint.put_now` / ``get_now`` on the calling
+        thread first (no hand-off to the loop): not on the loop thread, not while closing or while
+        a submitted op is unresolved (it starts first), and not for a bad ``timeout`` (the loop's
+        path raises)."""
+        return (not self._submitted and not self._closing and threading.current_thread() is not self._thread
+                and (timeout is None or timeout > 0) and self._thread.is_alive())
 
     def get(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, timeout: float | None = None) -> None:
         """See :meth:`Endpoint.get`; timeouts as for :meth:`put`."""
+        if self._may_now(timeout) and self._ep.get_now(peer, tensors):
+            return
         self._call(self._ep.get(peer, tensors, timeout=timeout), timeout, settle=True)
 
     def submit_put(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, notify: bytes | None = None,

@@ -18,7 +18,7 @@ from .address import AddressBook, encode_address
 from .errors import EndpointClosedError, InvalidTensorError
 from .flight_recorder import OpKind
 from .peer import Peer, Route
-from .transfer import Tensors, map_buffer, map_plane, pick_plane, plan, transfer
+from .transfer import Tensors, map_buffer, map_plane, pick_plane, plan, transfer, transfer_now
 from .wire import MAX_NOTIFY, Notify
 
 if TYPE_CHECKING:
@@ -152,6 +152,37 @@ class Operations:
         ch = self._open_channel(peer) or await self._channel(peer, deadline)
         await transfer(ch, OpKind.GET, tensors, deadline, lambda plane, op, pairs: plane.get(op, pairs),
                              here=True)
+
+    def put_now(self, peer: str, tensors: Tensors) -> bool:
+        """:meth:`put` (without a notification) done right now by the calling thread, if it can
+        be done without waiting for anything; ``False``, nothing moved, if not: then ``await
+        put(...)`` (which is never slower for it).
+
+        It can when the channel to ``peer`` is open and uses ``shm``, every tensor is in CPU
+        memory and every buffer is one of the peer's CPU buffers whose shared memory this
+        process already mapped (after a first op on it), the copy is under 8 MiB, and no earlier
+        op to ``peer`` is still held back. The bytes are then copied into the peer's memory
+        before it returns ``True``: the target holds them, as after :meth:`put`, and the flight
+        recorder has the op. Any thread, the endpoint's event loop included (it saves the
+        coroutine there); it never waits for the loop, the peer or a lock another process
+        holds, so it cannot time out and is not cancellable. Ordering: after every op this
+        endpoint started before the call; ops started concurrently from other threads are not
+        ordered with it.
+
+        Raises what :meth:`put` raises for bad input (:class:`InvalidTensorError`), and
+        :class:`PeerLostError` or :class:`StaleBufferError` when the op failed in a way a retry
+        cannot mend (the peer died, or it took the buffer back while the copy ran); a buffer the
+        peer replaced before the copy, or one our copy of its registry does not know yet, gives
+        ``False`` (``put`` re-reads the registry)."""
+        ch = self._open_channel(peer)
+        return ch is not None and transfer_now(ch, OpKind.PUT, tensors)
+
+    def get_now(self, peer: str, tensors: Tensors) -> bool:
+        """:meth:`get` done right now by the calling thread, if it can be done without waiting
+        for anything; ``False``, nothing moved, if not (then ``await get(...)``). The same rules
+        as :meth:`put_now`; ``True``: every byte is in the tensors."""
+        ch = self._open_channel(peer)
+        return ch is not None and transfer_now(ch, OpKind.GET, tensors)
 
     async def route(self, peer: str, tensors: Tensors, *, timeout: float | None = None) -> Route:
         """Which plane a put or get of ``tensors`` with ``peer`` takes now, and why; no byte moves.

@@ -7,7 +7,8 @@
 channel, retried once after a registry sync (the peer re-registered a buffer) or staged (a
 ``cuda_ipc`` mapping could not be opened here). :func:`map_buffer` and :func:`map_plane` are
 :meth:`Endpoint.map <transport.Endpoint.map>`'s halves. All run on the endpoint's event loop and
-are bounded by ``deadline`` (``time.monotonic()``).
+are bounded by ``deadline`` (``time.monotonic()``). :func:`transfer_now` is :func:`transfer`'s
+synchronous fast path on its own, for any thread.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .flight_recorder import OpKind
 from .peer import Route
 from .ranges import At, plan_items
 
-__all__ = ["Tensors", "map_buffer", "map_plane", "pick_plane", "plan", "transfer"]
+__all__ = ["Tensors", "map_buffer", "map_plane", "pick_plane", "plan", "transfer", "transfer_now"]
 
 Tensors = Mapping[str, "torch.Tensor | At"]
 
@@ -105,6 +106,30 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
     finally:
         if place is not None:  # (it ended, or raised, before it was handed over)
             ch.give_back(place)
+
+
+def transfer_now(ch: Channel, kind: OpKind, tensors: Tensors) -> bool:
+    """One put (no notification) or get done right now on the calling thread, if the channel's
+    own plane can do it without waiting for anything (:meth:`DataPlane.run_here
+    <transport.planes.base.DataPlane.run_here>`: a one-sided shm copy into or out of slotted,
+    mapped exports) and no earlier op of the channel is held back; False, nothing done, else
+    (and where our copy of the peer's registry misses, or a buffer was replaced and the op can be
+    retried: :func:`transfer` refreshes it). Any thread; never waits. Raises the caller's errors
+    (:class:`~transport.errors.InvalidTensorError`) and what the op raised when it cannot be
+    retried (a put whose bytes may have reached memory the peer reused, a lost peer)."""
+    try:
+        pairs = plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=kind is OpKind.GET)
+    except (UnknownBufferError, BufferMismatchError):
+        return False
+    plane = ch.planes.own_plane_now(pairs)
+    if plane is None or not ch.in_order_now():
+        return False
+    try:
+        return plane.run_here(kind, pairs)
+    except StaleBufferError as exc:
+        if exc.retry_safe:
+            return False
+        raise
 
 
 async def map_buffer(ch: Channel, name: str, deadline: float) -> torch.Tensor:

@@ -302,6 +302,20 @@ class PlaneChoice:
             self._staged = StagedPlane(self.ch)
         return self._staged
 
+    def own_plane_now(self, pairs: Sequence[tuple[Item, torch.Tensor]]) -> DataPlane | None:
+        """The channel's own plane if :meth:`plane_for` gives it to ``pairs`` with nothing to decide
+        (CPU tensors here, CPU buffers there, no link or stand-in engine that could take them);
+        None otherwise. Any thread: it reads the channel's state and changes nothing."""
+        ch = self.ch
+        if ch.link is not None or ch.staging.config.cpu_engine is not None:
+            return None
+        specs, wire = ch.peer_specs, ch.remote_wire  # (each replaced whole on a registry update)
+        for it, t in pairs:
+            spec, wb = specs.get(it.name), wire.get(it.name)
+            if not t.is_cpu or spec is None or spec.device != "cpu" or (wb is not None and wb.ipc is not None):
+                return None
+        return ch.plane
+
     def reason_for(self, plane: DataPlane) -> str:
         """Why an op that :meth:`plane_for` gave ``plane`` takes it (event loop)."""
         if plane is self.ch.plane:

@@ -65,14 +65,17 @@ class TransportRLMemoryView:
         self._memory = memory
         self._offset = offset
         self._length = length
+        self._slice: torch.Tensor | None = None
 
     def size(self) -> int:
         return self._length
 
     def _bytes(self) -> torch.Tensor:
-        """The viewed bytes, as a slice of the registration's flat uint8 tensor."""
-        flat = self._memory._registration.flat
-        return flat[self._offset : self._offset + self._length]
+        """The viewed bytes, as a slice of the registration's flat uint8 tensor (made once: a
+        registration's flat tensor never changes)."""
+        if self._slice is None:
+            self._slice = self._memory._registration.flat[self._offset : self._offset + self._length]
+        return self._slice
 
 
 class TransportRLMutableMemoryView(TransportRLMemoryView):

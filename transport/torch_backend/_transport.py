@@ -35,6 +35,7 @@ __all__ = ["PLANES", "TransportRL"]
 T = TypeVar("T")
 PLANES = ("tcp", "shm")
 _LOOP_GRACE = 2.0  # how long past a call's own bound the caller waits for the loop to answer
+_NOW_ASYNC_MAX = 1 << 20  # the largest async_op transfer done on the caller's thread (TransportRL._now)
 _names = itertools.count(1)
 
 
@@ -68,7 +69,10 @@ class TransportRL(Transport):
     Transfers run one at a time, in the order they were submitted (from any thread): a read
     submitted after a write sees the written bytes. torch's contract does not promise that
     (independent transfers may overlap there), so code meant for other backends must still
-    wait before submitting a dependent transfer.
+    wait before submitting a dependent transfer. With ``plane="shm"``, a transfer submitted
+    while none is pending is copied by the calling thread itself when it can be (the peer's
+    memory mapped here after a first transfer, under 8 MiB; ``async_op`` ones up to 1 MiB: its
+    Work is returned completed), without a round trip through the loop thread.
 
     Timeouts bound the caller's wait, never the transfer: a write or read whose wait times
     out goes on (its Work keeps its buffers) until it ends or ``transfer_timeout`` passes.
@@ -309,17 +313,41 @@ class TransportRL(Transport):
             if view.size() == 0:
                 work._settle(None)
             else:
-                target = transport.RemoteBuffer(desc.endpoint, desc.incarnation, desc.buffer, torch.uint8, 0, desc.length)
-                ops = target.items(view._bytes())
+                # (the peer's flat uint8 buffer from its start: the byte view itself, at element 0; its size was
+                # checked against the buffer's above)
+                ops = {desc.buffer: transport.At(view._bytes(), 0)}
                 bound = max(t, self._transfer_timeout)
                 peer = desc.endpoint
-                with self._pending_lock:
-                    self._pending[id(work)] = work
-                work._attach(self._submit(self._transfer(write, peer, ops, bound)))
+                if not self._now(write, peer, ops, work, view.size(), async_op):
+                    with self._pending_lock:
+                        self._pending[id(work)] = work
+                    work._attach(self._submit(self._transfer(write, peer, ops, bound)))
         if async_op:
             return work
         work._wait(max(0.0, deadline - time.monotonic()))
         return 0
+
+    def _now(self, write: bool, peer: str, ops: dict[str, transport.At], work: TransportRLWork, nbytes: int,
+             async_op: bool) -> bool:
+        """The transfer done right here by the calling thread (under the transport's lock), if
+        it can be (:meth:`transport.Endpoint.put_now`: an shm copy into or out of the peer's
+        mapped memory; its result or error settles ``work``): no hand-off to the loop thread and
+        back, which costs a small transfer far more than its copy. Only while no transfer is
+        pending (they run in submission order), and an ``async_op`` one only up to
+        ``_NOW_ASYNC_MAX`` bytes (the caller goes on at once after a larger one)."""
+        if self.plane != "shm" or (async_op and nbytes > _NOW_ASYNC_MAX):
+            return False
+        with self._pending_lock:
+            if self._pending:
+                return False
+        try:
+            done = self._ep.put_now(peer, ops) if write else self._ep.get_now(peer, ops)
+        except Exception as exc:  # (the op's own error, as the loop's path would give it)
+            work._end_now(exc)
+            return True
+        if done:
+            work._end_now(None)
+        return done
 
     async def _transfer(self, write: bool, peer: str, ops: dict[str, transport.At], bound: float) -> None:
         # asyncio.Lock is FIFO and these coroutines start in submission order (run_coroutine_threadsafe)

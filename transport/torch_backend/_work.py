@@ -54,6 +54,11 @@ class TransportRLWork(Work):
             failure = error if isinstance(error, Exception) else RuntimeError(str(error))
             self._future.set_exception(failure)  # type: ignore[arg-type]  # (torch stubs type it as the result)
 
+    def _end_now(self, error: BaseException | None) -> None:
+        """The transfer ended on the submitting thread (the backend's fast path), with ``error``."""
+        self._error = error
+        self._settle(None)
+
     def _wait(self, seconds: float) -> None:
         if not self._done.wait(seconds):
             raise TimeoutError("transport wait timed out; operation remains pending")
