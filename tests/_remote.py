@@ -153,6 +153,15 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             bufs[bname] = t
             ep.register(bname, t)
             return None
+        if cmd == "register_view":  # register elements [start, start + count) of registered buffer `base` as `name`
+            bname, base, start, count = args  # (a view of an arena: it shares the arena's segment, at its place)
+            t = bufs[base].reshape(-1)[start : start + count]
+            bufs[bname] = t
+            ep.register(bname, t)
+            return None
+        if cmd == "all_equal":  # whether elements [start, start + count) of `name` all hold `value`
+            bname, start, count, value = args
+            return bool((bufs[bname].cpu().reshape(-1)[start : start + count] == value).all())
         if cmd == "register_fill":  # a flat uint8 buffer of `nbytes` bytes, each `value` (cancellation races)
             bname, nbytes, value, *dev = args
             t = torch.full((nbytes,), value, dtype=torch.uint8, device=(dev or ["cpu"])[0])

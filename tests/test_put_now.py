@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
 
 import transport
 from tests._remote import RemoteEndpoint, make_tensor, same_bytes
+from transport import transfer
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,6 +194,52 @@ async def test_put_now_from_threads_racing_take_backs_lands_before_or_fails_type
         assert not lost, f"{len(lost)} puts reported done but their bytes are in no registration: {lost[:10]}"
         assert counts["now"] >= 100, counts  # (put_now raced the take-backs, not only the loop's path)
         print(f"\n  {len(ok)} elements written, {counts}, across {len(held)} registrations")
+    finally:
+        tgt.kill()
+
+
+@pytest.mark.parametrize("how", ["put_now", "put", "put-cuda_ipc"])
+async def test_a_buffer_re_registered_smaller_between_plan_and_copy_is_never_overrun(store_url, uname, monkeypatch,
+                                                                                    how):
+    """The target re-registers ``w`` (a view at the start of its arena) as a smaller view at the
+    same place right after our op was checked against its registry and before the copy (the
+    reader thread takes the new registry in between; forced here at that seam). The copy finds
+    the new export in the slot, so only the item's check against the buffer announced *now*
+    keeps it inside: ``put_now`` declines, ``put`` re-reads the registry and raises
+    :class:`BufferMismatchError`; nothing lands past the new ``w`` (before the fix, ``put_now``
+    wrote 1024 floats over a 512-float ``w`` and returned True)."""
+    kw = {"engines": {"cuda_ipc": MemfdIpcEngine}} if how.endswith("cuda_ipc") else {"planes": ("shm",)}
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, **kw)
+    try:
+        tgt.call("register", "arena", "float32", (2048,))
+        tgt.call("register_view", "w", "arena", 0, 1024)
+        async with transport.Endpoint(uname("ini"), store=store_url, timeout=10, **kw) as ep:
+            await ep.put(tgt.name, {"w": torch.zeros(1024)})  # (maps the arena's segment and the slot table)
+            ch = ep._connector.open_channel(tgt.name)
+            real, fired = transfer.plan_items, []
+
+            def racing_plan(*args, **kwargs):
+                pairs = real(*args, **kwargs)
+                if not fired:
+                    fired.append(True)
+                    old = ch.remote_wire["w"]
+                    tgt.call("unregister", "w")
+                    tgt.call("register_view", "w", "arena", 0, 512)
+                    deadline = time.monotonic() + 10
+                    while (wb := ch.remote_wire.get("w")) is None or wb == old:
+                        assert time.monotonic() < deadline, "the new registry never reached us"
+                        time.sleep(0.001)
+                return pairs
+
+            monkeypatch.setattr(transfer, "plan_items", racing_plan)
+            src = torch.full((1024,), 7.0)
+            if how == "put_now":
+                assert await asyncio.to_thread(ep.put_now, tgt.name, {"w": src}) is False
+            else:
+                with pytest.raises(transport.BufferMismatchError):
+                    await ep.put(tgt.name, {"w": src})
+            assert fired
+            assert tgt.call("all_equal", "arena", 0, 1024, 0.0), "the racing put wrote into the arena"
     finally:
         tgt.kill()
 

@@ -165,15 +165,18 @@ class Operations:
         before it returns ``True``: the target holds them, as after :meth:`put`, and the flight
         recorder has the op. Any thread, the endpoint's event loop included (it saves the
         coroutine there); it never waits for the loop, the peer or a lock another process
-        holds, so it cannot time out and is not cancellable. Ordering: after every op this
-        endpoint started before the call; ops started concurrently from other threads are not
+        holds, so it cannot time out and is not cancellable. Ordering: after the ops this
+        endpoint started before the call, with the exceptions docs/architecture.md ("Call order
+        to a peer") lists for every op (a get still copying on a worker thread, the retry of an
+        op the target refused as stale); ops started concurrently from other threads are not
         ordered with it.
 
         Raises what :meth:`put` raises for bad input (:class:`InvalidTensorError`), and
         :class:`PeerLostError` or :class:`StaleBufferError` when the op failed in a way a retry
         cannot mend (the peer died, or it took the buffer back while the copy ran); a buffer the
         peer replaced before the copy, or one our copy of its registry does not know yet, gives
-        ``False`` (``put`` re-reads the registry)."""
+        ``False`` (``put`` re-reads the registry; a replaced export leaves a failed record in
+        the flight recorder, as ``put``'s own retry does)."""
         ch = self._open_channel(peer)
         return ch is not None and transfer_now(ch, OpKind.PUT, tensors)
 

@@ -15,9 +15,9 @@ import torch
 
 from .errors import BufferMismatchError, InvalidTensorError, ProtocolError, UnknownBufferError
 from .registry import BufferSpec, LocalBuffer, check_tensor, dtype_from_name, dtype_name
-from .wire import Item
+from .wire import Item, WireBuffer
 
-__all__ = ["At", "item_bytes", "plan_items", "resolve_item"]
+__all__ = ["At", "item_bytes", "item_fits", "plan_items", "resolve_item"]
 
 _MAX_ITEM_BYTES = 1 << 44  # 16 TiB: anything larger in a header is hostile
 
@@ -90,6 +90,22 @@ def plan_items(
             )
         out.append((Item(name, spec.dtype_name or dtype_name(t.dtype), off, n, shape), t))
     return out
+
+
+def item_fits(it: Item, wb: WireBuffer) -> bool:
+    """Whether ``it``, planned against our copy of the peer's registry, fits the buffer the peer
+    announces now as ``wb``: the same dtype, the same shape where it named the whole buffer, and
+    its range inside. A plane that finds the export to copy into at copy time checks this: the
+    reader thread may have taken a newer registry since the op was planned (the buffer
+    re-registered smaller, or with another dtype, under the same name, at the same place), and the
+    slot's word names the new export, so only this keeps the copy inside the new buffer."""
+    if wb.dtype != it.dtype or (it.shape is not None and it.shape != wb.shape):
+        return False
+    try:
+        size = dtype_from_name(it.dtype).itemsize
+    except KeyError:
+        return False
+    return (it.offset + it.count) * size <= wb.nbytes
 
 
 def item_bytes(it: Item) -> int:

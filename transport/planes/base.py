@@ -217,9 +217,11 @@ class DataPlane(abc.ABC):
 
     def run_here(self, kind: OpKind, pairs: list[tuple[Item, torch.Tensor]]) -> bool:
         """Do a whole put (without a notification) or get right here, synchronously on the event
-        loop, if this plane can (a one-sided op whose copy is short); False (nothing done, nothing
+        loop, or on any thread for :meth:`Endpoint.put_now <transport.Endpoint.put_now>`, if this
+        plane can (a one-sided op whose copy is short, each item checked against the buffer the
+        peer announces now: :func:`~transport.ranges.item_fits`); False (nothing done, nothing
         recorded) otherwise, and the op takes :meth:`put`/:meth:`get`. It records the op in the
-        flight recorder itself and raises what the op would
+        flight recorder itself (a failure too) and raises what the op would
         (:class:`~transport.errors.StaleBufferError` for a buffer the peer replaced: the
         endpoint refreshes its registry and retries once)."""
         return False

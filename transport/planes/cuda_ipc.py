@@ -55,6 +55,7 @@ from ..completion import CompletionBridge, CompletionError
 from ..errors import EndpointClosedError, PeerLostError, PlaneUnavailableError, StaleBufferError, TransportError
 from ..hostinfo import same_host
 from ..op import Op
+from ..ranges import item_fits
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
 from .base import ChannelPort, DataPlane
 from .cuda_ipc_engine import IpcMapping, IpcQueue, mapping_cache
@@ -112,7 +113,7 @@ class CudaIpcPlane(DataPlane):
                 raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
             for it, _ in pairs:
                 wb = wire.get(it.name) if it.count else None
-                if it.count and (wb is None or wb.ipc is None):
+                if it.count and (wb is None or wb.ipc is None or not item_fits(it, wb)):  # (a newer registry: shm's _handle)
                     for h in out:
                         if h is not None:
                             self._leave_locked(h)

@@ -43,6 +43,7 @@ from ..bounce import stage_out
 from ..errors import PeerLostError, PlaneUnavailableError, ProtocolError, StaleBufferError
 from ..flight_recorder import OpKind
 from ..hostinfo import same_host
+from ..ranges import item_fits
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
 from .base import DataPlane
 from .shm_export import map_segment, memfd_probe
@@ -100,11 +101,11 @@ class ShmPlane(DataPlane):
         return same_host(local, remote)
 
     def _handle(self, item: Item) -> ShmHandle:
-        wb = self.channel.remote_wire.get(item.name)
-        if wb is None or wb.shm is None:  # (no wb: a registry without it came since the op was planned)
-            raise (StaleBufferError(f"shm: peer {self.channel.peer_name!r} unregistered {item.name!r} meanwhile")
-                   if wb is None else PlaneUnavailableError(f"shm: peer {self.channel.peer_name!r} exports no "
-                                                            f"segment for {item.name!r}"))
+        wb = self.channel.remote_wire.get(item.name)  # (a registry newer than the op's plan may have come since:
+        if wb is None or not item_fits(item, wb) or (wb.shm is None and wb.device != "cpu"):  # re-planned on retry)
+            raise StaleBufferError(f"shm: peer {self.channel.peer_name!r} unregistered or re-registered {item.name!r}")
+        if wb.shm is None:
+            raise PlaneUnavailableError(f"shm: peer {self.channel.peer_name!r} exports no segment for {item.name!r}")
         return wb.shm
 
     def _view(self, item: Item, h: ShmHandle, itemsize: int) -> torch.Tensor:
@@ -313,9 +314,8 @@ class ShmPlane(DataPlane):
         for it, t in pairs:
             if not it.count:
                 continue
-            wb = wire.get(it.name)
-            h = wb.shm if wb is not None else None
-            if h is None or not 0 < h.slot < SLOTS or not t.is_cpu:
+            wb = wire.get(it.name)  # (as for _handle: the item must fit the buffer the peer announces now)
+            if wb is None or (h := wb.shm) is None or not 0 < h.slot < SLOTS or not t.is_cpu or not item_fits(it, wb):
                 return False
             seg = maps.get(h.inode)
             view = tables.get(h.table_inode)

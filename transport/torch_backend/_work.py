@@ -23,7 +23,8 @@ class TransportRLWork(Work):
     submitted with) and raises ``TimeoutError`` when it passes; the transfer goes on, and this
     Work keeps its buffers until it ends. A failed transfer's error is raised by ``wait`` and
     set on the future. ``get_future()`` resolves to ``[]`` on success; its callbacks run on the
-    backend's loop thread. Thread-safe.
+    backend's loop thread, or, for a Work returned completed (a transfer the caller's thread did
+    itself: ``TransportRL._now``), at once on the thread that adds them. Thread-safe.
     """
 
     def __init__(self, buffers: tuple[Any, ...], timeout: float, on_done: Callable[[TransportRLWork], None]) -> None:
