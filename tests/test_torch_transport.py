@@ -506,7 +506,7 @@ class TestShm(PlaneCase, TransportContractMixin, LifecycleCases):
         """Once the peer's memory is mapped (a first transfer), a transfer submitted while none is
         pending needs nothing of the loop thread: with the loop stalled, a write and a read return
         with the bytes moved, an async_op one's Work completed at once; while one is pending the
-        next waits its turn on the loop (submission order); a large async one goes to the loop."""
+        next waits its turn on the loop (submission order); one of 8 MiB goes to the loop."""
         first, second = self.make_transport_pair()
         values = torch.arange(4096, dtype=torch.int32)
         mine = first.register_memory(values)
@@ -515,8 +515,8 @@ class TestShm(PlaneCase, TransportContractMixin, LifecycleCases):
         self.assertEqual(first.write(mine.to_view(), theirs), 0)  # (maps the peer's segment)
         back = torch.zeros(4096, dtype=torch.int32)
         readback = first.register_memory(back)
-        big = torch.ones(2 << 20, dtype=torch.uint8)  # 2 MiB: over the async limit of the fast path
-        big_mem, big_landed = first.register_memory(big), torch.zeros(2 << 20, dtype=torch.uint8)
+        big = torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB: a worker thread's copy, never the caller's
+        big_mem, big_landed = first.register_memory(big), torch.zeros(8 << 20, dtype=torch.uint8)
         big_remote = second.register_memory(big_landed).to_remote_buffer()
         self.assertEqual(first.write(big_mem.to_view(), big_remote), 0)
         with stalled(first):
@@ -530,7 +530,7 @@ class TestShm(PlaneCase, TransportContractMixin, LifecycleCases):
             self.assertTrue(work.is_completed() and work.is_success())
             self.assertEqual(landed, values)
             big.fill_(7)
-            pending = first.write(big_mem.to_view(), big_remote, async_op=True)  # 2 MiB, async: the loop's
+            pending = first.write(big_mem.to_view(), big_remote, async_op=True)  # 8 MiB: the loop's
             values += 1
             queued = first.write(mine.to_view(), theirs, async_op=True)  # behind it: the loop's too
             self.assertFalse(pending.is_completed() or queued.is_completed())

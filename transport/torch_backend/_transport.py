@@ -35,7 +35,6 @@ __all__ = ["PLANES", "TransportRL"]
 T = TypeVar("T")
 PLANES = ("tcp", "shm")
 _LOOP_GRACE = 2.0  # how long past a call's own bound the caller waits for the loop to answer
-_NOW_ASYNC_MAX = 1 << 20  # the largest async_op transfer done on the caller's thread (TransportRL._now)
 _names = itertools.count(1)
 
 
@@ -71,8 +70,8 @@ class TransportRL(Transport):
     (independent transfers may overlap there), so code meant for other backends must still
     wait before submitting a dependent transfer. With ``plane="shm"``, a transfer submitted
     while none is pending is copied by the calling thread itself when it can be (the peer's
-    memory mapped here after a first transfer, under 8 MiB; ``async_op`` ones up to 1 MiB: its
-    Work is returned completed), without a round trip through the loop thread.
+    memory mapped here after a first transfer, under 8 MiB; an ``async_op`` one's Work is then
+    returned completed), without a round trip through the loop thread.
 
     Timeouts bound the caller's wait, never the transfer: a write or read whose wait times
     out goes on (its Work keeps its buffers) until it ends or ``transfer_timeout`` passes.
@@ -318,7 +317,7 @@ class TransportRL(Transport):
                 ops = {desc.buffer: transport.At(view._bytes(), 0)}
                 bound = max(t, self._transfer_timeout)
                 peer = desc.endpoint
-                if not self._now(write, peer, ops, work, view.size(), async_op):
+                if not self._now(write, peer, ops, work):
                     with self._pending_lock:
                         self._pending[id(work)] = work
                     work._attach(self._submit(self._transfer(write, peer, ops, bound)))
@@ -327,15 +326,13 @@ class TransportRL(Transport):
         work._wait(max(0.0, deadline - time.monotonic()))
         return 0
 
-    def _now(self, write: bool, peer: str, ops: dict[str, transport.At], work: TransportRLWork, nbytes: int,
-             async_op: bool) -> bool:
+    def _now(self, write: bool, peer: str, ops: dict[str, transport.At], work: TransportRLWork) -> bool:
         """The transfer done right here by the calling thread (under the transport's lock), if
-        it can be (:meth:`transport.Endpoint.put_now`: an shm copy into or out of the peer's
-        mapped memory; its result or error settles ``work``): no hand-off to the loop thread and
-        back, which costs a small transfer far more than its copy. Only while no transfer is
-        pending (they run in submission order), and an ``async_op`` one only up to
-        ``_NOW_ASYNC_MAX`` bytes (the caller goes on at once after a larger one)."""
-        if self.plane != "shm" or (async_op and nbytes > _NOW_ASYNC_MAX):
+        it can be (:meth:`transport.Endpoint.put_now`: an shm copy under 8 MiB into or out of the
+        peer's mapped memory, which the event loop would do inline too; its result or error
+        settles ``work``): no hand-off to the loop thread and back, which costs a small transfer
+        far more than its copy. Only while no transfer is pending (they run in submission order)."""
+        if self.plane != "shm":
             return False
         with self._pending_lock:
             if self._pending:
