@@ -216,6 +216,18 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
                 held.append(t)
             return [torch.stack([t.reshape(-1, region).amin(1), t.reshape(-1, region).amax(1)], 1).tolist()
                     for t in held]
+        if cmd == "churn_timed":  # as churn (zero-filled fresh buffers), returning how long each unregister took
+            bname, cycles, period = args
+            took = []
+            for _ in range(cycles):
+                await asyncio.sleep(period)
+                t = bufs[bname]
+                t0 = time.monotonic()
+                ep.unregister(bname)
+                took.append(time.monotonic() - t0)
+                bufs[bname] = torch.zeros_like(t)
+                ep.register(bname, bufs[bname])
+            return took
         if cmd == "slow_shm_copies":  # every shm copy of this endpoint sleeps `seconds` before it starts
             from transport.planes.shm import ShmPlane
 

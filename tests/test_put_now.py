@@ -244,6 +244,54 @@ async def test_a_buffer_re_registered_smaller_between_plan_and_copy_is_never_ove
         tgt.kill()
 
 
+@pytest.mark.timeout(120)
+async def test_a_stream_of_puts_from_threads_does_not_hold_an_unregister_back(store_url, uname):
+    """Four threads put into ``w`` back to back (``put_now``, else the loop's ``put``) while the
+    target takes it back every 50 ms: each revoke marks the slot's word first, so no new op
+    enters and the ops in flight drain at once; the unregister never waits out its 2 s bound
+    for copies that keep arriving (before: a process's shared lock on the slot, counted over
+    its threads, could stay held through a stream of ops, and unregisters took 0.5-1.3 s)."""
+    n = 1 << 18  # 1 MiB of float32: each copy holds the slot a while
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",))
+    try:
+        tgt.call("register", "w", "float32", (n,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=10) as ep:
+            await ep.put(tgt.name, {"w": torch.zeros(n)})
+            loop = asyncio.get_running_loop()
+            stop = threading.Event()
+            counts = {"now": 0, "loop": 0, "typed": 0}
+            lock = threading.Lock()
+
+            def worker() -> None:
+                src = torch.ones(n)
+                while not stop.is_set():
+                    try:
+                        if ep.put_now(tgt.name, {"w": src}):
+                            how = "now"
+                        else:
+                            asyncio.run_coroutine_threadsafe(ep.put(tgt.name, {"w": src}), loop).result(30)
+                            how = "loop"
+                    except (transport.StaleBufferError, transport.UnknownBufferError):
+                        how = "typed"
+                    with lock:
+                        counts[how] += 1
+
+            threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+            for th in threads:
+                th.start()
+            try:
+                took = await asyncio.to_thread(tgt.call, "churn_timed", "w", 20, 0.05)
+            finally:
+                stop.set()
+                for th in threads:
+                    await asyncio.to_thread(th.join, 30)
+        assert counts["now"] > 100, counts
+        assert max(took) < 0.3, f"an unregister waited {max(took):.2f} s for a stream of copies: {took}"
+        print(f"\n  unregister took max {max(took) * 1e3:.1f} ms, median {sorted(took)[10] * 1e3:.1f} ms; {counts}")
+    finally:
+        tgt.kill()
+
+
 async def test_blocking_put_and_get_do_not_wait_for_the_loop(store_url, uname):
     tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",))
     try:

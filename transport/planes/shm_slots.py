@@ -17,10 +17,13 @@ per target endpoint, its *slot table*:
   then fails with :class:`~transport.errors.PeerLostError`), and unlocks. A lock it cannot get at once means the target is revoking the export right
   now: the op fails with :class:`~transport.errors.StaleBufferError` (the endpoint refreshes its
   copy of the peer's registry and retries once, as for a stale header).
-- The target revokes an export (unregister, re-register, close) by taking the exclusive lock on
+- The target revokes an export (unregister, re-register, close) by or-ing :data:`REVOKING` into
+  the word (no op enters from then on: it sees another word and fails stale; the second check of
+  a copy in flight accepts the mark, since the target waits for it), taking the exclusive lock on
   the slot (polled, bounded by :data:`REVOKE_WAIT_S`), zeroing the word and unlocking, before it
   moves or drops the tensor. A copy that holds the shared lock therefore lands before the target
-  takes the buffer back; one that starts later sees 0 and fails. If the lock cannot be had within
+  takes the buffer back; one that starts later sees the mark or 0 and fails. (Without the mark, a
+  process whose threads put into the slot back to back kept the shared lock held.) If the lock cannot be had within
   the bound (an initiator frozen mid-copy), the word is zeroed anyway (logged): that initiator's
   second check then fails its op, so it is never reported done while its bytes are lost.
 
@@ -54,6 +57,9 @@ log = logging.getLogger(__name__)
 SLOTS = 1 << 16  # words per table (512 KiB of sparse memfd; a page appears when its first slot is used)
 REVOKE_WAIT_S = 2.0  # how long a revoke waits for the copies in flight on its export
 MOVED = 1 << 63  # or-ed into a word: the owner re-pointed the registered tensor (ops fail: re-register it)
+# or-ed into a word by a revoke before it waits for the exclusive lock: no new op enters (stale), so a stream of
+# peers' ops cannot keep the shared lock held until the bound; a copy already in flight still finishes (done)
+REVOKING = 1 << 62
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _WORD = struct.Struct("<Q")  # a slot's word, read in place from the mapped table
 _FLOCK = "hhqqi4x"  # struct flock on Linux x86-64 and aarch64: type, whence, start, len, pid (0 for OFD locks)
@@ -195,6 +201,9 @@ class SlotTable:
         the buffer's old memory): the slot stays out of use until :meth:`still_held` finds it
         let go, and ``memory`` (the exporter's ``(key, start, end)`` of the export's bytes, if it
         may be exported again) is marked: :meth:`wait_clear` holds back an export over it."""
+        if wait and self.fd >= 0:  # (the owner's own word: no lock needed to mark it)
+            word = _WORD.unpack_from(self._mm, slot * 8)[0]
+            struct.pack_into("<Q", self._mm, slot * 8, word | REVOKING)
         if self._write(slot, 0, name, wait) or self.fd < 0:
             self._free.append(slot)
             return True
@@ -412,7 +421,8 @@ class TableView:
         self._check_owner()
 
     def _check_word(self, slot: int, export_id: int, wrote: bool) -> None:
-        if _WORD.unpack_from(self._mm, slot * 8)[0] != export_id:
+        # (REVOKING: the owner waits for this copy before it takes the buffer back: the copy landed in time)
+        if _WORD.unpack_from(self._mm, slot * 8)[0] & ~REVOKING != export_id:
             exc = StaleBufferError(f"{self.plane}: export {export_id} was taken back by the peer while the copy ran "
                                    "(the peer did not wait for it: frozen or slow here)"
                                    + ("; the put is not retried: its bytes may have reached memory the peer reused"
