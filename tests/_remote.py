@@ -78,6 +78,19 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------- child side
+def landed_elements(held: list[list[list[int]]]) -> set[int]:
+    """The elements some put landed in, from "churn"'s results (per registration taken back, each
+    element's ``(min, max)``; every put writes its own index into its own element). Asserts that
+    no element holds bytes of no put of it (torn, or another's)."""
+    landed = set()
+    for reg in held:
+        for pos, (lo, hi) in enumerate(reg):
+            assert lo == hi and lo in (0, pos), f"element {pos} holds {lo}..{hi}: bytes of no put of it"
+            if lo:
+                landed.add(pos)
+    return landed
+
+
 def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
     import logging
 

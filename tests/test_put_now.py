@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, same_bytes
+from tests._remote import RemoteEndpoint, landed_elements, make_tensor, same_bytes
 from transport import transfer
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
@@ -184,12 +184,7 @@ async def test_put_now_from_threads_racing_take_backs_lands_before_or_fails_type
                 await asyncio.to_thread(th.join, 60)
                 assert not th.is_alive()
             held += tgt.call("churn", "w", 1, 0.0, 1)  # and the registration that is live now
-        landed = set()
-        for reg in held:
-            for pos, (lo, hi) in enumerate(reg):
-                assert lo == hi and lo in (0, pos), f"element {pos} holds {lo}..{hi}: bytes of no put of it"
-                if lo:
-                    landed.add(pos)
+        landed = landed_elements(held)
         lost = sorted(i for i in ok if i not in landed)
         assert not lost, f"{len(lost)} puts reported done but their bytes are in no registration: {lost[:10]}"
         assert counts["now"] >= 100, counts  # (put_now raced the take-backs, not only the loop's path)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import transport
-from tests._remote import RemoteEndpoint, make_tensor, same_bytes
+from tests._remote import RemoteEndpoint, landed_elements, make_tensor, same_bytes
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 from transport.planes.shm_slots import MOVED, REVOKE_WAIT_S, SlotTable, TableView, _lock
 
@@ -91,12 +91,7 @@ async def test_puts_racing_take_backs_land_before_or_fail_typed(store_url, uname
             held = tgt.result(timeout=60)
             held += tgt.call("churn", "w", 1, 0.0, 1)  # and the registration that is live now
         assert len(held) == 61
-        landed = set()
-        for reg in held:
-            for pos, (lo, hi) in enumerate(reg):
-                assert lo == hi and lo in (0, pos), f"element {pos} holds {lo}..{hi}: bytes of no put of it"
-                if lo:
-                    landed.add(pos)
+        landed = landed_elements(held)
         lost = [i for i in ok if i not in landed]
         assert not lost, f"{len(lost)} puts returned but their bytes are in no registration: {lost[:10]}"
         assert len(ok) > n // 2, (len(ok), failed)
