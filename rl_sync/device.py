@@ -45,11 +45,12 @@ def one_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(devices), torch.device("cpu"))
 
 
-def pack_device(tensors: Iterable[torch.Tensor]) -> torch.device:
-    """Where the publisher packs: the first CUDA device among the trainer's tensors, else the CPU."""
-    for t in tensors:
-        if t.is_cuda:
-            return normal_device(t.device)
+def pack_device(devices: Iterable[torch.device]) -> torch.device:
+    """Where the publisher packs: the first CUDA device among those of the trainer's tensors
+    (``devices``, in their order), else the CPU."""
+    for d in devices:
+        if d.type == "cuda":
+            return normal_device(d)
     return torch.device("cpu")
 
 
@@ -60,11 +61,12 @@ def normal_device(device: torch.device) -> torch.device:
     return device
 
 
-def caller_marks(tensors: Iterable[torch.Tensor]) -> list[Any]:
-    """On the caller's thread: one event per CUDA device of ``tensors``, recorded on that device's
-    current stream (what a :class:`Copier` batch waits for). Empty for CPU tensors."""
+def caller_marks(devices: Iterable[torch.device]) -> list[Any]:
+    """On the caller's thread: one event per CUDA device of ``devices`` (those of the tensors to
+    pack), recorded on that device's current stream (what a :class:`Copier` batch waits for).
+    Empty for the CPU."""
     events = []
-    for device in {normal_device(t.device) for t in tensors if t.is_cuda}:
+    for device in {normal_device(d) for d in devices if d.type == "cuda"}:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)

@@ -5,7 +5,10 @@ the destination views of each bucket are made once per destination and kept: per
 the destination shaped like its source (the whole tensor, or a flat range of it). A pack is then
 one ``torch._foreach_copy_`` over the bucket (one dispatch, casts included) instead of slicing,
 viewing and copying piece by piece: the demo's 30-tensor bucket packs in ~50 us instead of
-~500 us here, nearly all of it the views.
+~500 us here, nearly all of it the views. The bucket's whole-entry pieces (most of them) are
+listed once too (names, views, shapes): a pack of them takes the sources by name, compares their
+shapes with one list comparison and, when they share a dtype, copies them in one call, with no
+Python loop over the pieces (a source shaped otherwise goes piece by piece, as a partial piece).
 
 The kept views are keyed on the destination tensor object (weakly: they go with it) and the
 bucket object (held, so its id is never reused while kept); a view holds its memory alive, so
@@ -32,6 +35,27 @@ _lock = threading.Lock()  # (packs run on worker threads, several at once for se
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+class _Kept:
+    """A bucket's destination views in one destination, and its whole-entry pieces split out:
+    their names, views, shapes and (when they share one) dtype, so that a pack of them is a few
+    list comprehensions and one ``_foreach_copy_``."""
+
+    __slots__ = ("bucket", "views", "names", "dests", "shapes", "dtype", "partial")
+
+    def __init__(self, bucket: Bucket, base: torch.Tensor, start: int) -> None:
+        self.bucket = bucket  # (held: its id is part of the key)
+        self.views = _views(bucket, base, start)
+        whole = [(p, d) for p, d in zip(bucket.pieces, self.views, strict=True)
+                 if p.start == 0 and p.stop == p.entry.nbytes]
+        self.names = [p.entry.name for p, _ in whole]
+        self.dests = [d for _, d in whole]
+        self.shapes = [d.shape for d in self.dests]
+        dtypes = {d.dtype for d in self.dests}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else None
+        self.partial = [(p, d) for p, d in zip(bucket.pieces, self.views, strict=True)
+                        if not (p.start == 0 and p.stop == p.entry.nbytes)]
+
+
 def _views(bucket: Bucket, base: torch.Tensor, start: int) -> list[torch.Tensor]:
     """Each piece's destination in ``base[start:start + bucket.nbytes]`` (uint8), shaped like its
     source: the entry's shape for a whole entry, else flat."""
@@ -56,7 +80,7 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor
         hit = per.get(key) if per is not None else None
     with torch.no_grad():
         if hit is None:
-            hit = (bucket, _views(bucket, base, start))
+            hit = _Kept(bucket, base, start)
             with _lock:
                 per = _kept.get(base)
                 if per is None or len(per) >= MAX_KEPT:
@@ -65,7 +89,20 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor
         # one _foreach_copy_ per (destination dtype, source dtype): its CUDA fast path takes the kernel's
         # types from the first pair only in some torch versions (pytorch#173383), so each call is uniform
         batches: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for p, d in zip(bucket.pieces, hit[1], strict=True):
+        srcs = [sources[n] for n in hit.names]
+        pairs = hit.partial
+        if [t.shape for t in srcs] != hit.shapes:  # (a source shaped otherwise: piece by piece, flat)
+            pairs = list(zip(bucket.pieces, hit.views, strict=True))
+        elif srcs:
+            dtypes = {t.dtype for t in srcs}
+            if hit.dtype is not None and len(dtypes) == 1:  # (the common case: no loop over the pieces)
+                batches[(hit.dtype, dtypes.pop())] = (list(hit.dests), srcs)
+            else:
+                for d, src in zip(hit.dests, srcs, strict=True):
+                    batches.setdefault((d.dtype, src.dtype), ([], []))
+                    batches[(d.dtype, src.dtype)][0].append(d)
+                    batches[(d.dtype, src.dtype)][1].append(src)
+        for p, d in pairs:
             src = sources[p.entry.name]
             if src.shape != d.shape:  # a range of a large entry (or a source shaped otherwise): flat
                 size = d.element_size()
@@ -79,5 +116,5 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor
                 batch = batches[(d.dtype, src.dtype)] = ([], [])
             batch[0].append(d)
             batch[1].append(src)
-        for dests, srcs in batches.values():
-            torch._foreach_copy_(dests, srcs)
+        for into, out_of in batches.values():
+            torch._foreach_copy_(into, out_of)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "Piece",
     "build_manifest",
     "check_sources",
+    "SourceMemo",
     "decode_manifest",
     "dtype_from_name",
     "dtype_name",
@@ -238,6 +240,41 @@ def check_sources(
     if problems:
         raise PlanMismatchError(sorted(problems), subscriber=subscriber)
     return mapped
+
+
+class SourceMemo:
+    """:func:`check_sources`'s answer per layout, kept while the trainer's tensors come with the
+    same names, shapes and dtypes (all that the check reads of them): a push of a model's own
+    tensors then maps them with one pass over their shapes and dtypes. It keeps no tensor. A name
+    map is called again only when that changes: a callable ``name_map`` must answer the same for
+    the same name, and a dict one must not be changed in place.
+    """
+
+    def __init__(self) -> None:
+        # layout digest -> (dtype, id(name_map)), names, shapes, dtypes, generator name -> trainer name
+        self._memo: dict[str, tuple[object, tuple[str, ...], list[Any], list[Any], dict[str, str]]] = {}
+
+    def sources(self, digest: str, tensors: Mapping[str, torch.Tensor], manifest: Manifest, *,
+                dtype: torch.dtype | str | None, name_map: NameMap | None,
+                subscriber: str) -> dict[str, torch.Tensor]:
+        """Generator name -> trainer tensor for the layout ``digest`` (see :func:`check_sources`,
+        whose :class:`PlanMismatchError` it raises)."""
+        names = tuple(tensors)
+        ts = tensors.values()
+        have = self._memo.get(digest)
+        if (have is not None and have[0] == (dtype, id(name_map)) and have[1] == names
+                and [t.shape for t in ts] == have[2] and [t.dtype for t in ts] == have[3]):
+            return {gen: tensors[name] for gen, name in have[4].items()}
+        mapped = check_sources(tensors, manifest, dtype=dtype, name_map=name_map, subscriber=subscriber)
+        gens = ((_map_name(name_map, name), name) for name in tensors)
+        self._memo[digest] = ((dtype, id(name_map)), names, [t.shape for t in ts], [t.dtype for t in ts],
+                              {gen: name for gen, name in gens if gen is not None})
+        return mapped
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the answers of layouts not in ``keep``."""
+        for digest in self._memo.keys() - keep:
+            del self._memo[digest]
 
 
 def sent_dtype(trainer: torch.dtype, subscriber: str, dtype: torch.dtype | str | None) -> torch.dtype:

@@ -68,12 +68,12 @@ class PublisherBuffers:
         for e in entries:
             t, name = sources[e.name], f"{self._prefix}live/{e.name}"
             have = self._live.get(name)
-            # (state_dict() gives new alias objects every push: the same memory is the same buffer)
+            # (the same memory is the same buffer, whichever tensor object holds it now)
             if (have is None or name not in self.endpoint.buffers or have.data_ptr() != t.data_ptr()
                     or have.device != t.device or have.dtype != t.dtype or have.shape != t.shape):
                 if name in self.endpoint.buffers:
                     self.endpoint.unregister(name, discard=True)
-                self.endpoint.register(name, t)
+                self.endpoint.register(name, t.detach())
                 self._live[name] = t
             names[e.name] = name
         return names

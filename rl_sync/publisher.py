@@ -72,7 +72,7 @@ from .banks import BankSet
 from .device import Copier, caller_marks, pack_device
 from .errors import PlanMismatchError, RlSyncError, StaleVersionError, SubscriberNotReadyError
 from .fanout import FANOUTS, assign_sources
-from .plan import MANIFEST_BUFFER, NameMap, check_sources, decode_manifest, make_buckets, plan_hash
+from .plan import MANIFEST_BUFFER, NameMap, SourceMemo, decode_manifest, make_buckets, plan_hash
 from .pub_buffers import PublisherBuffers
 from .push_run import PushRun
 from .push_state import Group, Layout, Target, route_of, unshareable
@@ -195,6 +195,7 @@ class WeightPublisher(PublisherBuffers):
             self.add_subscriber(s)
         self._version = 0
         self._layouts: dict[str, Layout] = {}
+        self._sources = SourceMemo()  # the trainer's tensors mapped onto each layout's entries
         self._slots: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
         self._push_ids = itertools.count(secrets.randbits(40))
         self._run: PushRun | None = None
@@ -287,9 +288,10 @@ class WeightPublisher(PublisherBuffers):
             self._pushing = False
 
     async def _push(self, weights: Any, version: int, timeout: float | None, progress: bool) -> PushReport:
-        tensors = live_tensors(weights)
-        marks = caller_marks(tensors.values())  # the caller's queued GPU work: packing reads after it
-        device = pack_device(tensors.values())
+        tensors = live_tensors(weights, keep_vars=True)  # (a module's own objects: packing runs under no_grad)
+        devices = list(dict.fromkeys(t.device for t in tensors.values()))  # (one pass, in order)
+        marks = caller_marks(devices)  # the caller's queued GPU work: packing reads after it
+        device = pack_device(devices)
         t0 = time.monotonic()
         limit = self.endpoint.timeout if timeout is None else timeout
         report = PushReport(version)
@@ -337,10 +339,16 @@ class WeightPublisher(PublisherBuffers):
         # at an earlier push, or since: killed between pushes) is only probed briefly: a dead one must not
         # cost the others connect_timeout; a restarted one is picked up by whichever push first finds it
         # answering. Only a subscriber never planned yet is given connect_timeout.
-        peers = self.endpoint.peers
-        brief = {s for s in names if s in self._lost or s in self._not_ready or (s in self._layouts and s not in peers)}
-        got = await asyncio.gather(*(self._layout(s, min(run.deadline, run.t0 + _PROBE) if s in brief
-                                                  else run.deadline) for s in names), return_exceptions=True)
+        ep = self.endpoint
+        brief = {s for s in names if s in self._lost or s in self._not_ready or (s in self._layouts and ep.peer(s) is None)}
+        got: list[Layout | BaseException | None] = [self._known_layout(s) for s in names]  # (no coroutine for those)
+        todo = [i for i, s in enumerate(names) if got[i] is None]
+        if todo:
+            found = await asyncio.gather(*(self._layout(names[i], min(run.deadline, run.t0 + _PROBE)
+                                                        if names[i] in brief else run.deadline) for i in todo),
+                                         return_exceptions=True)
+            for i, planned in zip(todo, found, strict=True):
+                got[i] = planned
         mismatches: list[str] = []
         groups: dict[str, Group] = {}
         for name, res in zip(names, got, strict=True):
@@ -355,6 +363,7 @@ class WeightPublisher(PublisherBuffers):
                 report.results[name] = SubscriberResult(error=res, seconds=time.monotonic() - run.t0, stage="plan")
                 continue
             self._not_ready.discard(name)
+            assert res is not None
             layout = res
             why = unshareable(self.endpoint, name, layout, run.copier.device) if layout.shared else None
             if why is not None:
@@ -363,8 +372,9 @@ class WeightPublisher(PublisherBuffers):
                 continue
             group = groups.get(layout.digest)
             try:  # (one check per layout: its subscribers' manifests have the same entries)
-                sources = group.sources if group is not None else check_sources(
-                    tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map, subscriber=name)
+                sources = group.sources if group is not None else self._sources.sources(
+                    layout.digest, tensors, layout.manifest, dtype=self.dtype, name_map=self.name_map,
+                    subscriber=name)
             except PlanMismatchError as exc:
                 mismatches += [f"{name}: {d}" for d in exc.differences]
                 continue
@@ -393,6 +403,7 @@ class WeightPublisher(PublisherBuffers):
             if group.live is not None and any(t.shared for t in group.targets):
                 group.live = None  # (shared subscribers read the bank: the layout is packed anyway)
         self._drop_unused_slots(set(groups))
+        self._sources.forget(set(groups))
         self._drop_unused_banks()
         for group in groups.values():
             by_name = {t.name: t for t in group.targets if not t.shared}  # shared ones read the bank itself
@@ -403,6 +414,13 @@ class WeightPublisher(PublisherBuffers):
                 if source is not None:
                     by_name[source].dependents.append(by_name[name])
         return list(groups.values())
+
+    def _known_layout(self, name: str) -> Layout | None:
+        """``name``'s layout as planned before, if a channel to that incarnation is open (the
+        common case of a push: no coroutine, no wait), else None (:meth:`_layout` plans it)."""
+        peer = self.endpoint.peer(name)
+        cached = self._layouts.get(name) if peer is not None and name not in self._lost else None
+        return cached if cached is not None and peer is not None and cached.incarnation == peer.incarnation else None
 
     async def _layout(self, name: str, deadline: float) -> Layout:
         ep = self.endpoint

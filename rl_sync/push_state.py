@@ -175,7 +175,7 @@ class Publisher(Protocol):
 
 def unshareable(ep: transport.Endpoint, name: str, layout: Layout, device: torch.device) -> str | None:
     """Why subscriber ``name`` (mode='shared') cannot map banks on ``device``, or None."""
-    p = ep.peers.get(name)
+    p = ep.peer(name)
     if not layout.same_host:
         where = f"it is not on the publisher's host (reached over {p.plane if p is not None else 'no channel'})"
     elif device.type == "cuda" and not layout.maps_gpu:

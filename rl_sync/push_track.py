@@ -278,7 +278,7 @@ class PushTracker:
 
     def _send(self, t: Target, msg: m.Message, best_effort: bool = False) -> None:
         if best_effort:  # an abort goes only over a channel still open to the same incarnation, never a new dial
-            p = self.ep.peers.get(t.name)
+            p = self.ep.peer(t.name)
             if p is None or p.incarnation != t.layout.incarnation:
                 return
         limit = 2.0 if best_effort else max(0.5, self.deadline - time.monotonic())
@@ -286,7 +286,7 @@ class PushTracker:
 
         def sent() -> None:
             if t.channel is None and not best_effort:  # (no await since the post: the channel it went over)
-                p = self.ep.peers.get(t.name)
+                p = self.ep.peer(t.name)
                 if p is None:
                     raise transport.PeerLostError(f"the channel to {t.name!r} broke as the push began")
                 t.channel = p.channel_id
@@ -346,12 +346,11 @@ class PushTracker:
         publisher."""
         while True:
             now = time.monotonic()
-            peers = self.ep.peers
             relay_bound = self._stall_bound(statistics.median(self.took) if self.took else None)
             for t in list(self.targets.values()):
                 if not t.alive:
                     continue
-                p = peers.get(t.name)
+                p = self.ep.peer(t.name)
                 if (p is None or p.incarnation != t.layout.incarnation
                         or (t.channel is not None and p.channel_id != t.channel)):  # (what was posted may be lost)
                     self.fail(t, self._lost_error(t, now))

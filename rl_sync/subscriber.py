@@ -152,6 +152,7 @@ class WeightSubscriber(Holding):
         self.commit_timeout = commit_timeout
         self._strategy: CommitMode = make_mode(mode, self)  # what differs between the modes (rl_sync.modes)
         self._live = live_tensors(model_or_state_dict, keep_vars=self._strategy.repoints)
+        self._places: dict[Any, Any] = {}  # repoint()'s memo for the whole manifest
         if not self._live:
             raise ValueError("the model has no tensors to receive")
         self.device = one_device(self._live)
@@ -449,7 +450,10 @@ class WeightSubscriber(Holding):
         """Point every live tensor (or those of ``entries``) into ``arenas`` (default: bank ``bank``
         of this subscriber's own)."""
         arenas = self._banks[bank] if arenas is None else arenas
-        repoint(self._live, self.manifest.entries if entries is None else entries, arenas)
+        if entries is None:  # (the whole manifest: its places are kept per arena geometry)
+            repoint(self._live, self.manifest.entries, arenas, self._places)
+        else:
+            repoint(self._live, entries, arenas)
         if entries is None:
             self._live_bank = bank
 

@@ -77,25 +77,50 @@ def _geometry(dtype: str, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]
     return dtype_from_name(dtype).itemsize, contiguous_strides(shape)
 
 
+Places = list[tuple[torch.Tensor, Any, int, tuple[int, ...], tuple[int, ...]]]
+
+
 def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
-            arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> None:
-    """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``."""
-    moves = []  # every place is checked before any tensor moves: a bad layout leaves them all as they were
-    places: dict[int, tuple[Any, int, int]] = {}  # arena -> (its storage, offset, bytes)
+            arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+            memo: dict[tuple[Any, ...], Places] | None = None) -> None:
+    """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``.
+
+    ``memo`` (a dict the caller keeps with ``live`` and ``entries``, which it must not change):
+    where each tensor goes is worked out once per geometry of the arenas (their dtypes, offsets
+    and sizes: the same for every bank of a layout), and a later call only re-points.
+    """
+    keys = sorted({e.arena for e in entries}) if memo is None or not isinstance(arenas, Sequence) else range(len(arenas))
+    geometry = tuple((i, arenas[i].dtype, int(arenas[i].storage_offset()), arenas[i].numel()) for i in keys)
+    key = (id(entries), geometry)
+    places = memo.get(key) if memo is not None else None
+    if places is None:
+        places = _places(live, entries, dict((g[0], g[1:]) for g in geometry))
+        if memo is not None:
+            if len(memo) >= 8:  # (geometries seen: a handful at most)
+                memo.clear()
+            memo[key] = places
+    storages = {i: arenas[i].untyped_storage() for i in keys}
+    with torch.no_grad():
+        for t, arena, offset, shape, strides in places:
+            t.set_(storages[arena], offset, shape, strides)
+
+
+def _places(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
+            arenas: Mapping[int, tuple[torch.dtype, int, int]]) -> Places:
+    """Each entry's live tensor, arena, offset (in its elements) and geometry; every place is
+    checked before any tensor moves: a bad layout leaves them all as they were."""
+    places: Places = []
     for e in entries:
-        if e.arena not in places:
-            arena = arenas[e.arena]
-            places[e.arena] = (arena.untyped_storage(), int(arena.storage_offset()), arena.numel())
-        storage, base, n = places[e.arena]
+        dtype, base, n = arenas[e.arena]
+        if dtype != torch.uint8:
+            raise RuntimeError(f"arena {e.arena} is {dtype}, not a flat uint8 tensor")
         size, strides = _geometry(e.dtype, e.shape)
         start = base + e.offset
         if start % size or e.offset + e.nbytes > n:
             raise RuntimeError(f"{e.name!r}: arena offset {start} is not a multiple of {size}, or the entry "
                                f"overruns its arena of {n} bytes")
-        moves.append((live[e.name], storage, start // size, e.shape, strides))
-    with torch.no_grad():
-        for t, storage, offset, shape, strides in moves:
-            t.set_(storage, offset, shape, strides)
+        places.append((live[e.name], e.arena, start // size, e.shape, strides))
+    return places
 
 
 async def uncancellable(coro: Any) -> Any:

@@ -247,8 +247,9 @@ async def test_post_nowait_posts_only_over_an_open_channel_and_keeps_the_order(p
     w = torch.zeros(5)
     b.register("w", w)
     assert a.post_nowait(b.name, b"never sent") is False  # no channel yet: not dialled, nothing sent
-    assert b.name not in a.peers
+    assert b.name not in a.peers and a.peer(b.name) is None and a.peer(42) is None  # type: ignore[arg-type]
     await a.put(b.name, {"w": torch.full((5,), 3.0)}, notify=b"n0")
+    assert a.peer(b.name) is a.peers[b.name] and a.peer(b.name).connected
     sent = [a.post_nowait(b.name, b"q%d" % i) for i in range(1, 30)]
     assert all(sent)
     got = [(await b.next_notification(timeout=10)).payload for _ in range(30)]

@@ -68,6 +68,24 @@ def test_pack_casts_each_piece_into_its_place(bucket_bytes: int) -> None:
         assert len(buckets) > len(manifest.entries), "the entries must be split across buckets here"
 
 
+def test_the_kept_plan_of_a_bucket_follows_its_sources_pack_after_pack() -> None:
+    """One bucket packed into one destination again and again (the kept plan of its whole-entry
+    pieces): all sources of one dtype (one copy), then mixed source dtypes, a source shaped
+    otherwise, and one with fewer elements (refused): each pack gives the layout's bytes."""
+    state = {n: t.float() for n, t in _state(5).items() if n not in ("steps", "flag")}
+    manifest, buckets = _layout(state, {}, 1 << 20)
+    (b,) = buckets
+    base = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+    mixed = dict(state, half=state["half"].half(), w=state["w"].double())  # (cast into the float32 layout)
+    shaped = dict(state, w=state["w"].reshape(-1))
+    for sources in (state, mixed, shaped, state):
+        base.zero_()
+        packing.pack(b, sources, base, b.offset)
+        assert torch.equal(base, _expected(manifest, {n: t.reshape(state[n].shape) for n, t in sources.items()}))
+    with pytest.raises((ValueError, RuntimeError)):
+        packing.pack(b, dict(state, w=torch.zeros(50)), base, b.offset)
+
+
 def test_pack_into_a_slot_at_offset_zero_and_refusals() -> None:
     """Slots take every bucket at their start; a source with fewer elements than its piece is refused."""
     state = _state(2)

@@ -219,6 +219,40 @@ async def test_stale_version_and_plan_mismatch_raise_before_any_byte_moves(store
                 assert isinstance(err, rl_sync.SubscriberNotReadyError) and "runs no WeightSubscriber" in str(err)
 
 
+async def test_a_push_takes_the_trainers_tensors_as_they_are_at_that_push(store_url, uname):
+    """The publisher keeps its check of the trainer's tensors while their names, shapes and dtypes
+    stay: values changed in place, an object replaced, and a tensor reshaped or recast in place
+    (``.data``) are each seen by the next push (pushed, or refused before any byte moves)."""
+    with generators(store_url, uname, 1) as gens:
+        async with trainer(store_url, uname) as ep:
+            pub = cast_pub(ep, gens)
+            data = seeded(TRAIN, 1)
+            assert (await pub.push(data, 1)).ok
+            for n, t in seeded(TRAIN, 2).items():  # the same objects, new values
+                data[n].copy_(t)
+            assert (await pub.push(data, 2)).ok and all(gens[0].call("sub_check", TRAIN, 2).values())
+            for n, t in seeded(TRAIN, 3).items():
+                data[n].copy_(t)
+            old = data["layers.0.weight"]
+            data["layers.0.weight"] = old.clone()  # a new object under that name, with seed 3's values
+            old.zero_()  # the one it replaced: a push that still read it would leave zeros there
+            assert (await pub.push(data, 3)).ok and all(gens[0].call("sub_check", TRAIN, 3).values())
+            bias = data["layers.0.bias"].data
+            data["layers.0.bias"].data = torch.zeros(5)  # the same object, another shape
+            with pytest.raises(rl_sync.PlanMismatchError) as ei:
+                await pub.push(data, 4)
+            assert any("'layers.0.bias': shape (128,)" in d for d in ei.value.differences), ei.value.differences
+            data["layers.0.bias"].data = bias
+            steps = data["steps"].data
+            data["steps"].data = steps.float()  # the same object, another dtype (not castable to int64)
+            with pytest.raises(rl_sync.PlanMismatchError) as ei:
+                await pub.push(data, 4)
+            assert any("'steps': dtype int64" in d for d in ei.value.differences), ei.value.differences
+            data["steps"].data = steps
+            assert gens[0].call("sub_version") == 3 and all(gens[0].call("sub_check", TRAIN, 3).values())
+            assert (await pub.push(data, 4)).ok and all(gens[0].call("sub_check", TRAIN, 3).values())
+
+
 async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, uname, capfd):
     with generators(store_url, uname, 1) as gens:
         async with trainer(store_url, uname) as ep:

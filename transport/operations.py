@@ -90,6 +90,12 @@ class Operations:
         ch = await self._channel(peer, self._deadline(timeout))
         return ch.peer
 
+    def peer(self, name: str) -> Peer | None:
+        """``name``'s :class:`Peer` while a channel to it is open, else None: the entry of
+        :attr:`~transport.Endpoint.peers` without making the whole dict. Never dials, never blocks."""
+        ch = self._connector.channels.get(name) if isinstance(name, str) else None
+        return ch.peer if ch is not None and ch.is_open else None
+
     async def put(self, peer: str, tensors: Tensors, *, notify: bytes | None = None,
                   timeout: float | None = None) -> None:
         """Write ``tensors`` into ``peer``'s registered buffers of the same names.

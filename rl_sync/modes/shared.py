@@ -103,14 +103,14 @@ class SharedMode(CommitMode):
         from an earlier commit to that bank, else mapped now (a registry round trip per buffer)."""
         ep = self.sub.endpoint
         self._prune()
-        before = ep.peers.get(publisher)
+        before = ep.peer(publisher)
         key = (publisher, before.incarnation, buffers) if before is not None and buffers else None
         hit = self._mapped.get(key) if key is not None else None
         if hit is not None:
             return hit
         route = await ep.map_route(publisher, buffers[0]) if buffers else None
         arenas = [await ep.map(publisher, name) for name in buffers]
-        after = ep.peers.get(publisher)
+        after = ep.peer(publisher)
         if key is not None and after is not None and after.incarnation == key[1]:  # (not across a restart)
             self._mapped[key] = (route, arenas)
         return route, arenas
@@ -120,12 +120,12 @@ class SharedMode(CommitMode):
         closed: its last announced registry does not name them) and those of publishers whose
         channel is gone or answered by another incarnation: their memory is then freed once the
         live weights (if they point into one) leave it too."""
-        peers = self.sub.endpoint.peers
+        ep = self.sub.endpoint
         names: dict[str, tuple[int, Mapping[str, object]]] = {}
         for key in list(self._mapped):
             publisher, incarnation, buffers = key
             if publisher not in names:
-                peer = peers.get(publisher)
+                peer = ep.peer(publisher)
                 names[publisher] = (peer.incarnation, peer.buffers) if peer is not None else (-1, {})  # (a copy)
             live_incarnation, registered = names[publisher]
             if live_incarnation != incarnation or any(b not in registered for b in buffers):
