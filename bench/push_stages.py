@@ -8,7 +8,7 @@ Commit sent, committed), and when the publisher started and ended packing and se
 plus each subscriber's median time in its commit handler. The first 10 pushes are warm-up. It
 wraps the publisher's and subscriber's methods in this script only; the library is not changed.
 
-Usage: ``python bench/push_stages.py [--mode shared] [--generators 2] [--pushes 60]``. This is a
+Usage: ``python bench/push_stages.py [--mode shared] [--generators 2] [--tensors N] [--pushes 60]``. This is a
 diagnostic, not a benchmark with targets: compare two checkouts by alternating runs
 (``PYTHONPATH``); this machine's speed drifts between runs.
 """
@@ -33,9 +33,18 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 WARMUP = 10
 
 
-def _generator(store: str, name: str, mode: str, q: Any, stop: Any) -> None:
-    from _toy_rl import build_policy
+def _model(tensors: int, seed: int) -> torch.nn.Module:
+    """The demo's policy, or (``tensors`` > 0) that many float32 parameters of 256 elements: a push
+    whose cost is mostly per tensor (a real model has hundreds)."""
+    if not tensors:
+        from _toy_rl import build_policy
 
+        return build_policy(seed)
+    return torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.full((256,), float(seed + i)))
+                                   for i in range(tensors)})
+
+
+def _generator(store: str, name: str, mode: str, tensors: int, q: Any, stop: Any) -> None:
     import rl_sync
     import transport
     from rl_sync.modes import base
@@ -59,7 +68,7 @@ def _generator(store: str, name: str, mode: str, q: Any, stop: Any) -> None:
 
     async def run() -> None:
         ep = transport.Endpoint(name, store=store, timeout=30)
-        rl_sync.WeightSubscriber(ep, build_policy(0), mode=mode)
+        rl_sync.WeightSubscriber(ep, _model(tensors, 0), mode=mode)
         async with ep:
             q.put("ready")
             while not stop.is_set():
@@ -71,7 +80,6 @@ def _generator(store: str, name: str, mode: str, q: Any, stop: Any) -> None:
 
 
 async def _trainer(args: argparse.Namespace) -> None:
-    from _toy_rl import build_policy
     from torch.distributed import TCPStore
 
     import rl_sync
@@ -83,7 +91,7 @@ async def _trainer(args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     names = [f"gen-{i}" for i in range(args.generators)]
-    procs = [ctx.Process(target=_generator, args=(store, n, args.mode, q, stop), daemon=True) for n in names]
+    procs = [ctx.Process(target=_generator, args=(store, n, args.mode, args.tensors, q, stop), daemon=True) for n in names]
     for p in procs:
         p.start()
     try:
@@ -111,7 +119,7 @@ async def _trainer(args: argparse.Namespace) -> None:
         push_run.PushRun._pack_into = pack_w  # type: ignore[method-assign]
         banks.BankSet.seal = seal_w  # type: ignore[method-assign]
         push_run.PushRun.execute = execute_w  # type: ignore[method-assign]
-        policy = build_policy(1)
+        policy = _model(args.tensors, 1)
         nbytes = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
         events: list[rl_sync.PushEvent] = []
         stages: list[dict[str, float]] = []
@@ -143,7 +151,8 @@ async def _trainer(args: argparse.Namespace) -> None:
     for k, v in list(marks.items()):
         marks[k] = v[WARMUP:]
     times.sort()
-    print(f"{args.mode} push of {nbytes / 1024:.0f} KiB to {args.generators} generators, {len(times)} pushes: "
+    what = f"{args.tensors} tensors" if args.tensors else "the demo's policy"
+    print(f"{args.mode} push of {nbytes / 1024:.0f} KiB ({what}) to {args.generators} generators, {len(times)} pushes: "
           f"median {times[len(times) // 2] * 1e3:.2f} ms, fastest {times[0] * 1e3:.2f} ms")
     rows: list[tuple[str, float]] = []
     for kind in dict.fromkeys(k for s in stages for k in s):
@@ -164,10 +173,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="shared", choices=("staged", "swap", "direct", "shared"))
     ap.add_argument("--generators", type=int, default=2)
+    ap.add_argument("--tensors", type=int, default=0,
+                    help="push N float32 tensors of 256 elements instead of the demo's policy (per-tensor costs)")
     ap.add_argument("--pushes", type=int, default=60, help=f"pushes, the first {WARMUP} of them warm-up (default 60)")
     args = ap.parse_args()
-    if args.pushes <= WARMUP or args.generators < 1:
-        ap.error(f"--pushes must be > {WARMUP} and --generators >= 1")
+    if args.pushes <= WARMUP or args.generators < 1 or args.tensors < 0:
+        ap.error(f"--pushes must be > {WARMUP}, --generators >= 1 and --tensors >= 0")
     torch.set_num_threads(1)
     asyncio.run(_trainer(args))
 

@@ -12,7 +12,7 @@ import torch
 from .. import messages as m
 from ..plan import dtype_from_name
 from ..weights import uncancellable
-from .base import CommitMode, Push, readers_late
+from .base import CommitMode, Push, Subscriber, readers_late
 
 __all__ = ["StagedMode"]
 
@@ -25,6 +25,11 @@ class StagedMode(CommitMode):
     commits the same way but re-points instead of copying."""
 
     name = "staged"
+
+    def __init__(self, sub: Subscriber) -> None:
+        super().__init__(sub)
+        # bank -> (its arenas' addresses, the commit's copies: per (dtype, device), live tensors and bank views)
+        self._kept: dict[int, tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]]] = {}
 
     async def commit(self, push: Push, msg: m.Commit) -> None:
         sub = self.sub
@@ -92,10 +97,32 @@ class StagedMode(CommitMode):
         await uncancellable(self.sub._copier.run(functools.partial(self._apply, push.bank)))
 
     def _apply(self, bank: int) -> None:
-        # views are taken here, not at construction: registering (at open) moves an arena into shared memory
+        """Copy bank ``bank`` into the live weights: one ``_foreach_copy_`` per (dtype, device) of
+        theirs, over views of the bank made once per bank and kept while its arenas stay where
+        they are."""
+        with torch.no_grad():
+            for dests, srcs in self._batches(bank):
+                torch._foreach_copy_(dests, srcs)
+
+    def _batches(self, bank: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        # views are taken at the first commit, not at construction: registering (at open) moves an arena
+        # into shared memory; they are made again if an arena moved since (its address is the key)
         sub = self.sub
         arenas = sub._banks[bank]
-        with torch.no_grad():
-            for e in sub.manifest.entries:
-                view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
-                sub._live[e.name].copy_(view.view(e.shape))
+        where = tuple(a.data_ptr() for a in arenas)
+        kept = self._kept.get(bank)
+        if kept is not None and kept[0] == where:
+            return kept[1]
+        by_kind: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for e in sub.manifest.entries:
+            view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+            live = sub._live[e.name]
+            dests, srcs = by_kind.setdefault((live.dtype, live.device), ([], []))
+            dests.append(live)
+            srcs.append(view)
+        batches = list(by_kind.values())
+        self._kept[bank] = (where, batches)
+        return batches
+
+    def close(self) -> None:
+        self._kept.clear()  # (the views hold the banks' memory)
