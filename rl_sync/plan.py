@@ -244,15 +244,16 @@ def check_sources(
 
 class SourceMemo:
     """:func:`check_sources`'s answer per layout, kept while the trainer's tensors come with the
-    same names, shapes and dtypes (all that the check reads of them): a push of a model's own
-    tensors then maps them with one pass over their shapes and dtypes. It keeps no tensor. A name
-    map is called again only when that changes: a callable ``name_map`` must answer the same for
-    the same name, and a dict one must not be changed in place.
+    same names, shapes and dtypes (all that the check reads of them) and the same ``dtype`` and
+    name map (the same object; a mapping also with the same contents): a push of a model's own
+    tensors then maps them with one pass over their shapes and dtypes. It keeps no tensor. A
+    callable name map is called again only when the names, shapes or dtypes change: it must give
+    the same answer for the same name.
     """
 
     def __init__(self) -> None:
-        # layout digest -> (dtype, id(name_map)), names, shapes, dtypes, generator name -> trainer name
-        self._memo: dict[str, tuple[object, tuple[str, ...], list[Any], list[Any], dict[str, str]]] = {}
+        # layout digest -> (dtype, name map, a mapping's contents), names, shapes, dtypes, generator -> trainer name
+        self._memo: dict[str, tuple[tuple[Any, Any, Any], tuple[str, ...], list[Any], list[Any], dict[str, str]]] = {}
 
     def sources(self, digest: str, tensors: Mapping[str, torch.Tensor], manifest: Manifest, *,
                 dtype: torch.dtype | str | None, name_map: NameMap | None,
@@ -262,12 +263,14 @@ class SourceMemo:
         names = tuple(tensors)
         ts = tensors.values()
         have = self._memo.get(digest)
-        if (have is not None and have[0] == (dtype, id(name_map)) and have[1] == names
+        if (have is not None and have[0][0] == dtype and have[0][1] is name_map
+                and (not isinstance(name_map, Mapping) or have[0][2] == name_map) and have[1] == names
                 and [t.shape for t in ts] == have[2] and [t.dtype for t in ts] == have[3]):
             return {gen: tensors[name] for gen, name in have[4].items()}
         mapped = check_sources(tensors, manifest, dtype=dtype, name_map=name_map, subscriber=subscriber)
         gens = ((_map_name(name_map, name), name) for name in tensors)
-        self._memo[digest] = ((dtype, id(name_map)), names, [t.shape for t in ts], [t.dtype for t in ts],
+        contents = dict(name_map) if isinstance(name_map, Mapping) else None
+        self._memo[digest] = ((dtype, name_map, contents), names, [t.shape for t in ts], [t.dtype for t in ts],
                               {gen: name for gen, name in gens if gen is not None})
         return mapped
 

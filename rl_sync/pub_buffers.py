@@ -73,8 +73,9 @@ class PublisherBuffers:
                     or have.device != t.device or have.dtype != t.dtype or have.shape != t.shape):
                 if name in self.endpoint.buffers:
                     self.endpoint.unregister(name, discard=True)
-                self.endpoint.register(name, t.detach())
-                self._live[name] = t
+                alias = t.detach()  # (the memory as of now: a Parameter's .data may be replaced later)
+                self.endpoint.register(name, alias)
+                self._live[name] = alias
             names[e.name] = name
         return names
 

@@ -101,7 +101,9 @@ class WeightPublisher(PublisherBuffers):
         bucket_bytes: largest bucket (rounded down to a multiple of 64); the
             publisher holds two send slots of at most this size per layout.
         name_map: trainer name -> generator name, as a mapping (names not in it
-            are kept) or a callable (returning None drops the tensor).
+            are kept) or a callable (returning None drops the tensor; it must give
+            the same answer for the same name: a push calls it again only when the
+            trainer's names, shapes or dtypes changed).
         fanout: ``"auto"`` (same host: everyone reads the one packed copy; other
             hosts: a two-level tree), ``"direct"`` or ``"chain"``; see :mod:`rl_sync.fanout`.
         connect_timeout: how long a push waits for each subscriber to answer
@@ -289,7 +291,7 @@ class WeightPublisher(PublisherBuffers):
 
     async def _push(self, weights: Any, version: int, timeout: float | None, progress: bool) -> PushReport:
         tensors = live_tensors(weights, keep_vars=True)  # (a module's own objects: packing runs under no_grad)
-        devices = list(dict.fromkeys(t.device for t in tensors.values()))  # (one pass, in order)
+        devices = list(dict.fromkeys(t.device for t in tensors.values() if t.is_cuda))  # (one pass, in order)
         marks = caller_marks(devices)  # the caller's queued GPU work: packing reads after it
         device = pack_device(devices)
         t0 = time.monotonic()

@@ -82,7 +82,7 @@ Places = list[tuple[torch.Tensor, Any, int, tuple[int, ...], tuple[int, ...]]]
 
 def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
             arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
-            memo: dict[tuple[Any, ...], Places] | None = None) -> None:
+            memo: dict[tuple[Any, ...], tuple[Sequence[Any], Places]] | None = None) -> None:
     """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``.
 
     ``memo`` (a dict the caller keeps with ``live`` and ``entries``, which it must not change):
@@ -92,13 +92,15 @@ def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
     keys = sorted({e.arena for e in entries}) if memo is None or not isinstance(arenas, Sequence) else range(len(arenas))
     geometry = tuple((i, arenas[i].dtype, int(arenas[i].storage_offset()), arenas[i].numel()) for i in keys)
     key = (id(entries), geometry)
-    places = memo.get(key) if memo is not None else None
-    if places is None:
-        places = _places(live, entries, dict((g[0], g[1:]) for g in geometry))
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None and hit[0] is entries:  # (the entries object is held: its id is not reused meanwhile)
+        places = hit[1]
+    else:
+        places = _places(live, entries, {g[0]: g[1:] for g in geometry})
         if memo is not None:
             if len(memo) >= 8:  # (geometries seen: a handful at most)
                 memo.clear()
-            memo[key] = places
+            memo[key] = (entries, places)
     storages = {i: arenas[i].untyped_storage() for i in keys}
     with torch.no_grad():
         for t, arena, offset, shape, strides in places:

@@ -85,6 +85,9 @@ async def _push(groups_spec: list[list[Sub]], previous: float | None = None,
         name = "pub"
         peers: dict[str, Any] = {}
 
+        def peer(self, name: str) -> Any:
+            return self.peers.get(name)
+
         def post_nowait(self, name: str, payload: bytes, *, reply_expected: bool = False) -> bool:  # (no channel
             return False  # is ever open "right now" here)
 

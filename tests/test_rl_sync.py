@@ -253,6 +253,39 @@ async def test_a_push_takes_the_trainers_tensors_as_they_are_at_that_push(store_
             assert (await pub.push(data, 4)).ok and all(gens[0].call("sub_check", TRAIN, 3).values())
 
 
+async def test_a_changed_name_map_and_a_parameter_given_new_memory_are_seen_by_the_next_push(store_url, uname):
+    """A dict name map edited in place or replaced by another, and (``live=True``, the trainer's
+    tensors pulled where they lie) a Parameter whose memory was replaced (``.data =``, as
+    ``module.to()`` does): the next push maps and reads them as they are then."""
+    spec = {"x": ("float32", (4,)), "y": ("float32", (4,))}
+    with generators(store_url, uname, 1, spec=spec) as gens:
+        async with trainer(store_url, uname) as ep:
+            names = {"a": "x", "b": "y"}
+            pub = rl_sync.WeightPublisher(ep, [gens[0].name], name_map=names)
+            want = seeded(spec, 1)
+            assert (await pub.push({"a": want["x"], "b": want["y"]}, 1)).ok
+            assert all(gens[0].call("sub_check", spec, 1).values())
+            names["a"], names["b"] = "y", "x"  # edited in place
+            want = seeded(spec, 2)
+            assert (await pub.push({"a": want["y"], "b": want["x"]}, 2)).ok
+            assert all(gens[0].call("sub_check", spec, 2).values())
+            pub.name_map = {"a": "x", "b": "y"}  # another map
+            want = seeded(spec, 3)
+            assert (await pub.push({"a": want["x"], "b": want["y"]}, 3)).ok
+            assert all(gens[0].call("sub_check", spec, 3).values())
+            pub.close()
+            want = seeded(spec, 4)
+            model = torch.nn.ParameterDict({n: torch.nn.Parameter(t.clone()) for n, t in want.items()})
+            live = rl_sync.WeightPublisher(ep, [gens[0].name], live=True)
+            report = await live.push(model, 4)
+            assert report.ok and report.packed_bytes == 0, "live=True: pulled from the trainer's tensors"
+            assert all(gens[0].call("sub_check", spec, 4).values())
+            for n, t in seeded(spec, 5).items():
+                model[n].data = t.clone()  # the same Parameter objects, new memory
+            assert (await live.push(model, 5)).ok
+            assert all(gens[0].call("sub_check", spec, 5).values())
+
+
 async def test_name_map_translates_names_and_progress_shows_a_bar(store_url, uname, capfd):
     with generators(store_url, uname, 1) as gens:
         async with trainer(store_url, uname) as ep:

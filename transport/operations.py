@@ -91,8 +91,11 @@ class Operations:
         return ch.peer
 
     def peer(self, name: str) -> Peer | None:
-        """``name``'s :class:`Peer` while a channel to it is open, else None: the entry of
-        :attr:`~transport.Endpoint.peers` without making the whole dict. Never dials, never blocks."""
+        """``name``'s :class:`Peer` while this endpoint is open and a channel to ``name`` is, else
+        None: the entry of :attr:`~transport.Endpoint.peers` without making the whole dict (which
+        also lists the channels of an endpoint that is closing). Never dials, never blocks."""
+        if self._state != "open":
+            return None
         ch = self._connector.channels.get(name) if isinstance(name, str) else None
         return ch.peer if ch is not None and ch.is_open else None
 
