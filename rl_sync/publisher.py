@@ -183,7 +183,7 @@ class WeightPublisher(PublisherBuffers):
         if live not in (True, False, "auto"):
             raise ValueError(f"live must be True, False or 'auto', got {live!r}")
         self.live = live
-        self._live: dict[str, torch.Tensor] = {}  # buffer name -> the trainer tensor registered under it
+        self._live: dict[str, torch.Tensor] = {}  # buffer name -> the alias of a trainer tensor registered under it
         self.stall_timeout = float(stall_timeout)
         self._pull_medians: dict[str, float] = {}  # layout digest -> its latest push's median pull (push_track)
         self.observer = observer

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import re
 import signal
 import time
+import types
 
 import pytest
 import torch
@@ -83,6 +84,34 @@ def test_buckets_cover_every_byte_once_and_respect_the_size():
             assert len(ranges) <= 1, f"{e.name} fits in a bucket and must not be split"
     assert len(seen["embed.weight"]) == 3
     assert plan_hash(man, buckets) != plan_hash(man, make_buckets(man, BUCKET // 2))
+
+
+def test_the_staged_commit_writes_in_the_manifests_order_and_keeps_no_view_after_close():
+    """The staged commit copies the bank in batches; live tensors that share memory (views of one
+    tensor, here under two dtypes) are still written in the manifest's order, the last entry
+    winning as with one ``copy_`` per entry; the views it keeps per bank go at close()."""
+    from rl_sync.modes.staged import StagedMode
+    from rl_sync.plan import dtype_from_name
+
+    base = torch.zeros(4)
+    live = {"a": base, "b": base.view(torch.int32), "c": base[:], "d": torch.zeros(3),
+            "e": torch.zeros(2, dtype=torch.int64), "f": torch.zeros(3)}
+    man = build_manifest(live, 1 << 20)
+    arena = torch.zeros(man.arenas[0], dtype=torch.uint8)
+    values = {"a": 1.0, "b": 2, "c": 3.0, "d": 4.0, "e": 5, "f": 6.0}
+    for e in man.entries:
+        arena[e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).fill_(values[e.name])
+    mode = StagedMode(types.SimpleNamespace(manifest=man, _live=live, _banks=[[arena]]))  # type: ignore[arg-type]
+    for _ in range(2):  # (the second commit uses the kept views)
+        base.zero_()
+        mode._apply(0)
+        assert base.tolist() == [3.0] * 4, "c comes last in the manifest: its bytes must win"
+        assert live["d"].tolist() == [4.0] * 3 and live["e"].tolist() == [5, 5] and live["f"].tolist() == [6.0] * 3
+    assert [e.name for e in man.entries] == list(live)
+    mode.close()
+    assert not mode._kept
+    mode._apply(0)  # (a commit racing close() keeps nothing either)
+    assert not mode._kept and base.tolist() == [3.0] * 4
 
 
 def test_check_sources_lists_every_difference():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
+import threading
 
 import torch
 
@@ -28,8 +30,10 @@ class StagedMode(CommitMode):
 
     def __init__(self, sub: Subscriber) -> None:
         super().__init__(sub)
-        # bank -> (its arenas' addresses, the commit's copies: per (dtype, device), live tensors and bank views)
+        # bank -> (its arenas' addresses, the commit's copies: runs of live tensors and their bank views)
         self._kept: dict[int, tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]]] = {}
+        self._kept_lock = threading.Lock()
+        self._closed = False
 
     async def commit(self, push: Push, msg: m.Commit) -> None:
         sub = self.sub
@@ -97,9 +101,11 @@ class StagedMode(CommitMode):
         await uncancellable(self.sub._copier.run(functools.partial(self._apply, push.bank)))
 
     def _apply(self, bank: int) -> None:
-        """Copy bank ``bank`` into the live weights: one ``_foreach_copy_`` per (dtype, device) of
-        theirs, over views of the bank made once per bank and kept while its arenas stay where
-        they are."""
+        """Copy bank ``bank`` into the live weights: ``_foreach_copy_`` over runs of consecutive
+        entries of one (dtype, device), over views of the bank made once per bank and kept while
+        its arenas stay where they are. An entry whose live tensor shares memory with another's
+        (a tie, views of one fused tensor) is copied on its own, in the manifest's order, as
+        before: one kernel never writes the same bytes twice."""
         with torch.no_grad():
             for dests, srcs in self._batches(bank):
                 torch._foreach_copy_(dests, srcs)
@@ -113,16 +119,26 @@ class StagedMode(CommitMode):
         kept = self._kept.get(bank)
         if kept is not None and kept[0] == where:
             return kept[1]
-        by_kind: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for e in sub.manifest.entries:
+        entries = sub.manifest.entries
+        lives = [sub._live[e.name] for e in entries]
+        memory = collections.Counter((t.device, t.untyped_storage().data_ptr()) for t in lives if t.numel())
+        batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        run: object = None
+        for e, live in zip(entries, lives, strict=True):
             view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
-            live = sub._live[e.name]
-            dests, srcs = by_kind.setdefault((live.dtype, live.device), ([], []))
-            dests.append(live)
-            srcs.append(view)
-        batches = list(by_kind.values())
-        self._kept[bank] = (where, batches)
+            alone = live.numel() > 0 and memory[(live.device, live.untyped_storage().data_ptr())] > 1
+            kind = object() if alone else (live.dtype, live.device)
+            if kind != run or alone:
+                batches.append(([], []))
+                run = kind
+            batches[-1][0].append(live)
+            batches[-1][1].append(view)
+        with self._kept_lock:  # (close() may run meanwhile on another thread: nothing is kept after it)
+            if not self._closed:
+                self._kept[bank] = (where, batches)
         return batches
 
     def close(self) -> None:
-        self._kept.clear()  # (the views hold the banks' memory)
+        with self._kept_lock:
+            self._closed = True
+            self._kept.clear()  # (the views hold the banks' memory)
