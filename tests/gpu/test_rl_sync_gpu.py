@@ -97,6 +97,36 @@ def test_every_mode_pulls_gpu_to_gpu_over_cuda_ipc(store_url, mode, fanout):
         _run(body)
 
 
+# every dtype that travels (transport.registry), one tensor each, the same dtype on both sides
+EVERY_DTYPE = {f"t.{n}": (n, (33, 7)) for n in (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)}
+
+
+@pytest.mark.parametrize("mode", ["staged", "swap", "shared"])
+def test_every_dtype_is_packed_and_committed_on_the_gpu(store_url, mode):
+    """Every dtype that travels, uncast: packed on the trainer's GPU (``_foreach_copy_`` per dtype
+    pair, into send slots or the shared bank) and, staged, copied into the live weights by the
+    commit's ``_foreach_copy_`` on the generator's GPU: exact bytes after each of two pushes."""
+    gens = [RemoteEndpoint(_name("gpu-gen-dt"), store=store_url, timeout=60)]
+    try:
+        gens[0].call("sub_create", EVERY_DTYPE, {"mode": mode}, DEV)
+
+        async def body() -> None:
+            async with transport.Endpoint(_name("gpu-trainer"), store=store_url, timeout=60) as ep:
+                pub = rl_sync.WeightPublisher(ep, [gens[0].name], bucket_bytes=BUCKET)
+                for version in (1, 2):
+                    train = {n: t.to(DEV) for n, t in seeded(EVERY_DTYPE, version).items()}
+                    report = await pub.push(train, version, timeout=60)
+                    assert report.ok, report.summary()
+                    v, exact = await _call(gens[0], "sub_check_held", EVERY_DTYPE)
+                    assert (v, exact) == (version, True), f"holds version {v}, exact={exact}"
+
+        _run(body)
+    finally:
+        gens[0].kill()
+
+
 @pytest.mark.parametrize("mode", ["staged", "direct"])
 def test_a_generator_with_expandable_segments_still_pulls_over_cuda_ipc(store_url, mode):
     """Its live weights come from expandable segments (not exportable), its arenas from
