@@ -7,8 +7,9 @@ one ``torch._foreach_copy_`` over the bucket (one dispatch, casts included) inst
 viewing and copying piece by piece: the demo's 30-tensor bucket packs in ~50 us instead of
 ~500 us here, nearly all of it the views. The bucket's whole-entry pieces (most of them) are
 listed once too (names, views, shapes): a pack of them takes the sources by name, compares their
-shapes with one list comparison and, when they share a dtype, copies them in one call, with no
-Python loop over the pieces (a source shaped otherwise goes piece by piece, as a partial piece).
+shapes with one list comparison (not on a push: its sources were checked against the layout) and,
+when they share a dtype, copies them in one call, with no Python loop over the pieces (a source
+shaped otherwise goes piece by piece, as a partial piece).
 
 The kept views are keyed on the destination tensor object (weakly: they go with it) and the
 bucket object (held, so its id is never reused while kept); a view holds its memory alive, so
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .plan import Bucket, dtype_from_name
+from .plan import Bucket
 
 __all__ = ["MAX_KEPT", "pack"]
 
@@ -59,21 +60,19 @@ class _Kept:
 def _views(bucket: Bucket, base: torch.Tensor, start: int) -> list[torch.Tensor]:
     """Each piece's destination in ``base[start:start + bucket.nbytes]`` (uint8), shaped like its
     source: the entry's shape for a whole entry, else flat."""
-    out = []
-    for p in bucket.pieces:
-        e = p.entry
-        dt = dtype_from_name(e.dtype)
-        at = start + e.offset + p.start - bucket.offset
-        view = base[at:at + p.stop - p.start].view(dt)
-        out.append(view.view(e.shape) if p.start == 0 and p.stop == e.nbytes else view)
-    return out
+    return [p.entry.view_in(base, p.start, p.stop, origin=bucket.offset - start) for p in bucket.pieces]
 
 
-def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor, start: int = 0) -> None:
+def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor, start: int = 0, *,
+         checked: bool = False) -> None:
     """Copy (and cast) the pieces of ``bucket`` from ``sources`` (entry name -> the trainer's
     tensor) into ``base[start:start + bucket.nbytes]`` (a flat uint8 tensor). Blocks until the
     copies are queued (CPU: done); any thread (CUDA: inside the copier's stream). Raises what
-    ``copy_`` raises for a source that does not fit its piece."""
+    ``copy_`` raises for a source that does not fit its piece.
+
+    ``checked=True``: the caller vouches that every source has its entry's shape (a push's
+    sources passed :func:`~rl_sync.plan.check_sources`, or its memo, for this layout, and must not
+    change until the push returns), so the whole entries' shapes are not compared again."""
     key = (id(bucket), start, base.data_ptr())
     with _lock:
         per = _kept.get(base)
@@ -91,7 +90,7 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor
         batches: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         srcs = [sources[n] for n in hit.names]
         pairs = hit.partial
-        if [t.shape for t in srcs] != hit.shapes:  # (a source shaped otherwise: piece by piece, flat)
+        if not checked and [t.shape for t in srcs] != hit.shapes:  # (a source shaped otherwise: piece by piece, flat)
             pairs = list(zip(bucket.pieces, hit.views, strict=True))
         elif srcs:
             dtypes = {t.dtype for t in srcs}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import torch
@@ -83,6 +82,17 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     arena: int
     offset: int  # bytes from the arena's start
     nbytes: int
+
+    def view_in(self, buf: torch.Tensor, start: int = 0, stop: int | None = None, *, origin: int = 0,
+                flat: bool = False) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of this entry (default: all of them) in ``buf``, a flat uint8
+        tensor whose byte 0 is byte ``origin`` of the entry's arena (default: ``buf`` is the whole
+        arena), viewed as the entry's dtype: shaped like the entry when they are all of it (unless
+        ``flat``), else flat."""
+        stop = self.nbytes if stop is None else stop
+        at = self.offset + start - origin
+        view = buf[at:at + stop - start].view(dtype_from_name(self.dtype))
+        return view.view(self.shape) if not flat and start == 0 and stop == self.nbytes else view
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -242,6 +252,19 @@ def check_sources(
     return mapped
 
 
+@dataclass(slots=True)
+class _Checked:
+    """What :class:`SourceMemo` keeps of one layout's passed check: what the check read, and its answer."""
+
+    dtype: torch.dtype | str | None  # the publisher's dtype=
+    name_map: NameMap | None  # (compared by identity)
+    contents: dict[str, str] | None  # a mapping name map's contents (else None)
+    names: tuple[str, ...]  # the trainer's tensor names, in order
+    shapes: list[torch.Size]  # their shapes and dtypes, in that order
+    dtypes: list[torch.dtype]
+    gens: dict[str, str]  # generator name -> trainer name
+
+
 class SourceMemo:
     """:func:`check_sources`'s answer per layout, kept while the trainer's tensors come with the
     same names, shapes and dtypes (all that the check reads of them) and the same ``dtype`` and
@@ -252,8 +275,7 @@ class SourceMemo:
     """
 
     def __init__(self) -> None:
-        # layout digest -> (dtype, name map, a mapping's contents), names, shapes, dtypes, generator -> trainer name
-        self._memo: dict[str, tuple[tuple[Any, Any, Any], tuple[str, ...], list[Any], list[Any], dict[str, str]]] = {}
+        self._memo: dict[str, _Checked] = {}  # layout digest -> its check
 
     def sources(self, digest: str, tensors: Mapping[str, torch.Tensor], manifest: Manifest, *,
                 dtype: torch.dtype | str | None, name_map: NameMap | None,
@@ -263,15 +285,15 @@ class SourceMemo:
         names = tuple(tensors)
         ts = tensors.values()
         have = self._memo.get(digest)
-        if (have is not None and have[0][0] == dtype and have[0][1] is name_map
-                and (not isinstance(name_map, Mapping) or have[0][2] == name_map) and have[1] == names
-                and [t.shape for t in ts] == have[2] and [t.dtype for t in ts] == have[3]):
-            return {gen: tensors[name] for gen, name in have[4].items()}
+        if (have is not None and have.dtype == dtype and have.name_map is name_map
+                and (not isinstance(name_map, Mapping) or have.contents == name_map) and have.names == names
+                and [t.shape for t in ts] == have.shapes and [t.dtype for t in ts] == have.dtypes):
+            return {gen: tensors[name] for gen, name in have.gens.items()}
         mapped = check_sources(tensors, manifest, dtype=dtype, name_map=name_map, subscriber=subscriber)
         gens = ((_map_name(name_map, name), name) for name in tensors)
         contents = dict(name_map) if isinstance(name_map, Mapping) else None
-        self._memo[digest] = ((dtype, name_map, contents), names, [t.shape for t in ts], [t.dtype for t in ts],
-                              {gen: name for gen, name in gens if gen is not None})
+        self._memo[digest] = _Checked(dtype, name_map, contents, names, [t.shape for t in ts], [t.dtype for t in ts],
+                                      {gen: name for gen, name in gens if gen is not None})
         return mapped
 
     def forget(self, keep: set[str]) -> None:

@@ -43,7 +43,6 @@ from .plan import (
     Bucket,
     Manifest,
     build_manifest,
-    dtype_from_name,
     encode_manifest,
     make_buckets,
     plan_hash,
@@ -440,9 +439,8 @@ class WeightSubscriber(Holding):
                              f"bucket {b.index}")
         where: dict[str, Any] = {}
         for name, p in zip(msg.live, b.pieces, strict=True):
-            dt = dtype_from_name(p.entry.dtype)
-            at = p.entry.offset + p.start - b.offset
-            where[name] = transport.At(dest[at:at + p.stop - p.start].view(dt), p.start // dt.itemsize)
+            view = p.entry.view_in(dest, p.start, p.stop, origin=b.offset, flat=True)
+            where[name] = transport.At(view, p.start // view.element_size())
         return where
 
     def _repoint(self, bank: int, arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,

@@ -83,13 +83,14 @@ Places = list[tuple[torch.Tensor, Any, int, tuple[int, ...], tuple[int, ...]]]
 def repoint(live: Mapping[str, torch.Tensor], entries: Sequence[Any],
             arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
             memo: dict[tuple[Any, ...], tuple[Sequence[Any], Places]] | None = None) -> None:
-    """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``.
+    """Point the live tensor of each of ``entries`` (manifest entries) into its place in ``arenas``
+    (every arena an entry names: by index in a sequence, by key in a mapping).
 
     ``memo`` (a dict the caller keeps with ``live`` and ``entries``, which it must not change):
     where each tensor goes is worked out once per geometry of the arenas (their dtypes, offsets
     and sizes: the same for every bank of a layout), and a later call only re-points.
     """
-    keys = sorted({e.arena for e in entries}) if memo is None or not isinstance(arenas, Sequence) else range(len(arenas))
+    keys = range(len(arenas)) if isinstance(arenas, Sequence) else sorted(arenas)
     geometry = tuple((i, arenas[i].dtype, int(arenas[i].storage_offset()), arenas[i].numel()) for i in keys)
     key = (id(entries), geometry)
     hit = memo.get(key) if memo is not None else None

@@ -120,3 +120,35 @@ def test_kept_views_follow_their_destination_and_die_with_it() -> None:
     gc.collect()
     assert gone() is None, "the kept views must not keep their destination alive"
     assert len(packing._kept) < kept and packing._kept.get(new) is not None, "a dead destination's views must go"
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 256, 1 << 20])
+def test_a_checked_pack_gives_the_same_bytes(bucket_bytes: int) -> None:
+    """checked=True (the publisher's sources, checked against the layout) skips the shape comparison
+    only: the same bytes as an unchecked pack, casts, split entries and mixed dtypes included."""
+    state = _state(6)
+    manifest, buckets = _layout(state, {"emb": torch.bfloat16, "half": torch.float32}, bucket_bytes)
+    expected = _expected(manifest, state)
+    for checked in (False, True, True):
+        base = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+        for b in buckets:
+            packing.pack(b, state, base, b.offset, checked=checked)
+        assert torch.equal(base, expected)
+
+
+def test_an_entry_view_in_its_arena_or_a_part_of_it() -> None:
+    """Entry.view_in: the whole entry, shaped, in its arena; a piece of it, flat, in a buffer that
+    starts elsewhere in the arena (origin); flat=True keeps a whole entry flat."""
+    state = _state(7)
+    manifest, _ = _layout(state, {}, 1 << 20)
+    arena = _expected(manifest, state)
+    for e in manifest.entries:
+        view = e.view_in(arena)
+        assert view.dtype == state[e.name].dtype and view.shape == state[e.name].shape
+        assert torch.equal(view, state[e.name]) and view.data_ptr() == arena.data_ptr() + e.offset
+        assert e.view_in(arena, flat=True).shape == (state[e.name].numel(),)
+    e = next(e for e in manifest.entries if e.name == "emb")
+    size = state["emb"].element_size()
+    origin = e.offset + 8 * size  # (a buffer that starts 8 elements into the entry)
+    part = e.view_in(arena[origin:], 16 * size, 40 * size, origin=origin)
+    assert part.shape == (24,) and torch.equal(part, state["emb"].reshape(-1)[16:40])

@@ -139,6 +139,40 @@ def test_check_sources_lists_every_difference():
     assert set(check_sources(train, man, dtype="auto", name_map=None, subscriber="g")) == set(GEN)
 
 
+def test_source_memo_keeps_the_check_while_what_it_read_stays(monkeypatch):
+    """SourceMemo answers from its memo while names, shapes, dtypes, dtype= and the name map stay,
+    and checks again (raising what check_sources raises) once one of them changes."""
+    import rl_sync.plan as plan
+
+    gen = {n: torch.zeros(sh, dtype=getattr(torch, dt)) for n, (dt, sh) in GEN.items()}
+    man = build_manifest(gen, 1 << 20)
+    calls = []
+    real = plan.check_sources
+    monkeypatch.setattr(plan, "check_sources", lambda *a, **k: calls.append(1) or real(*a, **k))
+    memo = plan.SourceMemo()
+    train = {"model." + n: t for n, t in gen.items()}
+    names = {"model." + n: n for n in gen}
+
+    def sources(tensors, name_map=names, dtype=None):
+        return memo.sources("d", tensors, man, dtype=dtype, name_map=name_map, subscriber="g")
+
+    first = sources(train)
+    assert len(calls) == 1 and first == {n: train["model." + n] for n in gen}
+    again = dict(train, **{"model.steps": torch.ones(3, dtype=torch.int64)})  # new tensors, same shapes
+    assert sources(again) == {n: again["model." + n] for n in gen} and len(calls) == 1
+    assert sources(again, dict(names)) and len(calls) == 2  # another mapping object: checked again
+    assert sources(again) and sources(again) and len(calls) == 3
+    names["model.extra"] = "extra"  # the kept mapping edited in place: checked again
+    assert sources(again) and len(calls) == 4
+    with pytest.raises(rl_sync.PlanMismatchError):  # a shape changed
+        sources(dict(again, **{"model.steps": torch.ones(4, dtype=torch.int64)}))
+    with pytest.raises(rl_sync.PlanMismatchError):  # a dtype changed
+        sources(dict(again, **{"model.steps": torch.ones(3, dtype=torch.int32)}))
+    assert sources(again, dtype="auto") and len(calls) == 7  # another dtype=
+    memo.forget(set())
+    assert sources(again, dtype="auto") and len(calls) == 8
+
+
 def test_repointing_modes_refuse_views_and_keep_tied_weights():
     from rl_sync.weights import shared_memory
 

@@ -13,7 +13,7 @@ import torch
 import transport
 
 from .. import messages as m
-from ..plan import arena_name, dtype_from_name
+from ..plan import arena_name
 from ..weights import uncancellable
 from .base import CommitMode, Push, Subscriber, readers_late
 
@@ -166,7 +166,7 @@ class DirectMode(CommitMode):
         entries = [e for e in sub.manifest.entries if e.arena == i]
         for e in entries:
             src = sub._live[e.name]
-            arena[e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape).copy_(src)
+            e.view_in(arena).copy_(src)
             if src.is_cuda:  # its memory is let go at the re-point below, before this stream read it
                 src.record_stream(torch.cuda.current_stream(src.device))
         sub._repoint(0, {i: arena}, entries)

@@ -12,7 +12,6 @@ import threading
 import torch
 
 from .. import messages as m
-from ..plan import dtype_from_name
 from ..weights import uncancellable
 from .base import CommitMode, Push, Subscriber, readers_late
 
@@ -125,7 +124,7 @@ class StagedMode(CommitMode):
         batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         run: object = None
         for e, live in zip(entries, lives, strict=True):
-            view = arenas[e.arena][e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+            view = e.view_in(arenas[e.arena])
             alone = live.numel() > 0 and memory[(live.device, live.untyped_storage().data_ptr())] > 1
             kind = object() if alone else (live.dtype, live.device)
             if kind != run or alone:
