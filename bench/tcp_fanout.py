@@ -1,14 +1,17 @@
-"""tcp puts with the event loop reading its answers (transport.loop_reads) and without, in one run.
+"""tcp puts with a feature of the initiator's on and off, in one run: the event loop reading its ops'
+answers (``--switch loop_reads``, transport.loop_reads) or small ops reading their own answers
+before they sleep (``--switch spin``, transport.answer_spin).
 
 One initiator process and ``--peers`` target processes on this host, every channel on ``tcp``.
 For each size: a put to one peer (sequential, one op at a time) and a put to every peer at once
 (``asyncio.gather``: the fan-out of a trainer pushing to several generators), timed as the
-median of ``--reps`` repetitions. Each round opens a fresh initiator Endpoint with
-``TRANSPORT_LOOP_READS`` on, then one with it off (the order alternates between rounds), against
-the same targets, so both see the same machine. Prints the medians and on/off ratios (> 1: the
-loop reads are faster); a raw-socket reference is in ``bench/bench_transport.py``'s raw phase.
+median of ``--reps`` repetitions. Each round opens a fresh initiator Endpoint with the feature
+on, then one with it off (the order alternates between rounds), against the same targets, so
+both see the same machine. Prints the medians and on/off ratios (> 1: faster with the feature
+on); a raw-socket reference is in ``bench/bench_transport.py``'s raw phase.
 
-    python bench/tcp_fanout.py [--peers 4] [--rounds 3] [--reps 200] [--sizes 4096,1048576,16777216]
+    python bench/tcp_fanout.py [--switch loop_reads|spin] [--peers 4] [--rounds 3] [--reps 200]
+                               [--sizes 4096,1048576,16777216]
 """
 
 from __future__ import annotations
@@ -47,15 +50,18 @@ def _target(name: str, url: str, sizes: list[int], ready: Any, stop: Any) -> Non
     asyncio.run(main())
 
 
-async def _measure(loop_reads: bool, url: str, names: list[str], sizes: list[int], reps: int,
+async def _measure(switch: str, on: bool, url: str, names: list[str], sizes: list[int], reps: int,
                    rnd: int) -> dict[tuple[str, int], float]:
     import transport
 
-    os.environ["TRANSPORT_LOOP_READS"] = "1" if loop_reads else "0"  # (read when a channel is made)
+    if switch == "loop_reads":
+        os.environ["TRANSPORT_LOOP_READS"] = "1" if on else "0"  # (read when a channel is made)
     out: dict[tuple[str, int], float] = {}
-    async with transport.Endpoint(f"init-{rnd}-{int(loop_reads)}", store=url, planes=("tcp",), timeout=30) as ep:
+    async with transport.Endpoint(f"init-{rnd}-{int(on)}", store=url, planes=("tcp",), timeout=30) as ep:
         for n in names:
             await ep.connect(n)
+            if switch == "spin" and not on:
+                ep._channels[n].ops.spin.budget = 0.0  # (the channel's policy; on: TRANSPORT_SPIN_US's budget)
         for size in sizes:
             src = torch.ones(size, dtype=torch.uint8)
             n_reps = max(10, reps * 4096 // max(size, 4096)) if size > 1 << 20 else reps
@@ -102,8 +108,8 @@ async def _run(args: argparse.Namespace) -> None:
                 for mode in ((True, False) if rnd % 2 == 0 else (False, True)):
                     url = host.store_url
                     assert url is not None
-                    res[mode].append(await _measure(mode, url, names, sizes, args.reps, rnd))
-                    print(f"  round {rnd + 1}/{args.rounds}: loop reads {'on' if mode else 'off'} done", flush=True)
+                    res[mode].append(await _measure(args.switch, mode, url, names, sizes, args.reps, rnd))
+                    print(f"  round {rnd + 1}/{args.rounds}: {args.switch} {'on' if mode else 'off'} done", flush=True)
         finally:
             stop.set()
             for p, _ in procs:
@@ -111,8 +117,8 @@ async def _run(args: argparse.Namespace) -> None:
                 if p.is_alive():
                     p.kill()
     print(f"\ntcp put, median per op over {args.rounds} rounds (median of round medians); "
-          f"{args.peers} target processes; ratio = off / on (> 1: loop reads faster)")
-    print(f"{'case':<20} {'size':>8} {'loop reads on':>14} {'off':>10} {'ratio':>7}")
+          f"{args.peers} target processes; ratio = off / on (> 1: {args.switch} on is faster)")
+    print(f"{'case':<20} {'size':>8} {args.switch + ' on':>14} {'off':>10} {'ratio':>7}")
     for size in sizes:
         for case in ("one peer", f"{args.peers} peers at once"):
             on = statistics.median(r[(case, size)] for r in res[True])
@@ -123,6 +129,8 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--switch", choices=("loop_reads", "spin"), default="loop_reads",
+                    help="the feature turned on and off (default: loop_reads)")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=200)

@@ -78,7 +78,8 @@ def shm() -> Plane:
 
 
 def tcp() -> Plane:
-    return Plane("tcp", {"planes": ("tcp",)}, {"planes": ("tcp",)}, gib=True)
+    # (kill_bytes: loopback tcp moves 256 MiB in ~50 ms on a quiet VM, faster than the test's 1 ms polls see it "sent")
+    return Plane("tcp", {"planes": ("tcp",)}, {"planes": ("tcp",)}, gib=True, kill_bytes=768 * MiB)
 
 
 def staged() -> Plane:

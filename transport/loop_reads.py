@@ -56,7 +56,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any, Protocol
 
 import msgspec
@@ -350,6 +350,26 @@ class LoopReads:
                 self.loop_frames += 1
         finally:
             self.lock.release()
+
+    def spin(self, fut: asyncio.Future[Any], budget: float, ready: Sized) -> bool | None:
+        """Event loop: read the socket right here (as :meth:`_on_readable` does when the selector
+        calls it) until ``fut`` is done, ``budget`` seconds passed, or the loop has something to
+        run (``ready``, its queue of ready callbacks, is not empty: an answer read here woke
+        another task) (:mod:`transport.answer_spin`). True: ``fut`` is done; False: the budget
+        ran out; None: it stopped for another reason (the reads are not, or no longer, the
+        loop's; the loop has work), or never started."""
+        if self.owner is not Owner.LOOP or self._armed != self._gen:
+            return None
+        end = time.perf_counter() + budget
+        while not fut.done():
+            self._on_readable()
+            if fut.done():
+                break
+            if self.owner is not Owner.LOOP or ready:
+                return None
+            if time.perf_counter() >= end:
+                return False
+        return True
 
     def _take_data(self, msg: Data) -> bool:
         """Event loop, under the lock: a get's reply (``Data`` and its payload) into the caller's

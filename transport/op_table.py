@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .answer_spin import AnswerSpin
 from .errors import PeerLostError, Phase, TransportTimeoutError
 from .flight_recorder import FlightRecorder, OpKind, OpState, Record
 from .op import Op
@@ -27,6 +28,7 @@ from .receiver import RX_POLL_S
 from .staging import Staging
 
 if TYPE_CHECKING:
+    from .loop_reads import LoopReads
     from .planes.base import DataPlane
 
 __all__ = ["OpChannel", "OpTable", "Place"]
@@ -55,6 +57,7 @@ class OpChannel(Protocol):
     peer_name: str
     recorder: FlightRecorder
     staging: Staging
+    reads: LoopReads | None  # who reads the channel's socket (None: always its reader thread)
 
     def lose(self, exc: BaseException) -> None: ...
 
@@ -81,6 +84,7 @@ class OpTable:
         # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
         self._order_tail: asyncio.Future[None] | None = None
         self._holds: list[asyncio.Future[None]] | None = None  # hold_order()s of the op in _in_order's start()
+        self.spin = AnswerSpin()  # whether an op reads its answer itself before it awaits it
 
     def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane) -> Op:
         """Allocate an op (event loop) that moves its bytes over ``plane``, recorded as posted."""
@@ -125,6 +129,9 @@ class OpTable:
                 timer = self.loop.call_at(deadline, _expire, op.future)
                 try:
                     await start()
+                    reads = self.ch.reads
+                    if reads is not None and not op.future.done():  # (a small op's answer: read it right here)
+                        self.spin.wait(self.loop, reads, op.future, op.record.nbytes)
                     await op.future
                 finally:
                     timer.cancel()
