@@ -7,13 +7,19 @@ What must hold, with real processes and sockets:
   most ops by without spinning, and it spins (and catches answers) again once the peer is back;
 - an op never spins while the event loop has other work ready (the ops of a ``gather``, another
   task): it awaits at once;
-- ``TRANSPORT_SPIN_US`` is checked: a bad value is a clear error, ``0`` turns spinning off.
+- a loop of ops whose answers the spin catches still gives the event loop its turns (timers run),
+  and callers resume in the order their answers came;
+- an op's deadline bounds its spin; an endpoint of this same process is never spun for;
+- ``TRANSPORT_SPIN_US`` is checked: a bad value is logged as an error and the default used,
+  ``0`` turns spinning off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import time
 
 import pytest
 
@@ -121,15 +127,145 @@ async def test_an_op_does_not_spin_while_the_loop_has_other_work(store_url, unam
         b.kill()
 
 
-def test_the_budget_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+@pytest.mark.timeout(120)
+async def test_a_loop_of_caught_ops_still_gives_the_event_loop_its_turns(store_url, uname):
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            src = make_tensor("uint8", (SIZE,), 1)
+            await ep.put(b.name, {"x": src})
+            spin = _spin(ep, b.name)
+            spin.budget = 0.005
+            ticks = 0
+            stop = False
+
+            async def ticker() -> None:  # a timer due every millisecond
+                nonlocal ticks
+                while not stop:
+                    await asyncio.sleep(0.001)
+                    ticks += 1
+
+            task = asyncio.ensure_future(ticker())
+            await asyncio.sleep(0.01)
+            caught, ticks = spin.caught, 0
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                await ep.put(b.name, {"x": src})
+            stop = True
+            await task
+            assert spin.caught - caught >= 100, (spin.caught, spin.missed)
+            # (~450 here; an op that returned without a pass of the loop after its spin caught the
+            # answer starved the timer: ~10)
+            assert ticks >= 100, ticks
+    finally:
+        b.kill()
+
+
+@pytest.mark.timeout(120)
+async def test_callers_resume_in_the_order_their_answers_came(store_url, uname):
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        b.call("register", "y", "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            s1, s2 = make_tensor("uint8", (SIZE,), 1), make_tensor("uint8", (SIZE,), 2)
+            await ep.put(b.name, {"x": s1})
+            _spin(ep, b.name).budget = 0.005
+            inverted = 0
+            for _ in range(300):
+                order: list[int] = []
+
+                async def one(k: int, name: str, src, order=order) -> None:
+                    await ep.put(b.name, {name: src})
+                    order.append(k)
+
+                await asyncio.gather(one(1, "x", s1), one(2, "y", s2))
+                inverted += order == [2, 1]
+            assert inverted == 0, f"the second put's caller went on before the first's in {inverted} of 300"
+            assert b.call("check", "x", 1) and b.call("check", "y", 2)
+    finally:
+        b.kill()
+
+
+@pytest.mark.timeout(120)
+async def test_the_ops_deadline_bounds_its_spin(store_url, uname):
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=20)
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=20) as ep:
+            src = make_tensor("uint8", (SIZE,), 1)
+            await ep.put(b.name, {"x": src})
+            spin = _spin(ep, b.name)
+            spin.budget = 2.0
+            b.signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(TransportTimeoutError):
+                    await ep.put(b.name, {"x": src}, timeout=0.05)
+                took = time.monotonic() - t0
+            finally:
+                b.signal(signal.SIGCONT)
+            assert spin.missed == 1
+            assert took < 1.0, f"the put's 50 ms deadline was passed by its 2 s spin: it raised after {took:.2f} s"
+    finally:
+        b.kill()
+
+
+@pytest.mark.timeout(120)
+async def test_no_spin_under_a_task_factory(store_url, uname):
+    """With a task factory (Python 3.12's eager tasks are one) a gather's first op could run, and
+    spin, before the others exist: a loop with one never spins."""
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    loop = asyncio.get_running_loop()
+    try:
+        b.call("register", "x", "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            src = make_tensor("uint8", (SIZE,), 4)
+            await ep.put(b.name, {"x": src})
+            spin = _spin(ep, b.name)
+            spin.budget = 0.005
+            loop.set_task_factory(lambda lp, coro, **kw: asyncio.Task(coro, loop=lp, **kw))
+            try:
+                for _ in range(50):
+                    await ep.put(b.name, {"x": src})
+            finally:
+                loop.set_task_factory(None)
+            assert (spin.caught, spin.missed) == (0, 0)
+            for _ in range(50):  # (and without one it does)
+                await ep.put(b.name, {"x": src})
+            assert spin.caught + spin.missed > 0
+    finally:
+        b.kill()
+
+
+async def test_an_endpoint_of_this_process_is_never_spun_for(store_url, uname):
+    async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as a, \
+            transport.Endpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10) as b:
+        b.register("x", make_tensor("uint8", (SIZE,), 0))
+        src = make_tensor("uint8", (SIZE,), 3)
+        for _ in range(50):
+            await a.put(b.name, {"x": src})
+        spin = _spin(a, b.name)
+        assert spin.budget == 0 and (spin.caught, spin.missed) == (0, 0)
+        assert answer_spin.env_budget() > 0  # (the default: spinning is on for other processes)
+
+
+def test_the_budget_comes_from_the_environment_and_bad_values_are_logged(monkeypatch, caplog):
     monkeypatch.setenv("TRANSPORT_SPIN_US", "0")
     assert answer_spin.budget_from_env() == 0.0
-    assert answer_spin.AnswerSpin(0.0).budget == 0.0
+    assert answer_spin.env_budget() == 0.0
+    assert answer_spin.AnswerSpin().budget == 0.0
     monkeypatch.setenv("TRANSPORT_SPIN_US", "250")
     assert answer_spin.budget_from_env() == pytest.approx(250e-6)
+    assert answer_spin.AnswerSpin().budget == pytest.approx(250e-6)
     monkeypatch.delenv("TRANSPORT_SPIN_US")
     assert answer_spin.budget_from_env() == pytest.approx(100e-6)
     for bad in ("fast", "-1", "1e9"):
         monkeypatch.setenv("TRANSPORT_SPIN_US", bad)
         with pytest.raises(ValueError, match="TRANSPORT_SPIN_US"):
             answer_spin.budget_from_env()
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="transport.channel"):
+            assert answer_spin.AnswerSpin().budget == pytest.approx(100e-6)  # (a channel is never refused for it)
+        assert any("TRANSPORT_SPIN_US" in r.getMessage() and bad in r.getMessage() for r in caplog.records)

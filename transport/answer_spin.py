@@ -9,39 +9,54 @@ non-blocking ``recv`` per turn) until the answer was handled or :data:`SPIN_S` p
 awaits. Measured with ``bench/bench_transport.py --only raw,tcp``: a 4 KiB tcp put's p50 went from
 1.9x the raw socket's send+ack to 1.2x.
 
-It only ever spins while spinning delays nothing:
+It spins only where that delays nothing else:
 
 * ops of at most :data:`SPIN_MAX_BYTES` (larger ones take longer than the budget anyway);
 * only while the event loop has nothing else ready to run (asyncio's own loops: their queue of
-  ready callbacks is empty; other loops, e.g. uvloop, expose no such queue: they never spin), so
-  the ops of a ``gather`` all go out before any of them spins, and other tasks are never kept
-  waiting for more than one budget;
-* only while the loop owns the channel's reads (:mod:`transport.loop_reads`);
-* a channel whose answers missed the budget ``n`` times in a row spins again only after the next
-  ``2**n`` ops (at most 64) that did not, until an answer is caught again: a frozen, slow or
-  far peer costs almost nothing.
+  ready callbacks is empty) and creates tasks the usual way (no task factory: with Python 3.12's
+  eager tasks the first op of a ``gather`` would run, and spin, before the others are even
+  created); other loops (uvloop) expose no such queue and never spin. So the ops of a ``gather``
+  all go out before any of them spins;
+* only while the loop owns the channel's reads (:mod:`transport.loop_reads`), and never towards
+  an endpoint of this same process (it may need this very loop, or the GIL this spin holds, to
+  answer);
+* never past the op's own deadline; it stops as soon as an answer it read woke another task;
+* an op whose answer the spin caught then yields to the loop once (``asyncio.sleep(0)``) before
+  it returns, as an op that awaited its answer would have: the loop runs its timers, its other
+  sockets and what the answers read meanwhile woke (other ops' callers, notification
+  callbacks, in the order their frames came) before the caller goes on. So a loop of small ops
+  never holds the event loop for more than one op and its budget at a time;
+* a channel whose answers missed the budget ``n`` times in a row lets the next ``2**n`` ops (at
+  most 64) go by without spinning, until an answer is caught again: a frozen, slow or far peer
+  costs one budget now and then.
 
-Cancellation and deadlines are unchanged: the spin is bounded by the budget, and the op's future
-is awaited afterwards as before. ``TRANSPORT_SPIN_US`` in the environment sets the budget in
-microseconds (default 100); ``0`` turns spinning off.
+Errors, cancellation and deadlines are those of the op (its future is awaited after the spin as
+before). ``TRANSPORT_SPIN_US`` in the environment sets the budget in microseconds (default
+100; ``0`` turns spinning off); it is read when a channel is set up, and a value that is not a
+number from 0 to 10000 is logged as an error and the default used.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections.abc import Sized
 from typing import Any, Protocol
 
-__all__ = ["SPIN_MAX_BYTES", "SPIN_S", "AnswerSpin", "budget_from_env"]
+__all__ = ["DEFAULT_SPIN_US", "SPIN_MAX_BYTES", "AnswerSpin", "budget_from_env", "env_budget"]
+
+log = logging.getLogger("transport.channel")
 
 SPIN_MAX_BYTES = 64 << 10  # the largest op that spins for its answer
-_MAX_SKIP = 64  # a channel that keeps missing spins on one op in this many
+DEFAULT_SPIN_US = 100.0
+_MAX_MISSES = 6  # a channel that keeps missing lets 2**6 = 64 ops go by between spins
 
 
 def budget_from_env() -> float:
     """The spin budget in seconds: ``TRANSPORT_SPIN_US`` (microseconds; default 100, ``0``: off)."""
-    raw = os.environ.get("TRANSPORT_SPIN_US", "100").strip()
+    raw = os.environ.get("TRANSPORT_SPIN_US", str(DEFAULT_SPIN_US)).strip()
     try:
         us = float(raw)
     except ValueError:
@@ -51,7 +66,24 @@ def budget_from_env() -> float:
     return us * 1e-6
 
 
-SPIN_S = budget_from_env()  # read once, at import
+_env_seen: tuple[str | None, float] | None = None  # (the variable's value, its budget): logged once per value
+
+
+def env_budget() -> float:
+    """:func:`budget_from_env`, except that a bad value is logged (once per value) as an error
+    and the default (100 us) used: a channel is never refused for it."""
+    global _env_seen
+    raw = os.environ.get("TRANSPORT_SPIN_US")
+    seen = _env_seen
+    if seen is not None and seen[0] == raw:
+        return seen[1]
+    try:
+        budget = budget_from_env()
+    except ValueError as exc:
+        log.error("%s; spinning for answers with the default budget, %.0f us", exc, DEFAULT_SPIN_US)
+        budget = DEFAULT_SPIN_US * 1e-6
+    _env_seen = (raw, budget)
+    return budget
 
 
 class _Reads(Protocol):
@@ -60,38 +92,46 @@ class _Reads(Protocol):
 
 class AnswerSpin:
     """One channel's policy: whether an op's coroutine reads the socket for its answer before it
-    awaits it (see the module docstring). Event loop only."""
+    awaits it (see the module docstring). ``budget``: seconds (None: ``TRANSPORT_SPIN_US``'s;
+    0: never). Event loop only."""
 
     __slots__ = ("_misses", "_skip", "budget", "caught", "missed", "skipped")
 
     def __init__(self, budget: float | None = None) -> None:
-        self.budget = SPIN_S if budget is None else budget  # seconds; 0: off
+        self.budget = env_budget() if budget is None else budget
         self.caught = 0  # spins that saw their answer (doctor, tests)
         self.missed = 0  # spins that ran out of budget
         self.skipped = 0  # ops that did not spin because of earlier misses
-        self._misses = 0  # misses in a row
+        self._misses = 0  # misses in a row (at most _MAX_MISSES)
         self._skip = 0  # ops left to let by without spinning
 
-    def wait(self, loop: asyncio.AbstractEventLoop, reads: _Reads, fut: asyncio.Future[Any], nbytes: int) -> None:
+    def wait(self, loop: asyncio.AbstractEventLoop, reads: _Reads, fut: asyncio.Future[Any], nbytes: int,
+             deadline: float) -> bool:
         """Event loop, right after an op's header went out: read ``reads``' socket until ``fut``
-        is done or the budget passed, if the policy allows. Never raises what the op raises (the
-        future carries it); returns at once when it does not spin."""
+        is done, the budget passed or ``deadline`` (``time.monotonic()``) came, if the policy
+        allows. True if ``fut`` is done by then (the caller then yields to the loop once before
+        it returns: see the module docstring). Never raises what the op raises (the future
+        carries it); returns at once when it does not spin."""
         if self.budget <= 0 or nbytes > SPIN_MAX_BYTES or fut.done():
-            return
+            return False
         ready = getattr(loop, "_ready", None)  # (asyncio's BaseEventLoop: the callbacks to run next)
-        if ready is None or ready:
-            return
+        if ready is None or ready or loop.get_task_factory() is not None:
+            return False
         if self._skip:
             self._skip -= 1
             self.skipped += 1
-            return
-        got = reads.spin(fut, self.budget, ready)
+            return False
+        budget = min(self.budget, deadline - time.monotonic())
+        if budget <= 0:
+            return False
+        got = reads.spin(fut, budget, ready)
         if got is None:  # (stopped for something else: the loop has work, or the reads went to the thread)
-            return
+            return fut.done()
         if got:
             self.caught += 1
             self._misses = 0
-        else:
-            self.missed += 1
-            self._misses += 1
-            self._skip = min(1 << self._misses, _MAX_SKIP)
+            return True
+        self.missed += 1
+        self._misses = min(self._misses + 1, _MAX_MISSES)
+        self._skip = 1 << self._misses
+        return False

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .answer_spin import AnswerSpin
 from .errors import PeerLostError, Phase, TransportTimeoutError
 from .flight_recorder import FlightRecorder, OpKind, OpState, Record
+from .hostinfo import local_host, same_host
 from .op import Op
 from .receiver import RX_POLL_S
 from .staging import Staging
@@ -30,6 +31,7 @@ from .staging import Staging
 if TYPE_CHECKING:
     from .loop_reads import LoopReads
     from .planes.base import DataPlane
+    from .wire import HostInfo
 
 __all__ = ["OpChannel", "OpTable", "Place"]
 
@@ -58,6 +60,7 @@ class OpChannel(Protocol):
     recorder: FlightRecorder
     staging: Staging
     reads: LoopReads | None  # who reads the channel's socket (None: always its reader thread)
+    host: HostInfo  # the peer's
 
     def lose(self, exc: BaseException) -> None: ...
 
@@ -84,7 +87,9 @@ class OpTable:
         # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
         self._order_tail: asyncio.Future[None] | None = None
         self._holds: list[asyncio.Future[None]] | None = None  # hold_order()s of the op in _in_order's start()
-        self.spin = AnswerSpin()  # whether an op reads its answer itself before it awaits it
+        # whether an op reads its answer itself before it awaits it; never towards this same process
+        here = local_host()
+        self.spin = AnswerSpin(0.0 if same_host(here, channel.host)[0] and here.pid == channel.host.pid else None)
 
     def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane) -> Op:
         """Allocate an op (event loop) that moves its bytes over ``plane``, recorded as posted."""
@@ -121,6 +126,7 @@ class OpTable:
         rejects. Cancellation stops the wait only: bytes already handed to the
         writer or to a copy thread still go out, and the channel stays usable.
         """
+        caught = False  # the op's answer was read by its own coroutine (answer_spin)
         try:
             prev, mine = place if place is not None else (self._order_tail, None)
             if not ordered or (mine is None and not op.gated and (prev is None or prev.done())):
@@ -131,7 +137,7 @@ class OpTable:
                     await start()
                     reads = self.ch.reads
                     if reads is not None and not op.future.done():  # (a small op's answer: read it right here)
-                        self.spin.wait(self.loop, reads, op.future, op.record.nbytes)
+                        caught = self.spin.wait(self.loop, reads, op.future, op.record.nbytes, deadline)
                     await op.future
                 finally:
                     timer.cancel()
@@ -174,6 +180,8 @@ class OpTable:
             self._forget(op)
             self.ch.recorder.update(op.record, OpState.FAILED, exc)
             raise
+        if caught:  # one pass of the loop, as awaiting the answer would have given: its timers, its other
+            await asyncio.sleep(0)  # sockets and what the answers read here woke run before the caller goes on
 
     async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any],
                         mine: asyncio.Future[None] | None = None,
