@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_doctor_reports_planes_and_choice():
@@ -23,6 +25,7 @@ def test_doctor_reports_planes_and_choice():
     for p in rep["planes"].values():
         assert p["reason"]
     assert "shm" in rep["choice"] and "tcp" in rep["choice"]
+    assert {"loop_reads", "unix_sockets", "answer_spin_us", "answer_spin_note"} <= set(rep["io"])
     nccl = rep["nccl"]
     assert nccl["found"] is True, nccl  # nvidia-nccl-cu12 is a dependency on Linux
     assert nccl["version"].startswith("2.") and nccl["source"] in {"explicit", "torch", "pathfinder", "system"}
@@ -61,6 +64,16 @@ def test_doctor_reports_planes_and_choice():
         assert "one_sided" not in ipc and not lines[at + 1].startswith("    one-sided")
     if rep["planes"]["shm"]["available"]:
         assert f"one-sided: {'yes' if rep['planes']['shm']['one_sided'] else 'no'}: " in human.stdout
+
+
+def test_doctor_shows_the_channel_io_settings_and_a_bad_spin_budget():
+    r = _run("-m", "transport", "doctor", env={"TRANSPORT_SPIN_US": "0", "TRANSPORT_LOOP_READS": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "answers read on the event loop off" in r.stdout and "up to 0 us" in r.stdout, r.stdout
+    r = _run("-m", "transport", "doctor", "--json", env={"TRANSPORT_SPIN_US": "fast"})
+    assert r.returncode == 0, r.stderr  # (never a crash: the default is used, and said)
+    io = json.loads(r.stdout)["io"]
+    assert io["answer_spin_us"] == 100 and "'fast'" in io["answer_spin_note"], io
 
 
 def test_doctor_names_the_plane_for_a_live_peer(store_url):

@@ -108,6 +108,24 @@ def _nccl_link() -> dict[str, Any]:
     return {"available": engine is not None, "reason": reason}
 
 
+def _io_settings() -> dict[str, Any]:
+    """The channel I/O settings the environment gives this process (read as a channel would)."""
+    from transport import answer_spin, local_socket, loop_reads
+
+    raw = os.environ.get("TRANSPORT_SPIN_US")
+    try:
+        answer_spin.budget_from_env()
+        spin_note = "TRANSPORT_SPIN_US" if raw is not None else "default; TRANSPORT_SPIN_US sets it"
+    except ValueError as exc:
+        spin_note = f"{exc}: the default is used"
+    return {
+        "loop_reads": loop_reads.enabled(),
+        "unix_sockets": local_socket.enabled(),
+        "answer_spin_us": round(answer_spin.env_budget() * 1e6, 3),
+        "answer_spin_note": spin_note,
+    }
+
+
 def collect() -> dict[str, Any]:
     """Everything the doctor reports, as a dict."""
     import msgspec
@@ -151,6 +169,7 @@ def collect() -> dict[str, Any]:
     if not cuda["available"]:
         cuda["note"] = "no CUDA here: CUDA tensors cannot be created, so only CPU buffers move in this process"
     return {
+        "io": _io_settings(),
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -239,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         print("nccl: not found")
     for a in n["attempts"]:
         print(f"  {a['source']}: {a['reason']}")
+    io = report["io"]
+    print(f"channel I/O: answers read on the event loop {'on' if io['loop_reads'] else 'off (TRANSPORT_LOOP_READS)'}; "
+          f"same-host channels on Unix sockets {'on' if io['unix_sockets'] else 'off (TRANSPORT_UNIX_SOCKETS)'}; "
+          f"a small op spins for its answer up to {io['answer_spin_us']:.0f} us ({io['answer_spin_note']})")
     print(f"choice: {report['choice']}")
     if "peer" in report:
         p = report["peer"]
