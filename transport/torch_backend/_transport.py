@@ -303,7 +303,9 @@ class TransportRL(Transport):
                timeout: float | None) -> int | Work:
         t = self._wait_for(timeout)
         deadline = time.monotonic() + t
-        with self._locked(t):
+        if not self._lock.acquire(timeout=t):  # (not _locked(): a context manager costs a small transfer ~1 us)
+            raise TimeoutError("transport lock wait timed out")
+        try:
             self._ensure_open()
             self._check_transfer(local, remote, mutable=not write)
             view = cast(TransportRLMemoryView, local)
@@ -321,6 +323,8 @@ class TransportRL(Transport):
                     with self._pending_lock:
                         self._pending[id(work)] = work
                     work._attach(self._submit(self._transfer(write, peer, ops, bound)))
+        finally:
+            self._lock.release()
         if async_op:
             return work
         work._wait(max(0.0, deadline - time.monotonic()))
@@ -332,11 +336,8 @@ class TransportRL(Transport):
         peer's mapped memory, which the event loop would do inline too; its result or error
         settles ``work``): no hand-off to the loop thread and back, which costs a small transfer
         far more than its copy. Only while no transfer is pending (they run in submission order)."""
-        if self.plane != "shm":
-            return False
-        with self._pending_lock:
-            if self._pending:
-                return False
+        if self.plane != "shm" or self._pending:  # (read unlocked: it fills only under self._lock, which the
+            return False  # caller holds; a transfer ending meanwhile only sends this one the loop's way)
         try:
             done = self._ep.put_now(peer, ops) if write else self._ep.get_now(peer, ops)
         except Exception as exc:  # (the op's own error, as the loop's path would give it)

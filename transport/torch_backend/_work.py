@@ -15,6 +15,10 @@ from torch.distributed._transport._work import _validate_timeout
 
 __all__ = ["TransportRLWork"]
 
+_ENDED = threading.Event()  # the shared "ended" of Works whose transfer ended before they were returned
+_ENDED.set()
+_NOT_YET = threading.Event()  # (never set: a Work is returned only once attached to its transfer, or ended)
+
 
 class TransportRLWork(Work):
     """One read or write: completed (successfully or not) once the endpoint's put or get ended.
@@ -29,15 +33,18 @@ class TransportRLWork(Work):
 
     def __init__(self, buffers: tuple[Any, ...], timeout: float, on_done: Callable[[TransportRLWork], None]) -> None:
         super().__init__()
-        _validate_timeout(timeout)
-        self._timeout = timeout
+        self._timeout = timeout  # (validated by the transport)
         self._buffers: tuple[Any, ...] | None = buffers  # retained until the transfer ended
-        self._on_done = on_done
+        self._on_done: Callable[[TransportRLWork], None] | None = on_done
         self._error: BaseException | None = None
-        self._done = threading.Event()
+        # set once the transfer ended: its own event for a transfer on the loop (_attach), the shared set
+        # one for a transfer that ended before the Work was returned (_end_now: no event made per op)
+        self._done: threading.Event = _NOT_YET
         self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
 
     def _attach(self, fut: concurrent.futures.Future[Any]) -> None:
+        """The transfer runs on the loop as ``fut``; the Work ends when it does."""
+        self._done = threading.Event()
         fut.add_done_callback(self._settle)
 
     def _settle(self, fut: concurrent.futures.Future[Any] | None) -> None:
@@ -46,8 +53,13 @@ class TransportRLWork(Work):
                 self._error = RuntimeError("the transfer was cancelled: its event loop stopped")
             else:
                 self._error = fut.exception()
-        self._on_done(self)
-        self._done.set()
+        on_done = self._on_done
+        if on_done is not None:
+            on_done(self)
+        if self._done is _NOT_YET:
+            self._done = _ENDED
+        else:
+            self._done.set()
         error = self._error
         if error is None:
             self._future.set_result([])
@@ -56,8 +68,11 @@ class TransportRLWork(Work):
             self._future.set_exception(failure)  # type: ignore[arg-type]  # (torch stubs type it as the result)
 
     def _end_now(self, error: BaseException | None) -> None:
-        """The transfer ended on the submitting thread (the backend's fast path), with ``error``."""
+        """The transfer ended on the submitting thread before this Work was returned (the
+        backend's fast path, never handed to the loop: nothing to tell the transport), with
+        ``error``."""
         self._error = error
+        self._on_done = None
         self._settle(None)
 
     def _wait(self, seconds: float) -> None:
