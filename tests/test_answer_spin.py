@@ -17,6 +17,7 @@ What must hold, with real processes and sockets:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -35,208 +36,170 @@ def _spin(ep: transport.Endpoint, peer: str) -> answer_spin.AnswerSpin:
     return ep._channels[peer].ops.spin
 
 
-@pytest.mark.timeout(120)
-async def test_small_ops_catch_their_answers_and_move_exact_bytes(store_url, uname):
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+@contextlib.asynccontextmanager
+async def _pair(store_url, uname, budget: float, *, timeout: float = 10.0, names: tuple[str, ...] = ("x",)):
+    """A target process B with a 4 KiB uint8 buffer per name, and an Endpoint here whose channel
+    to B is up (one put of seed 0 into the first buffer) and spins with ``budget``."""
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=timeout)
     try:
-        b.call("register", "x", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
-            await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 0)})
+        for name in names:
+            b.call("register", name, "uint8", (SIZE,))
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=timeout) as ep:
+            await ep.put(b.name, {names[0]: make_tensor("uint8", (SIZE,), 0)})
             spin = _spin(ep, b.name)
-            spin.budget = 0.005  # (wide: on this busy 2-core machine an answer can take a while)
-            caught = spin.caught
-            for i in range(1, 201):
-                src = make_tensor("uint8", (SIZE,), i)
-                await ep.put(b.name, {"x": src})
-                dst = make_tensor("uint8", (SIZE,), 10_000 + i)
-                await ep.get(b.name, {"x": dst})
-                assert bool((dst == src).all()), i
-                if i % 50 == 0:
-                    await ep.notify(b.name, f"n{i}".encode())
-            assert b.call("check", "x", 200)
-            assert spin.caught - caught >= 100, (spin.caught, spin.missed, spin.skipped)
+            spin.budget = budget
+            yield ep, b, spin
     finally:
         b.kill()
+
+
+@contextlib.contextmanager
+def _frozen(b: RemoteEndpoint):
+    """B stopped (SIGSTOP, every thread) until the block ends: nothing it would answer comes."""
+    b.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        b.signal(signal.SIGCONT)
+
+
+@pytest.mark.timeout(120)
+async def test_small_ops_catch_their_answers_and_move_exact_bytes(store_url, uname):
+    # (a wide budget: on this busy 2-core machine an answer can take a while)
+    async with _pair(store_url, uname, 0.005) as (ep, b, spin):
+        caught = spin.caught
+        for i in range(1, 201):
+            src = make_tensor("uint8", (SIZE,), i)
+            await ep.put(b.name, {"x": src})
+            dst = make_tensor("uint8", (SIZE,), 10_000 + i)
+            await ep.get(b.name, {"x": dst})
+            assert bool((dst == src).all()), i
+            if i % 50 == 0:
+                await ep.notify(b.name, f"n{i}".encode())
+        assert b.call("check", "x", 200)
+        assert spin.caught - caught >= 100, (spin.caught, spin.missed, spin.skipped)
 
 
 @pytest.mark.timeout(120)
 async def test_a_frozen_peer_is_rarely_spun_for_and_spinning_resumes_once_it_is_back(store_url, uname):
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=20)
-    try:
-        b.call("register", "x", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=20) as ep:
-            src = make_tensor("uint8", (SIZE,), 1)
-            await ep.put(b.name, {"x": src})
-            spin = _spin(ep, b.name)
-            spin.budget = 0.002
-            b.signal(signal.SIGSTOP)
-            try:
-                missed, skipped = spin.missed, spin.skipped
-                for _ in range(40):
-                    with pytest.raises(TransportTimeoutError):
-                        await ep.put(b.name, {"x": src}, timeout=0.05)
-                # spins at ops 1, 4, 9, 18 and 35 (each miss lets twice as many ops by as the one before)
-                assert spin.missed - missed <= 8, (spin.missed, spin.skipped)
-                assert spin.skipped - skipped >= 25, (spin.missed, spin.skipped)
-            finally:
-                b.signal(signal.SIGCONT)
-            spin.budget = 0.02
-            caught = spin.caught
-            for i in range(300):
-                await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 100 + i)})
-            assert b.call("check", "x", 399)
-            assert spin.caught > caught, (spin.caught, spin.missed, spin.skipped)
-    finally:
-        b.kill()
+    async with _pair(store_url, uname, 0.002, timeout=20) as (ep, b, spin):
+        src = make_tensor("uint8", (SIZE,), 1)
+        with _frozen(b):
+            missed, skipped = spin.missed, spin.skipped
+            for _ in range(40):
+                with pytest.raises(TransportTimeoutError):
+                    await ep.put(b.name, {"x": src}, timeout=0.05)
+            # spins at ops 1, 4, 9, 18 and 35 (each miss lets twice as many ops by as the one before)
+            assert spin.missed - missed <= 8, (spin.missed, spin.skipped)
+            assert spin.skipped - skipped >= 25, (spin.missed, spin.skipped)
+        spin.budget = 0.02
+        caught = spin.caught
+        for i in range(300):
+            await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 100 + i)})
+        assert b.call("check", "x", 399)
+        assert spin.caught > caught, (spin.caught, spin.missed, spin.skipped)
 
 
 @pytest.mark.timeout(120)
 async def test_an_op_does_not_spin_while_the_loop_has_other_work(store_url, uname):
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=20)
-    try:
-        b.call("register", "x", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=20) as ep:
-            src = make_tensor("uint8", (SIZE,), 1)
-            await ep.put(b.name, {"x": src})
-            spin = _spin(ep, b.name)
-            spin.budget = 0.05
-            loop = asyncio.get_running_loop()
-            b.signal(signal.SIGSTOP)  # (no answer comes: a spin would run its whole budget)
-            try:
-                ran = []
-                loop.call_soon(ran.append, 1)  # work ready for the loop's next pass
-                with pytest.raises(TransportTimeoutError):
-                    await ep.put(b.name, {"x": src}, timeout=0.2)
-                assert ran == [1]
-                assert (spin.caught, spin.missed) == (0, 0), "spun with a callback ready to run"
+    async with _pair(store_url, uname, 0.05, timeout=20) as (ep, b, spin):
+        src = make_tensor("uint8", (SIZE,), 1)
+        loop = asyncio.get_running_loop()
+        with _frozen(b):  # (no answer comes: a spin would run its whole budget)
+            ran = []
+            loop.call_soon(ran.append, 1)  # work ready for the loop's next pass
+            with pytest.raises(TransportTimeoutError):
+                await ep.put(b.name, {"x": src}, timeout=0.2)
+            assert ran == [1]
+            assert (spin.caught, spin.missed) == (0, 0), "spun with a callback ready to run"
 
-                other = asyncio.ensure_future(asyncio.sleep(0))  # another task ready: likewise
-                with pytest.raises(TransportTimeoutError):
-                    await ep.put(b.name, {"x": src}, timeout=0.2)
-                await other
-                assert (spin.caught, spin.missed) == (0, 0), "spun with another task ready to run"
+            other = asyncio.ensure_future(asyncio.sleep(0))  # another task ready: likewise
+            with pytest.raises(TransportTimeoutError):
+                await ep.put(b.name, {"x": src}, timeout=0.2)
+            await other
+            assert (spin.caught, spin.missed) == (0, 0), "spun with another task ready to run"
 
-                with pytest.raises(TransportTimeoutError):  # nothing else to run: it spins (and misses)
-                    await ep.put(b.name, {"x": src}, timeout=0.2)
-                assert (spin.caught, spin.missed) == (0, 1)
-            finally:
-                b.signal(signal.SIGCONT)
-            await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 5)})
-            assert b.call("check", "x", 5)
-    finally:
-        b.kill()
+            with pytest.raises(TransportTimeoutError):  # nothing else to run: it spins (and misses)
+                await ep.put(b.name, {"x": src}, timeout=0.2)
+            assert (spin.caught, spin.missed) == (0, 1)
+        await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 5)})
+        assert b.call("check", "x", 5)
 
 
 @pytest.mark.timeout(120)
 async def test_a_loop_of_caught_ops_still_gives_the_event_loop_its_turns(store_url, uname):
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
-    try:
-        b.call("register", "x", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
-            src = make_tensor("uint8", (SIZE,), 1)
+    async with _pair(store_url, uname, 0.005) as (ep, b, spin):
+        src = make_tensor("uint8", (SIZE,), 1)
+        ticks = 0
+        stop = False
+
+        async def ticker() -> None:  # a timer due every millisecond
+            nonlocal ticks
+            while not stop:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.01)
+        caught, ticks = spin.caught, 0
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
             await ep.put(b.name, {"x": src})
-            spin = _spin(ep, b.name)
-            spin.budget = 0.005
-            ticks = 0
-            stop = False
-
-            async def ticker() -> None:  # a timer due every millisecond
-                nonlocal ticks
-                while not stop:
-                    await asyncio.sleep(0.001)
-                    ticks += 1
-
-            task = asyncio.ensure_future(ticker())
-            await asyncio.sleep(0.01)
-            caught, ticks = spin.caught, 0
-            end = time.monotonic() + 0.5
-            while time.monotonic() < end:
-                await ep.put(b.name, {"x": src})
-            stop = True
-            await task
-            assert spin.caught - caught >= 100, (spin.caught, spin.missed)
-            # (~450 here; an op that returned without a pass of the loop after its spin caught the
-            # answer starved the timer: ~10)
-            assert ticks >= 100, ticks
-    finally:
-        b.kill()
+        stop = True
+        await task
+        assert spin.caught - caught >= 100, (spin.caught, spin.missed)
+        # (~450 here; an op that returned without a pass of the loop after its spin caught the
+        # answer starved the timer: ~10)
+        assert ticks >= 100, ticks
 
 
 @pytest.mark.timeout(120)
 async def test_callers_resume_in_the_order_their_answers_came(store_url, uname):
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
-    try:
-        b.call("register", "x", "uint8", (SIZE,))
-        b.call("register", "y", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
-            s1, s2 = make_tensor("uint8", (SIZE,), 1), make_tensor("uint8", (SIZE,), 2)
-            await ep.put(b.name, {"x": s1})
-            _spin(ep, b.name).budget = 0.005
-            inverted = 0
-            for _ in range(300):
-                order: list[int] = []
+    async with _pair(store_url, uname, 0.005, names=("x", "y")) as (ep, b, _spin_):
+        s1, s2 = make_tensor("uint8", (SIZE,), 1), make_tensor("uint8", (SIZE,), 2)
+        inverted = 0
+        for _ in range(300):
+            order: list[int] = []
 
-                async def one(k: int, name: str, src, order=order) -> None:
-                    await ep.put(b.name, {name: src})
-                    order.append(k)
+            async def one(k: int, name: str, src, order=order) -> None:
+                await ep.put(b.name, {name: src})
+                order.append(k)
 
-                await asyncio.gather(one(1, "x", s1), one(2, "y", s2))
-                inverted += order == [2, 1]
-            assert inverted == 0, f"the second put's caller went on before the first's in {inverted} of 300"
-            assert b.call("check", "x", 1) and b.call("check", "y", 2)
-    finally:
-        b.kill()
+            await asyncio.gather(one(1, "x", s1), one(2, "y", s2))
+            inverted += order == [2, 1]
+        assert inverted == 0, f"the second put's caller went on before the first's in {inverted} of 300"
+        assert b.call("check", "x", 1) and b.call("check", "y", 2)
 
 
 @pytest.mark.timeout(120)
 async def test_the_ops_deadline_bounds_its_spin(store_url, uname):
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=20)
-    try:
-        b.call("register", "x", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=20) as ep:
-            src = make_tensor("uint8", (SIZE,), 1)
-            await ep.put(b.name, {"x": src})
-            spin = _spin(ep, b.name)
-            spin.budget = 2.0
-            b.signal(signal.SIGSTOP)
-            try:
-                t0 = time.monotonic()
-                with pytest.raises(TransportTimeoutError):
-                    await ep.put(b.name, {"x": src}, timeout=0.05)
-                took = time.monotonic() - t0
-            finally:
-                b.signal(signal.SIGCONT)
-            assert spin.missed == 1
-            assert took < 1.0, f"the put's 50 ms deadline was passed by its 2 s spin: it raised after {took:.2f} s"
-    finally:
-        b.kill()
+    async with _pair(store_url, uname, 2.0, timeout=20) as (ep, b, spin):
+        with _frozen(b):
+            t0 = time.monotonic()
+            with pytest.raises(TransportTimeoutError):
+                await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 1)}, timeout=0.05)
+            took = time.monotonic() - t0
+        assert spin.missed == 1
+        assert took < 1.0, f"the put's 50 ms deadline was passed by its 2 s spin: it raised after {took:.2f} s"
 
 
 @pytest.mark.timeout(120)
 async def test_no_spin_under_a_task_factory(store_url, uname):
     """With a task factory (Python 3.12's eager tasks are one) a gather's first op could run, and
     spin, before the others exist: a loop with one never spins."""
-    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
     loop = asyncio.get_running_loop()
-    try:
-        b.call("register", "x", "uint8", (SIZE,))
-        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
-            src = make_tensor("uint8", (SIZE,), 4)
-            await ep.put(b.name, {"x": src})
-            spin = _spin(ep, b.name)
-            spin.budget = 0.005
-            loop.set_task_factory(lambda lp, coro, **kw: asyncio.Task(coro, loop=lp, **kw))
-            try:
-                for _ in range(50):
-                    await ep.put(b.name, {"x": src})
-            finally:
-                loop.set_task_factory(None)
-            assert (spin.caught, spin.missed) == (0, 0)
-            for _ in range(50):  # (and without one it does)
+    async with _pair(store_url, uname, 0.005) as (ep, b, spin):
+        src = make_tensor("uint8", (SIZE,), 4)
+        loop.set_task_factory(lambda lp, coro, **kw: asyncio.Task(coro, loop=lp, **kw))
+        try:
+            for _ in range(50):
                 await ep.put(b.name, {"x": src})
-            assert spin.caught + spin.missed > 0
-    finally:
-        b.kill()
+        finally:
+            loop.set_task_factory(None)
+        assert (spin.caught, spin.missed) == (0, 0)
+        for _ in range(50):  # (and without one it does)
+            await ep.put(b.name, {"x": src})
+        assert spin.caught + spin.missed > 0
 
 
 async def test_an_endpoint_of_this_process_is_never_spun_for(store_url, uname):
