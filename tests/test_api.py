@@ -460,6 +460,18 @@ def test_blocking_facade(store_url, uname):
             assert torch.equal(out, src)
             with pytest.raises(transport.UnknownBufferError):
                 ini.put(tgt.name, {"nope": src})
+            # what the async endpoint says of its peers, from a thread
+            peer = ini.peer(tgt.name)
+            assert peer is not None and peer.name == tgt.name and peer.same_host
+            assert set(ini.peers) == {tgt.name} and ini.peer("nobody") is None
+            route = ini.route(tgt.name, {"w": src})
+            assert route.plane == "shm" and route.reason
+            with pytest.raises(transport.UnknownBufferError):
+                ini.route(tgt.name, {"nope": src})
+            ok, why = ini.plane_status("tcp")
+            assert ok and why
+            with pytest.raises(ValueError):
+                ini.plane_status("carrier-pigeon")
             # works from several threads at once
             errs: list[BaseException] = []
 

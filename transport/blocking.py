@@ -145,6 +145,24 @@ class BlockingEndpoint:
     def buffers(self) -> dict[str, BufferSpec]:
         return self._ep.buffers
 
+    @property
+    def peers(self) -> dict[str, Peer]:
+        """See :attr:`Endpoint.peers` (read on the loop thread: blocks until it answers, bounded)."""
+        return self._call(_as_coro(lambda: self._ep.peers), None)
+
+    def peer(self, name: str) -> Peer | None:
+        """See :meth:`Endpoint.peer`: the open channel's :class:`Peer`, else None; never dials
+        (read on the loop thread: blocks until it answers, bounded)."""
+        return self._call(_as_coro(self._ep.peer, name), None)
+
+    def plane_status(self, plane: str) -> tuple[bool, str]:
+        """See :meth:`Endpoint.plane_status` (on the loop thread)."""
+        return self._call(_as_coro(self._ep.plane_status, plane), None)
+
+    def route(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, timeout: float | None = None) -> Route:
+        """See :meth:`Endpoint.route`: the plane a put or get of ``tensors`` would take, and why."""
+        return self._call(self._ep.route(peer, tensors, timeout=timeout), timeout)
+
     def register(self, name: str, tensor: torch.Tensor) -> BufferSpec:
         """See :meth:`Endpoint.register`."""
         return self._call(_as_coro(self._ep.register, name, tensor), None)
