@@ -7,9 +7,10 @@ one ``torch._foreach_copy_`` over the bucket (one dispatch, casts included) inst
 viewing and copying piece by piece: the demo's 30-tensor bucket packs in ~50 us instead of
 ~500 us here, nearly all of it the views. The bucket's whole-entry pieces (most of them) are
 listed once too (names, views, shapes): a pack of them takes the sources by name, compares their
-shapes with one list comparison (not on a push: its sources were checked against the layout) and,
-when they share a dtype, copies them in one call, with no Python loop over the pieces (a source
-shaped otherwise goes piece by piece, as a partial piece).
+shapes with one list comparison and, when they share a dtype, copies them in one call, with no
+Python loop over the pieces (a source shaped otherwise goes piece by piece, as a partial piece,
+where ``copy_`` refuses what does not fit: a push's sources were checked against the layout, but
+one reshaped during the push, against its contract, must raise, never broadcast).
 
 The kept views are keyed on the destination tensor object (weakly: they go with it) and the
 bucket object (held, so its id is never reused while kept); a view holds its memory alive, so
@@ -63,16 +64,11 @@ def _views(bucket: Bucket, base: torch.Tensor, start: int) -> list[torch.Tensor]
     return [p.entry.view_in(base, p.start, p.stop, origin=bucket.offset - start) for p in bucket.pieces]
 
 
-def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor, start: int = 0, *,
-         checked: bool = False) -> None:
+def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor, start: int = 0) -> None:
     """Copy (and cast) the pieces of ``bucket`` from ``sources`` (entry name -> the trainer's
     tensor) into ``base[start:start + bucket.nbytes]`` (a flat uint8 tensor). Blocks until the
     copies are queued (CPU: done); any thread (CUDA: inside the copier's stream). Raises what
-    ``copy_`` raises for a source that does not fit its piece.
-
-    ``checked=True``: the caller vouches that every source has its entry's shape (a push's
-    sources passed :func:`~rl_sync.plan.check_sources`, or its memo, for this layout, and must not
-    change until the push returns), so the whole entries' shapes are not compared again."""
+    ``copy_`` raises for a source that does not fit its piece."""
     key = (id(bucket), start, base.data_ptr())
     with _lock:
         per = _kept.get(base)
@@ -90,7 +86,7 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor
         batches: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         srcs = [sources[n] for n in hit.names]
         pairs = hit.partial
-        if not checked and [t.shape for t in srcs] != hit.shapes:  # (a source shaped otherwise: piece by piece, flat)
+        if [t.shape for t in srcs] != hit.shapes:  # (a source shaped otherwise: piece by piece, flat)
             pairs = list(zip(bucket.pieces, hit.views, strict=True))
         elif srcs:
             dtypes = {t.dtype for t in srcs}

@@ -226,16 +226,15 @@ class PushRun(PushTracker):
         # a small CPU bucket on the loop (~50 us for the demo's 270 KiB of 30 tensors: less than the hand-over to a
         # worker thread and back, which on a busy machine costs ~1 ms); else on a worker thread; with the weights
         # on a GPU, on the copier's stream once the caller's work queued at push() is done. The pulls are sent only
-        # once the bytes are in the slot. ``sources`` (the group's) passed check_sources (or its memo) for this
-        # layout and do not change during the push: pack need not compare their shapes again (checked=True)
+        # once the bytes are in the slot
         if not self.copier.is_cuda and bucket.nbytes <= INLINE_PACK:
             # (first a turn of the loop: the previous bucket's pulls go out, the watchdog and replies run, so that
             # a bank of many small buckets never holds the loop for long)
             await asyncio.sleep(0)
-            _pack(bucket, sources, dest, start, checked=True)
+            _pack(bucket, sources, dest, start)
         else:
-            pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest, start,
-                                                                           checked=True), self.marks))
+            pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest, start),
+                                                         self.marks))
             self.pub._packing.add(pack)
             pack.add_done_callback(self.pub._packing.discard)
             await asyncio.shield(pack)

@@ -472,6 +472,14 @@ def test_blocking_facade(store_url, uname):
             assert ok and why
             with pytest.raises(ValueError):
                 ini.plane_status("carrier-pigeon")
+            # on the loop thread (a notification callback) the accessors answer too, without blocking
+            assert ini.call_in_loop(lambda: ini.peer(tgt.name)) is not None
+            assert set(ini.call_in_loop(lambda: ini.peers)) == {tgt.name}
+            for bad in (-1.0, float("nan")):  # the endpoint's ValueError, not a timeout of the wait
+                with pytest.raises(ValueError):
+                    ini.route(tgt.name, {"w": src}, timeout=bad)
+                with pytest.raises(ValueError):
+                    ini.put(tgt.name, {"w": src}, timeout=bad)
             # works from several threads at once
             errs: list[BaseException] = []
 
@@ -489,6 +497,8 @@ def test_blocking_facade(store_url, uname):
             assert not errs and torch.equal(w, torch.arange(10.0))
     with pytest.raises(transport.EndpointClosedError):
         ini.put(tgt.name, {"w": src})
+    # closed: what the async endpoint says once closed
+    assert ini.peers == {} and ini.peer(tgt.name) is None and ini.plane_status("tcp")[0]
 
 
 async def test_close_while_open_is_running_ends_the_open_cleanly(store_url, uname):

@@ -122,18 +122,21 @@ def test_kept_views_follow_their_destination_and_die_with_it() -> None:
     assert len(packing._kept) < kept and packing._kept.get(new) is not None, "a dead destination's views must go"
 
 
-@pytest.mark.parametrize("bucket_bytes", [64, 256, 1 << 20])
-def test_a_checked_pack_gives_the_same_bytes(bucket_bytes: int) -> None:
-    """checked=True (the publisher's sources, checked against the layout) skips the shape comparison
-    only: the same bytes as an unchecked pack, casts, split entries and mixed dtypes included."""
-    state = _state(6)
-    manifest, buckets = _layout(state, {"emb": torch.bfloat16, "half": torch.float32}, bucket_bytes)
-    expected = _expected(manifest, state)
-    for checked in (False, True, True):
-        base = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+def test_a_source_of_another_shape_is_refused_never_broadcast() -> None:
+    """A whole entry's source of another shape (a tensor reshaped during a push, against its
+    contract) goes piece by piece, where ``copy_`` refuses a size that does not fit: it is never
+    broadcast into the entry (a (1, 3) source into a (4, 3) entry would fit a broadcast)."""
+    state = {"w": torch.arange(12.0).reshape(4, 3)}
+    manifest, buckets = _layout(state, {}, 1 << 20)
+    base = torch.zeros(manifest.arenas[0], dtype=torch.uint8)
+    for b in buckets:
+        packing.pack(b, state, base, b.offset)  # (the kept plan of the bucket is made)
+    before = base.clone()
+    with pytest.raises((ValueError, RuntimeError)):
         for b in buckets:
-            packing.pack(b, state, base, b.offset, checked=checked)
-        assert torch.equal(base, expected)
+            packing.pack(b, {"w": torch.full((1, 3), 7.0)}, base, b.offset)
+    assert not bool((base.view(torch.float32) == 7.0).all()), "broadcast into the entry"
+    assert torch.equal(base, before)
 
 
 def test_an_entry_view_in_its_arena_or_a_part_of_it() -> None:

@@ -293,6 +293,35 @@ class LifecycleCases:
 
         asyncio.run(run())
 
+    def test_a_transfer_refused_on_the_loop_thread_leaves_nothing_pending(self: Any) -> None:
+        """A write from a ``get_future()`` callback (the backend's loop thread, where those run)
+        that cannot go the caller's way is refused (RuntimeError) and leaves no pending transfer
+        behind: close and unregister still work, and the caller's fast path stays on."""
+        first, second, source, remote = self.registered_pair()
+        errors: list[BaseException] = []
+
+        def chain(_fut: Any) -> None:  # (on the loop thread; `after` is still pending: never the caller's way)
+            try:
+                first.write(source.to_view(), remote, async_op=True)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        with stalled(first):  # (all three go the loop's way, in order)
+            work = first.write(source.to_view(), remote, async_op=True)
+            after = first.write(source.to_view(), remote, async_op=True)
+            work.get_future().then(chain)
+        work.wait()
+        after.wait()
+        deadline = time.monotonic() + 10
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(len(errors), 1)
+        self.assertIsInstance(errors[0], RuntimeError)
+        self.assertEqual(first._pending, {})
+        first.write(source.to_view(), remote)
+        first.unregister_memory(source)
+        first.close(timeout=5)
+
     def test_async_close_timeout_and_retry(self: Any) -> None:
         first, second, source, remote = self.registered_pair()
 

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import math
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
@@ -91,7 +92,10 @@ class BlockingEndpoint:
             raise EndpointClosedError("the blocking endpoint's loop has stopped") from None
         self._calls[fut] = coro
         fut.add_done_callback(self._forget_call)
-        limit = (self.timeout if timeout is None else timeout) + _GRACE
+        # how long to wait for the loop's answer: the timeout plus a grace; a bad timeout (< 0, NaN) just the
+        # grace, in which the endpoint raises its ValueError; an infinite one (as asked) no bound
+        t = self.timeout if timeout is None else timeout
+        limit = max(t, 0.0) + _GRACE if math.isfinite(t) else (None if t > 0 else _GRACE)
         try:
             return fut.result(limit)
         except TransportError:  # the endpoint's own error (TransportTimeoutError is a TimeoutError too)
@@ -145,19 +149,30 @@ class BlockingEndpoint:
     def buffers(self) -> dict[str, BufferSpec]:
         return self._ep.buffers
 
+    def _read(self, fn: Callable[[], T]) -> T:
+        """``fn()``, an accessor of the async endpoint that never blocks, where it may run: at once
+        on the loop thread (a notification callback) or once the loop has stopped; else on the
+        loop thread, waited for (bounded), closing or not. The answer is the async endpoint's."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return fn()
+        try:
+            return self._call(_as_coro(fn), None, closing=True)
+        except EndpointClosedError:  # (the loop stopped meanwhile: nothing changes the endpoint any more)
+            return fn()
+
     @property
     def peers(self) -> dict[str, Peer]:
-        """See :attr:`Endpoint.peers` (read on the loop thread: blocks until it answers, bounded)."""
-        return self._call(_as_coro(lambda: self._ep.peers), None)
+        """See :attr:`Endpoint.peers` (read on the loop thread; also there and after close)."""
+        return self._read(lambda: self._ep.peers)
 
     def peer(self, name: str) -> Peer | None:
-        """See :meth:`Endpoint.peer`: the open channel's :class:`Peer`, else None; never dials
-        (read on the loop thread: blocks until it answers, bounded)."""
-        return self._call(_as_coro(self._ep.peer, name), None)
+        """See :meth:`Endpoint.peer`: the open channel's :class:`Peer`, else None; never dials.
+        The Peer is a live view of the channel: read its attributes soon, or ask again."""
+        return self._read(lambda: self._ep.peer(name))
 
     def plane_status(self, plane: str) -> tuple[bool, str]:
-        """See :meth:`Endpoint.plane_status` (on the loop thread)."""
-        return self._call(_as_coro(self._ep.plane_status, plane), None)
+        """See :meth:`Endpoint.plane_status` (read on the loop thread; also there and after close)."""
+        return self._read(lambda: self._ep.plane_status(plane))
 
     def route(self, peer: str, tensors: Mapping[str, torch.Tensor | At], *, timeout: float | None = None) -> Route:
         """See :meth:`Endpoint.route`: the plane a put or get of ``tensors`` would take, and why."""

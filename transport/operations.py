@@ -65,7 +65,7 @@ class Operations:
 
     def _deadline(self, timeout: float | None) -> float:
         t = self.timeout if timeout is None else timeout
-        if t <= 0:
+        if not t > 0:  # (NaN too)
             raise ValueError(f"timeout must be > 0, got {t}")
         return time.monotonic() + t
 

@@ -322,7 +322,13 @@ class TransportRL(Transport):
                 if not self._now(write, peer, ops, work):
                     with self._pending_lock:
                         self._pending[id(work)] = work
-                    work._attach(self._submit(self._transfer(write, peer, ops, bound)))
+                    try:
+                        fut = self._submit(self._transfer(write, peer, ops, bound))
+                    except BaseException:  # (the loop's own thread, or the loop gone): never pending
+                        with self._pending_lock:
+                            self._pending.pop(id(work), None)
+                        raise
+                    work._attach(fut)
         finally:
             self._lock.release()
         if async_op:
