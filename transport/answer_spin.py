@@ -5,7 +5,7 @@ microseconds after its header went out. Sleeping in the selector until it comes 
 loop's wake-up and one pass of the loop (the selector, the reader's callback, the task's next
 step): on a 2-core VM about as long as the round trip itself. So once an op's header went out, its
 coroutine reads the channel's socket itself (:meth:`transport.loop_reads.LoopReads.spin`, a
-non-blocking ``recv`` per turn) until the answer was handled or :data:`SPIN_S` passed, and only then
+non-blocking ``recv`` per turn) until the answer was handled or the budget passed, and only then
 awaits. Measured with ``bench/bench_transport.py --only raw,tcp``: a 4 KiB tcp put's p50 went from
 1.9x the raw socket's send+ack to 1.2x.
 
