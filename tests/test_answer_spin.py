@@ -232,3 +232,9 @@ def test_the_budget_comes_from_the_environment_and_bad_values_are_logged(monkeyp
         with caplog.at_level(logging.ERROR, logger="transport.channel"):
             assert answer_spin.AnswerSpin().budget == pytest.approx(100e-6)  # (a channel is never refused for it)
         assert any("TRANSPORT_SPIN_US" in r.getMessage() and bad in r.getMessage() for r in caplog.records)
+        budget, error = answer_spin.env_setting()
+        assert budget == pytest.approx(100e-6) and error is not None and bad in error
+    monkeypatch.setenv("TRANSPORT_SPIN_US", "250")
+    assert answer_spin.env_setting() == (pytest.approx(250e-6), None)
+    assert answer_spin.AnswerSpin.for_peer(same_process=True).budget == 0.0  # (never towards this process)
+    assert answer_spin.AnswerSpin.for_peer(same_process=False).budget == pytest.approx(250e-6)

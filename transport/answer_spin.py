@@ -45,7 +45,7 @@ import time
 from collections.abc import Sized
 from typing import Any, Protocol
 
-__all__ = ["DEFAULT_SPIN_US", "SPIN_MAX_BYTES", "AnswerSpin", "budget_from_env", "env_budget"]
+__all__ = ["DEFAULT_SPIN_US", "SPIN_MAX_BYTES", "AnswerSpin", "budget_from_env", "env_budget", "env_setting"]
 
 log = logging.getLogger("transport.channel")
 
@@ -66,24 +66,32 @@ def budget_from_env() -> float:
     return us * 1e-6
 
 
-_env_seen: tuple[str | None, float] | None = None  # (the variable's value, its budget): logged once per value
+_env_seen: tuple[str | None, float, str | None] | None = None  # (the variable's value, its budget, its error)
+
+
+def env_setting() -> tuple[float, str | None]:
+    """The budget channels use (seconds) and, if ``TRANSPORT_SPIN_US`` is bad, why (then the
+    budget is the default, 100 us): :func:`budget_from_env` parsed once per value of the variable."""
+    global _env_seen
+    raw = os.environ.get("TRANSPORT_SPIN_US")
+    seen = _env_seen
+    if seen is not None and seen[0] == raw:
+        return seen[1], seen[2]
+    error: str | None = None
+    try:
+        budget = budget_from_env()
+    except ValueError as exc:
+        error = str(exc)
+        log.error("%s; spinning for answers with the default budget, %.0f us", exc, DEFAULT_SPIN_US)
+        budget = DEFAULT_SPIN_US * 1e-6
+    _env_seen = (raw, budget, error)
+    return budget, error
 
 
 def env_budget() -> float:
     """:func:`budget_from_env`, except that a bad value is logged (once per value) as an error
     and the default (100 us) used: a channel is never refused for it."""
-    global _env_seen
-    raw = os.environ.get("TRANSPORT_SPIN_US")
-    seen = _env_seen
-    if seen is not None and seen[0] == raw:
-        return seen[1]
-    try:
-        budget = budget_from_env()
-    except ValueError as exc:
-        log.error("%s; spinning for answers with the default budget, %.0f us", exc, DEFAULT_SPIN_US)
-        budget = DEFAULT_SPIN_US * 1e-6
-    _env_seen = (raw, budget)
-    return budget
+    return env_setting()[0]
 
 
 class _Reads(Protocol):
@@ -99,11 +107,18 @@ class AnswerSpin:
 
     def __init__(self, budget: float | None = None) -> None:
         self.budget = env_budget() if budget is None else budget
+
         self.caught = 0  # spins that saw their answer (doctor, tests)
         self.missed = 0  # spins that ran out of budget
         self.skipped = 0  # ops that did not spin because of earlier misses
         self._misses = 0  # misses in a row (at most _MAX_MISSES)
         self._skip = 0  # ops left to let by without spinning
+
+    @classmethod
+    def for_peer(cls, same_process: bool) -> AnswerSpin:
+        """The policy of a channel to a peer: never spins towards an endpoint of this same process
+        (it may need this very loop, or the GIL the spin holds, to answer); else the environment's."""
+        return cls(0.0 if same_process else None)
 
     def wait(self, loop: asyncio.AbstractEventLoop, reads: _Reads, fut: asyncio.Future[Any], nbytes: int,
              deadline: float) -> bool:

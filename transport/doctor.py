@@ -112,16 +112,17 @@ def _io_settings() -> dict[str, Any]:
     """The channel I/O settings the environment gives this process (read as a channel would)."""
     from transport import answer_spin, local_socket, loop_reads
 
-    raw = os.environ.get("TRANSPORT_SPIN_US")
-    try:
-        answer_spin.budget_from_env()
-        spin_note = "TRANSPORT_SPIN_US" if raw is not None else "default; TRANSPORT_SPIN_US sets it"
-    except ValueError as exc:
-        spin_note = f"{exc}: the default is used"
+    budget, error = answer_spin.env_setting()
+    if error is not None:
+        spin_note = f"{error}: the default is used"
+    elif os.environ.get("TRANSPORT_SPIN_US") is not None:
+        spin_note = "TRANSPORT_SPIN_US"
+    else:
+        spin_note = "default; TRANSPORT_SPIN_US sets it"
     return {
         "loop_reads": loop_reads.enabled(),
         "unix_sockets": local_socket.enabled(),
-        "answer_spin_us": round(answer_spin.env_budget() * 1e6, 3),
+        "answer_spin_us": round(budget * 1e6, 3),
         "answer_spin_note": spin_note,
     }
 

@@ -87,9 +87,9 @@ class OpTable:
         # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
         self._order_tail: asyncio.Future[None] | None = None
         self._holds: list[asyncio.Future[None]] | None = None  # hold_order()s of the op in _in_order's start()
-        # whether an op reads its answer itself before it awaits it; never towards this same process
+        # whether an op reads its answer itself before it awaits it (answer_spin)
         here = local_host()
-        self.spin = AnswerSpin(0.0 if same_host(here, channel.host)[0] and here.pid == channel.host.pid else None)
+        self.spin = AnswerSpin.for_peer(same_host(here, channel.host)[0] and here.pid == channel.host.pid)
 
     def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane) -> Op:
         """Allocate an op (event loop) that moves its bytes over ``plane``, recorded as posted."""
