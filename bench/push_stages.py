@@ -8,7 +8,10 @@ Commit sent, committed), and when the publisher started and ended packing and se
 plus each subscriber's median time in its commit handler. The first 10 pushes are warm-up. It
 wraps the publisher's and subscriber's methods in this script only; the library is not changed.
 
-Usage: ``python bench/push_stages.py [--mode shared] [--generators 2] [--tensors N] [--pushes 60]``. This is a
+Usage: ``python bench/push_stages.py [--mode shared] [--generators 2] [--tensors N] [--pushes 60] [--gap-ms MS]``.
+``--gap-ms 100`` idles before each push as the demo does (it samples and trains between pushes): on
+this VM that makes every stage several times slower than back to back (cold caches, idle CPUs), and
+the push times the demo prints are of that kind. This is a
 diagnostic, not a benchmark with targets: compare two checkouts by alternating runs
 (``PYTHONPATH``); this machine's speed drifts between runs.
 """
@@ -128,6 +131,8 @@ async def _trainer(args: argparse.Namespace) -> None:
             pub = rl_sync.WeightPublisher(ep, names, observer=events.append)
             for v in range(1, args.pushes + 1):
                 events.clear()
+                if args.gap_ms:
+                    await asyncio.sleep(args.gap_ms / 1e3)
                 t = time.perf_counter()
                 report = await pub.push(policy, v)
                 dt = time.perf_counter() - t
@@ -152,7 +157,8 @@ async def _trainer(args: argparse.Namespace) -> None:
         marks[k] = v[WARMUP:]
     times.sort()
     what = f"{args.tensors} tensors" if args.tensors else "the demo's policy"
-    print(f"{args.mode} push of {nbytes / 1024:.0f} KiB ({what}) to {args.generators} generators, {len(times)} pushes: "
+    gap = f", {args.gap_ms:g} ms apart" if args.gap_ms else ""
+    print(f"{args.mode} push of {nbytes / 1024:.0f} KiB ({what}) to {args.generators} generators, {len(times)} pushes{gap}: "
           f"median {times[len(times) // 2] * 1e3:.2f} ms, fastest {times[0] * 1e3:.2f} ms")
     rows: list[tuple[str, float]] = []
     for kind in dict.fromkeys(k for s in stages for k in s):
@@ -176,9 +182,12 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=0,
                     help="push N float32 tensors of 256 elements instead of the demo's policy (per-tensor costs)")
     ap.add_argument("--pushes", type=int, default=60, help=f"pushes, the first {WARMUP} of them warm-up (default 60)")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="idle time before each push (default 0: back to back). The demo pushes after ~100 ms "
+                         "of sampling and training: its caches and the VM's CPUs are cold by then")
     args = ap.parse_args()
-    if args.pushes <= WARMUP or args.generators < 1 or args.tensors < 0:
-        ap.error(f"--pushes must be > {WARMUP}, --generators >= 1 and --tensors >= 0")
+    if args.pushes <= WARMUP or args.generators < 1 or args.tensors < 0 or not 0 <= args.gap_ms <= 10_000:
+        ap.error(f"--pushes must be > {WARMUP}, --generators >= 1, --tensors >= 0 and --gap-ms in [0, 10000]")
     torch.set_num_threads(1)
     asyncio.run(_trainer(args))
 

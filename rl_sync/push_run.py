@@ -65,7 +65,10 @@ class PushRun(PushTracker):
                 t.begin_at = now
                 if not _bank_first(t.group):
                     self._begin(t)
-            await asyncio.gather(*(self._run_group(g) for g in groups))
+            if len(groups) == 1:  # (the usual push: no task for it, no turn of the loop before its first pack)
+                await self._run_group(groups[0])
+            else:
+                await asyncio.gather(*(self._run_group(g) for g in groups))
             await self._until(lambda: not any(t.alive for t in self.targets.values()))
         finally:
             watchdog.cancel()  # (not awaited: it is parked in a sleep, and the push's end need not wait a turn of the loop)
@@ -228,9 +231,10 @@ class PushRun(PushTracker):
         # on a GPU, on the copier's stream once the caller's work queued at push() is done. The pulls are sent only
         # once the bytes are in the slot
         if not self.copier.is_cuda and bucket.nbytes <= INLINE_PACK:
-            # (first a turn of the loop: the previous bucket's pulls go out, the watchdog and replies run, so that
-            # a bank of many small buckets never holds the loop for long)
-            await asyncio.sleep(0)
+            # (after the push's first pack, first a turn of the loop: the previous bucket's pulls go out, the
+            # watchdog and replies run, so that a bank of many small buckets never holds the loop for long)
+            if self.packed_bytes:
+                await asyncio.sleep(0)
             _pack(bucket, sources, dest, start)
         else:
             pack = asyncio.ensure_future(self.copier.run(functools.partial(_pack, bucket, sources, dest, start),
