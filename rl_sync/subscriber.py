@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -295,8 +295,11 @@ class WeightSubscriber(Holding):
         else:
             log.warning("subscriber %s: unexpected %s from %s", self.endpoint.name, type(msg).__name__, note.peer)
 
-    def _commit(self, peer: str, push: Push | None, msg: m.Commit) -> None:
-        """Serve a Commit for ``push`` (None: not the push in progress: refused, answered)."""
+    def _commit(self, peer: str, push: Push | None, msg: m.Commit,
+                spawn: bool = True) -> Coroutine[Any, Any, None] | None:
+        """Serve a Commit for ``push`` (None: not the push in progress: refused, answered) in a task
+        of its own; ``spawn=False``: return the commit's coroutine for the caller to await instead
+        (None when refused)."""
         if push is not None:
             push.progress = time.monotonic()
         if push is None or push.version != msg.version:
@@ -304,8 +307,11 @@ class WeightSubscriber(Holding):
         elif not self._strategy.shared and len(push.done) != len(push.buckets):  # (shared: no pulls)
             self._reply(peer, m.Reply(msg.push_id, "commit", -1,
                                       f"{len(push.buckets) - len(push.done)} buckets missing", "other"))
+        elif not spawn:
+            return self._strategy.commit(push, msg)
         else:
             self._spawn(self._strategy.commit(push, msg))
+        return None
 
     def _current(self, peer: str, push_id: int) -> Push | None:
         push = self._push
@@ -316,10 +322,16 @@ class WeightSubscriber(Holding):
     async def _begin(self, peer: str, msg: m.Begin) -> None:
         try:
             await self._begin_checked(peer, msg)
-        finally:  # a Commit that came while this Begin was served is served now (refused unless it began)
+        except BaseException:  # a Commit that came while this Begin was served is served now (refused unless it began)
             early = self._beginning.pop((peer, msg.push_id), None)
             if early is not None:
                 self._commit(peer, self._current(peer, msg.push_id), early)
+            raise
+        early = self._beginning.pop((peer, msg.push_id), None)
+        if early is not None:  # (shared mode's Commit inside its Begin: served in this task, no other one)
+            commit = self._commit(peer, self._current(peer, msg.push_id), early, spawn=False)
+            if commit is not None:
+                await commit
 
     async def _begin_checked(self, peer: str, msg: m.Begin) -> None:
         if (peer, msg.push_id) in self._aborted:
