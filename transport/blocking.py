@@ -96,6 +96,8 @@ class BlockingEndpoint:
         # grace, in which the endpoint raises its ValueError; an infinite one (as asked) no bound
         t = self.timeout if timeout is None else timeout
         limit = max(t, 0.0) + _GRACE if math.isfinite(t) else (None if t > 0 else _GRACE)
+        if limit is not None and limit > threading.TIMEOUT_MAX:  # (a wait past it overflows: unbounded, as inf)
+            limit = None
         try:
             return fut.result(limit)
         except TransportError:  # the endpoint's own error (TransportTimeoutError is a TimeoutError too)

@@ -465,7 +465,7 @@ class Connector:
     def close_all(chans: list[Channel], timeout: float) -> None:
         """Say Bye on ``chans`` and close them, bounded by ``timeout`` in all (blocking: call it on
         a worker thread)."""
-        end = time.monotonic() + timeout
+        end = time.monotonic() + min(timeout, threading.TIMEOUT_MAX)  # (a thread's join overflows past it)
         for ch in chans:
             ch.say_bye("endpoint closed")
         for ch in chans:  # the Byes go out in parallel; this waits for all of them, bounded

@@ -141,7 +141,7 @@ class Endpoint(Operations):
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
             raise ValueError(f"endpoint name must be a non-empty string of <= 200 chars without '/', got {name!r}")
-        if timeout <= 0 or heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
+        if not (timeout > 0 and heartbeat_interval > 0 and heartbeat_timeout > heartbeat_interval):  # (NaN too)
             raise ValueError("timeout and heartbeat_interval must be > 0 and heartbeat_timeout > heartbeat_interval")
         self.name = name
         self._secret, self.secret_source = auth.explicit_secret(secret)  # (None: the store's, read at open)

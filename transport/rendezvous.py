@@ -102,6 +102,14 @@ class StoreClient:
         return not self._worker.is_alive()
 
 
+def _store_timeout(timeout: float) -> timedelta:
+    """A TCPStore's own timeout for an endpoint's ``timeout``, capped: past ~1e10 s it overflows
+    inside the store client (whose connect then fails at once); every call is bounded by the
+    caller's deadline anyway."""
+    return timedelta(seconds=min(timeout, _STORE_TIMEOUT_MAX))
+
+
+_STORE_TIMEOUT_MAX = 1e6  # s (11.6 days)
 _shared: dict[tuple[str, int], StoreClient] = {}
 _shared_lock = threading.Lock()
 
@@ -118,7 +126,7 @@ def shared_client(host: str, port: int, timeout: float) -> tuple[StoreClient, bo
         def make() -> Any:
             from torch.distributed import TCPStore
 
-            return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+            return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_store_timeout(timeout))
 
         client = _shared[key] = StoreClient(make, key)
         return client, False
@@ -224,7 +232,7 @@ class Rendezvous:
                     from torch.distributed import TCPStore
 
                     store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                     timeout=timedelta(seconds=self._timeout))
+                                     timeout=_store_timeout(self._timeout))
                     self.host, self.port = host, store.port
                     return store
 
