@@ -40,6 +40,7 @@ import contextlib
 import fcntl
 import itertools
 import os
+import stat
 import tempfile
 import threading
 import weakref
@@ -242,10 +243,12 @@ class BankLease:
         something else, ``OSError`` if the lock file cannot be opened.
         """
         self.path = path
-        with _FORK_LOCK:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        with _FORK_LOCK:  # (non-blocking: a path a peer names may be a FIFO, whose open() waits for a writer)
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
             _OPEN_FDS.add(self)
         try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise StaleBankError(f"{path} is not a bank's lock file (not a regular file)")
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError as exc:

@@ -23,6 +23,7 @@ Theory of operation:
 from __future__ import annotations
 
 import hashlib
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "encode_manifest",
+    "host_key",
     "make_buckets",
     "plan_hash",
     "sent_dtype",
@@ -324,3 +326,13 @@ def _map_name(name_map: NameMap | None, name: str) -> str | None:
     if callable(name_map):
         return name_map(name)
     return name_map.get(name, name)
+
+
+def host_key() -> str:
+    """Which host this process runs on (hostname and kernel boot id): a manifest's ``host``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -3,13 +3,17 @@
 Readers are the application's ``hold()`` blocks (on the loop, or on any
 thread for the blocking subscriber); the one writer is a commit. Writers are
 preferred: once a commit waits, new readers wait behind it, so a stream of
-readers cannot starve the weight update. Blocking waits take a timeout;
-the asyncio side waits on a worker thread, so the loop never blocks.
+readers cannot starve the weight update. Blocking waits take a timeout.
+The asyncio side waits on a future of its own loop, woken (thread-safely)
+whenever the lock changes hands: it never parks on a worker thread, so any
+number of tasks queued behind a commit cannot take the loop's default
+executor from the copies that commit (and the pulls' shm copies) run on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +27,8 @@ class RWLock:
         self._readers = 0
         self._writer = False
         self._writers_waiting = 0
+        # tasks waiting in acquire_*_async: their loop and a future set (thread-safely) at every change
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # called (outside the lock, in the releasing thread) when the last reader or the writer leaves
         self.on_idle: Callable[[], None] | None = None
 
@@ -53,6 +59,7 @@ class RWLock:
             idle = self._readers == 0
             if idle:
                 self._cond.notify_all()
+                self._wake()
         hook = self.on_idle
         if idle and hook is not None:
             hook()
@@ -81,6 +88,7 @@ class RWLock:
             finally:
                 self._writers_waiting -= 1
                 self._cond.notify_all()
+                self._wake()
 
     def release_write(self) -> None:
         with self._cond:
@@ -89,30 +97,82 @@ class RWLock:
             self._writer = False
             idle = self._readers == 0
             self._cond.notify_all()
+            self._wake()
         hook = self.on_idle
         if idle and hook is not None:
             hook()
 
+    def _wake(self) -> None:
+        """With ``_cond`` held: wake every task waiting in an ``acquire_*_async`` (it checks again)."""
+        waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # (its loop is closed: nobody waits there any more)
+                pass
+
+    async def _wait_async(self, take: Callable[[], bool], timeout: float | None, writer: bool) -> bool:
+        """Take the lock with ``take()`` (under ``_cond``; True: had) as soon as it can, waiting on
+        this loop (no thread) up to ``timeout``; a cancelled wait holds nothing."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = False
+        try:
+            while True:
+                with self._cond:
+                    if writer and not waiting:
+                        self._writers_waiting += 1  # (new readers queue behind this writer from now on)
+                        waiting = True
+                    if take():
+                        return True
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    fut: asyncio.Future[None] = loop.create_future()
+                    self._waiters.append((loop, fut))
+                try:
+                    async with asyncio.timeout(left):
+                        await fut
+                except TimeoutError:
+                    pass
+                finally:
+                    if not fut.done():
+                        with self._cond, contextlib.suppress(ValueError):
+                            self._waiters.remove((loop, fut))
+        finally:
+            if waiting:
+                with self._cond:
+                    self._writers_waiting -= 1
+                    self._cond.notify_all()
+                    self._wake()
+
+    def _take_read(self) -> bool:
+        if self._writer or self._writers_waiting:
+            return False
+        self._readers += 1
+        return True
+
+    def _take_write_waiting(self) -> bool:  # (this writer is counted in _writers_waiting)
+        if self._writer or self._readers:
+            return False
+        self._writer = True
+        return True
+
     async def acquire_read_async(self, timeout: float | None = None) -> bool:
         if self.try_acquire_read():
             return True
-        return await _in_thread(self.acquire_read, self.release_read, timeout)
+        return await self._wait_async(self._take_read, timeout, writer=False)
 
     async def acquire_write_async(self, timeout: float | None = None) -> bool:
-        if self.try_acquire_write():  # (no reader: the usual commit takes no worker thread)
+        if self.try_acquire_write():  # (no reader: the usual commit waits for nothing)
             return True
-        return await _in_thread(self.acquire_write, self.release_write, timeout)
+        return await self._wait_async(self._take_write_waiting, timeout, writer=True)
 
     @property
     def readers(self) -> int:
         return self._readers
 
 
-async def _in_thread(acquire, release, timeout: float | None) -> bool:  # type: ignore[no-untyped-def]
-    """Wait on a worker thread; if the waiting task is cancelled, a late acquisition is released."""
-    fut = asyncio.ensure_future(asyncio.to_thread(acquire, timeout))
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(lambda f: release() if not f.cancelled() and f.exception() is None and f.result() else None)
-        raise
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -23,7 +23,6 @@ import collections
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -36,6 +35,7 @@ import transport
 
 from . import messages as m
 from .device import Copier, ReaderMarks, one_device
+from .given import GivenTensors
 from .holding import Holding
 from .modes import MODES, CommitMode, Push, make_mode
 from .plan import (
@@ -44,6 +44,7 @@ from .plan import (
     Manifest,
     build_manifest,
     encode_manifest,
+    host_key,
     make_buckets,
     plan_hash,
 )
@@ -54,16 +55,6 @@ from .weights import live_tensors, repoint, shared_memory
 __all__ = ["WeightSubscriber", "host_key", "live_tensors"]
 
 log = logging.getLogger("rl_sync.subscriber")
-
-
-def host_key() -> str:
-    """Which host this process runs on (hostname and kernel boot id)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class WeightSubscriber(Holding):
@@ -85,7 +76,7 @@ class WeightSubscriber(Holding):
             arenas; a push fills the bank the weights do not use and the
             commit re-points every live tensor into it (``Tensor.set_``, no
             copy), so a commit costs microseconds instead of a pass over the
-            weights. Swap needs CPU tensors and a model that keeps no other
+            weights. Swap needs a model (CPU or GPU) that keeps no other
             alias of its weights (a view taken before a commit keeps the old
             bank, which the next push overwrites: take views inside
             :meth:`hold` and drop them when it ends). The modes that
@@ -152,6 +143,10 @@ class WeightSubscriber(Holding):
         self._strategy: CommitMode = make_mode(mode, self)  # what differs between the modes (rl_sync.modes)
         self._live = live_tensors(model_or_state_dict, keep_vars=self._strategy.repoints)
         self._places: dict[Any, Any] = {}  # repoint()'s memo for the whole manifest
+        # the model's own tensor objects (staged: _live holds detached aliases of them): a commit refuses
+        # tensors the application gave other memory or another dtype since (rl_sync.given)
+        self._given = GivenTensors(self._live if self._strategy.repoints
+                                   else live_tensors(model_or_state_dict, keep_vars=True), self._live)
         if not self._live:
             raise ValueError("the model has no tensors to receive")
         self.device = one_device(self._live)
@@ -353,6 +348,9 @@ class WeightSubscriber(Holding):
                                       f"plan hash {msg.plan_hash} differs from the subscriber's {digest}", "plan",
                                       self._version))
             return
+        if self._strategy.writes_live and (why := self._changed()) is not None:  # (direct: before any byte lands)
+            self._reply(peer, m.Reply(msg.push_id, "begin", -1, why, "plan", self._version))
+            return
         push = Push(peer, msg.push_id, msg.version, buckets, 0)
         # a later Begin supersedes what has not committed; from here on this one can be aborted or
         # superseded in turn (it is in _starting) through every wait below
@@ -464,8 +462,14 @@ class WeightSubscriber(Holding):
             repoint(self._live, self.manifest.entries, arenas, self._places)
         else:
             repoint(self._live, entries, arenas)
+        self._given.moved(self._live, (e.name for e in (self.manifest.entries if entries is None else entries)))
         if entries is None:
             self._live_bank = bank
+
+    def _changed(self) -> str | None:
+        """Why the model's tensors are no longer what this subscriber writes (None: they are; see
+        :mod:`rl_sync.given`). Checked before a commit applies (direct: at Begin)."""
+        return self._given.changed(dtype_only=self._strategy.repoints and not self._strategy.writes_live)
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
         payload = m.encode(reply)

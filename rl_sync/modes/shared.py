@@ -75,6 +75,9 @@ class SharedMode(CommitMode):
                 if sub._push is not push or sub._closed:  # aborted, superseded or closed meanwhile
                     refuse("the push was aborted")
                     return
+                if (why := sub._changed()) is not None:  # (a tensor of another dtype would read the bank as it)
+                    refuse(why, "plan")
+                    return
                 try:
                     sub._repoint(msg.bank, arenas)
                 except Exception as exc:  # nothing moved (every place is checked first)
