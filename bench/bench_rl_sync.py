@@ -1226,12 +1226,12 @@ def _modes(s: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="~20M params, 1 and 2 subscribers, both modes, 1 timed repetition, buckets 256,16 MiB "
+                    help="~20M params, 1 and 2 subscribers, every mode, 1 timed repetition, buckets 256,16 MiB "
                          "(smoke test)")
     ap.add_argument("--params", type=_params, default=None, help="model size, e.g. 350M (default 355M; --quick 20M)")
     ap.add_argument("--subscribers", type=_int_list, default=None, help="subscriber counts (default 1,4; --quick 1,2)")
     ap.add_argument("--modes", type=_modes, default=list(MODES),
-                    help="WeightSubscriber modes to run, in this order (default and --quick: staged,swap,direct)")
+                    help="WeightSubscriber modes to run, in this order (default and --quick: staged,swap,direct,shared)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 3; --quick 1)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="warm-up pushes per case and arena bank (default 1: staged 1, swap 2)")

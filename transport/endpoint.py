@@ -66,10 +66,11 @@ class Endpoint(Operations):
         planes: allowed data planes, in any order, e.g. ``("tcp",)``: at
             least one CPU plane (``shm``, ``tcp``), plus ``cuda_ipc`` to let
             same-host peers copy straight into and out of this endpoint's
-            GPU buffers (and ours); None allows all. The CPU plane per peer is
+            GPU buffers (and ours) and/or ``nccl`` for GPU buffers over a
+            channel's own NCCL communicator; None allows all. The CPU plane per peer is
             chosen by :func:`transport.planes.choose_cpu_plane`, the GPU plane
-            by :func:`transport.planes.choose_gpu_plane` (``cuda_ipc``, else
-            the staged path, which needs only the channel's socket and is
+            by :func:`transport.planes.choose_gpu_plane` (``cuda_ipc``, then
+            ``nccl``, else the staged path, which needs only the channel's socket and is
             always available); both choices are logged.
         listen_host: address to accept channels on; default: the local
             address that reaches the store's host (127.0.0.1 for a loopback store).
@@ -324,7 +325,8 @@ class Endpoint(Operations):
         """Make ``tensor`` reachable by peers as ``name``. Non-blocking.
 
         The tensor must be contiguous, on the CPU or a CUDA device. A CUDA tensor stays where it is:
-        peers reach it through the staged path (its spec's ``device`` says e.g. ``cuda:0``). If the
+        peers reach it over ``cuda_ipc`` or ``nccl``, else through the staged path (its spec's
+        ``device`` says e.g. ``cuda:0``). If the
         endpoint allows the ``shm`` plane, a CPU tensor's storage is moved into a shared-memory segment
         *in place*: the tensor object (and a Parameter wrapping it) keeps working, but other tensors
         that were views of its old storage no longer alias it. Registering the same tensor under the
