@@ -28,22 +28,28 @@ class GivenTensors:
     """The model's own tensor objects (``given``) and where each is expected to be, from the
     tensors the subscriber writes (``written``: the same objects, or detached aliases of them)."""
 
-    def __init__(self, given: Mapping[str, torch.Tensor], written: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, given: Mapping[str, torch.Tensor], written: Mapping[str, torch.Tensor],
+                 dtype_only: bool) -> None:
+        """``dtype_only``: a mode that re-points every tensor at each commit (``swap``, ``shared``)
+        moves one given new memory back, so only its dtype counts."""
         self._given = given
+        self._dtype_only = dtype_only
         self._prints = {n: _print(t) for n, t in written.items()}
 
     def moved(self, written: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
-        """The subscriber re-pointed ``names`` (their place in ``written`` is the expected one now)."""
-        for n in names:
-            self._prints[n] = _print(written[n])
+        """The subscriber re-pointed ``names`` (their place in ``written`` is the expected one now;
+        nothing to do where only dtypes count: a re-point keeps them)."""
+        if not self._dtype_only:
+            for n in names:
+                self._prints[n] = _print(written[n])
 
-    def changed(self, dtype_only: bool) -> str | None:
-        """Why the model's tensors are no longer what the subscriber writes (None: they are).
-        ``dtype_only``: a mode that re-points every tensor at each commit (``swap``, ``shared``)
-        moves one given new memory back, so only its dtype counts."""
+    def changed(self) -> str | None:
+        """Why the model's tensors are no longer what the subscriber writes (None: they are)."""
         prints = self._prints
-        bad = [n for n, t in self._given.items()
-               if (t.dtype != prints[n][1] if dtype_only else _print(t) != prints[n])]
+        if self._dtype_only:
+            bad = [n for n, t in self._given.items() if t.dtype != prints[n][1]]
+        else:
+            bad = [n for n, t in self._given.items() if _print(t) != prints[n]]
         if not bad:
             return None
         return (f"the model's tensors {', '.join(repr(n) for n in bad[:5])}{' ...' if len(bad) > 5 else ''} were given "

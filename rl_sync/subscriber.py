@@ -146,7 +146,8 @@ class WeightSubscriber(Holding):
         # the model's own tensor objects (staged: _live holds detached aliases of them): a commit refuses
         # tensors the application gave other memory or another dtype since (rl_sync.given)
         self._given = GivenTensors(self._live if self._strategy.repoints
-                                   else live_tensors(model_or_state_dict, keep_vars=True), self._live)
+                                   else live_tensors(model_or_state_dict, keep_vars=True), self._live,
+                                   dtype_only=self._strategy.repoints and not self._strategy.writes_live)
         if not self._live:
             raise ValueError("the model has no tensors to receive")
         self.device = one_device(self._live)
@@ -467,9 +468,8 @@ class WeightSubscriber(Holding):
             self._live_bank = bank
 
     def _changed(self) -> str | None:
-        """Why the model's tensors are no longer what this subscriber writes (None: they are; see
-        :mod:`rl_sync.given`). Checked before a commit applies (direct: at Begin)."""
-        return self._given.changed(dtype_only=self._strategy.repoints and not self._strategy.writes_live)
+        """Why the model's tensors are no longer what this subscriber writes (:mod:`rl_sync.given`)."""
+        return self._given.changed()
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
         payload = m.encode(reply)
