@@ -145,6 +145,8 @@ async def handle_sub(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, 
         return pid
     if cmd == "sub_torn":
         return sub.torn
+    if cmd == "sub_pushing":  # whether a push is in progress here (begun, not committed, dropped or aborted)
+        return sub._push is not None
     if cmd == "sub_try_hold":  # hold() with a timeout: the version held, or "timeout"
         try:
             async with sub.hold(timeout=args[0]) as v:

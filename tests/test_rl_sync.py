@@ -398,6 +398,13 @@ async def test_commit_waits_for_readers_and_times_out_without_applying(store_url
             err = report.results[gens[0].name].error
             assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit" == rl_sync.SyncPhase.COMMIT
             assert isinstance(err, transport.TransportTimeoutError)  # (what code written before it catches)
+            # the publisher's Abort is best-effort and may reach the subscriber after the reader left (then the
+            # commit that was told may still apply: README, "Atomic versions"); this case is the Abort first
+            for _ in range(100):
+                if not gens[0].call("sub_pushing"):
+                    break
+                await asyncio.sleep(0.05)
+            assert not gens[0].call("sub_pushing"), "the Abort did not reach the subscriber within 5 s"
             gens[0].call("sub_release", timeout=30)
             assert gens[0].call("sub_version", timeout=30) == 2
             assert all(gens[0].call("sub_check", TRAIN, 2).values())
@@ -414,6 +421,13 @@ async def test_a_push_given_up_while_its_commit_waits_is_never_applied(store_url
             err = report.results[gens[0].name].error
             assert isinstance(err, rl_sync.CommitTimeoutError) and err.phase == "commit" == rl_sync.SyncPhase.COMMIT
             assert isinstance(err, transport.TransportTimeoutError)  # (what code written before it catches)
+            # the publisher's Abort is best-effort and may reach the subscriber after the reader left (then the
+            # commit that was told may still apply: README, "Atomic versions"); this case is the Abort first
+            for _ in range(100):
+                if not gens[0].call("sub_pushing"):
+                    break
+                await asyncio.sleep(0.05)
+            assert not gens[0].call("sub_pushing"), "the Abort did not reach the subscriber within 5 s"
             gens[0].call("sub_release", timeout=30)
             await asyncio.sleep(0.5)  # the reader has left; an aborted commit must still not apply
             assert gens[0].call("sub_version") == 1
