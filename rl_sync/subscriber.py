@@ -237,8 +237,10 @@ class WeightSubscriber(Holding):
     # ------------------------------------------------------------------ serving
     def plan(self, bucket_bytes: int) -> tuple[list[Bucket], str]:
         got = self._plans.get(bucket_bytes)
-        if got is None:
+        if got is None:  # (a few kept: one per publisher's bucket size, not one per size ever asked for)
             buckets = make_buckets(self.manifest, bucket_bytes)
+            if len(self._plans) >= 4:
+                self._plans.pop(next(iter(self._plans)))
             got = self._plans[bucket_bytes] = (buckets, plan_hash(self.manifest, buckets))
         return got
 
@@ -311,9 +313,7 @@ class WeightSubscriber(Holding):
 
     def _current(self, peer: str, push_id: int) -> Push | None:
         push = self._push
-        if push is None or push.publisher != peer or push.push_id != push_id:
-            return None
-        return push
+        return push if push is not None and push.publisher == peer and push.push_id == push_id else None
 
     async def _begin(self, peer: str, msg: m.Begin) -> None:
         try:

@@ -11,6 +11,7 @@ import contextlib
 import time
 
 import pytest
+import torch
 
 import rl_sync
 import transport
@@ -347,3 +348,16 @@ def test_a_commit_naming_a_fifo_as_its_bank_lock_is_refused_without_blocking(tmp
         t.join(5.0)
     assert not blocked, "BankLease blocked opening a FIFO named by a peer"
     assert got and isinstance(got[0], Exception), got
+
+
+def test_a_subscriber_keeps_a_few_plans_not_one_per_bucket_size_asked_for():
+    """Every Begin names its publisher's bucket size and the subscriber caches the plan for it: a
+    peer that names a new size at every Begin must not grow that cache without bound."""
+    sub = object.__new__(rl_sync.WeightSubscriber)
+    sub.manifest = rl_sync.plan.build_manifest({"w": torch.zeros(1024)}, 1 << 20, "host")
+    sub._plans = {}
+    for size in range(64, 64 * 50, 64):
+        buckets, digest = sub.plan(size)
+        assert sum(b.nbytes for b in buckets) == 4096 and digest
+    assert len(sub._plans) <= 4
+    assert sub.plan(64 * 49) is sub.plan(64 * 49)  # (the newest stay cached)
