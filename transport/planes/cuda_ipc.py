@@ -25,6 +25,8 @@ lifetime):
   while its bytes are lost. A registered tensor re-pointed by its owner is marked in its word
   (the owner's heartbeat tick): later ops fail with
   :class:`~transport.errors.BufferMismatchError`, as the header's check would.
+  A put with a notification copies under the same locks (then sends its header): a take-back
+  waits for its copy too, so it never lands in a view of an arena registered later at the old place.
 
 A stale export (the peer re-registered the buffer meanwhile) is answered ``stale`` and the endpoint
 retries once after refreshing the peer's registry, as for ``shm``. When exports leave the peer's
@@ -232,10 +234,10 @@ class CudaIpcPlane(DataPlane):
         the copies were done under the slots' locks and the words still hold the exports)."""
         jobs = [(it, t) for it, t in pairs if it.count]
         after = self.engine.mark([t for _, t in jobs]) if jobs else None  # the caller's stream, before any await
-        if after and (not into_peer or (one_sided and self.one_sided)):
+        if after and (not into_peer or self.one_sided):
             # a get writes into the caller's tensors: wait for its stream here, so that the copy
             # itself is short and an abandoned get can wait for it (bounded) before it raises; a
-            # one-sided put likewise, so that the peer's export words are locked for the copy only,
+            # put under slot locks likewise, so that the peer's export words are locked for the copy only,
             # not for the caller's queued work (an unregister waits for the locks, up to 2 s)
             await self._await_marks(op, after)
             after = None
@@ -269,8 +271,8 @@ class CudaIpcPlane(DataPlane):
                 local = t.detach().reshape(-1).view(torch.uint8)
                 pair = (remote, local) if into_peer else (local, remote)
                 groups.setdefault(h.device, []).append((*pair, h))
-            if one_sided and self.one_sided:  # the words locked from here until the last copy is over
-                guard = self._guard(jobs, used, into_peer)
+            if self.one_sided:  # the words locked from here until the last copy is over (a header op's too: a
+                guard = self._guard(jobs, used, into_peer)  # take-back waits for it, never reuses memory under it)
         except BaseException:
             for h in used:
                 self.cache.release(h)
@@ -303,7 +305,7 @@ class CudaIpcPlane(DataPlane):
         if not self.channel.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere
             raise PeerLostError(f"{op.kind.value} #{op.op_id}: the channel to {self.channel.peer_name!r} closed while "
                                 f"its cuda_ipc copy ran: {self.channel.error}")
-        return ids, True
+        return ids, one_sided
 
     async def _await_marks(self, op: Op, marks: Any) -> None:
         if self._marks is None:

@@ -165,8 +165,8 @@ class ShmPlane(DataPlane):
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
         jobs = [(it, t, h) for (it, t), h in zip(pairs, handles, strict=True) if h is not None]
-        # with slots in one table (as usual) the copy runs under their locks, as a one-sided op's does
-        slots = _slots_of(jobs) if self.one_sided and jobs else None
+        # with slots in one table (as usual) the copy runs under their locks, as a one-sided op's does (staged too)
+        slots = _slots_of(jobs) if jobs else None
         slotted, table = slots is not None, self._tables.get(jobs[0][2].table_inode) if slots else None
 
         def work() -> None:

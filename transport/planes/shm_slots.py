@@ -35,6 +35,7 @@ the locks of a process that dies. Blocking: the initiator's calls never wait (on
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -66,9 +67,8 @@ _FLOCK = "hhqqi4x"  # struct flock on Linux x86-64 and aarch64: type, whence, st
 
 
 def _lock(fd: int, kind: int, slot: int, count: int = 1) -> bool:
-    """Take (or, with ``F_UNLCK``, release) the OFD lock on the words of ``count`` slots from
-    ``slot`` on, without waiting; False if another open file description holds a conflicting
-    lock on one of them (then none of them is taken: a lock call is atomic)."""
+    """Take (``F_UNLCK``: release) the OFD lock on ``count`` slots' words from ``slot`` on, without waiting;
+    False if another open file description holds a conflicting lock on one (none is taken then)."""
     try:
         fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, slot * 8, 8 * count, 0))
     except OSError as exc:
@@ -176,8 +176,7 @@ class SlotTable:
         return _probe()[0]
 
     def alloc(self, export_id: int) -> int:
-        """A slot holding ``export_id`` (live), or -1 when the table is full (the export then keeps
-        the round trip)."""
+        """A slot holding ``export_id`` (live), or -1 when the table is full (then the round trip)."""
         if self._free:
             slot = self._free.pop()
         elif self._next < SLOTS:
@@ -189,9 +188,8 @@ class SlotTable:
         return slot
 
     def mark_moved(self, slot: int, export_id: int, name: str) -> None:
-        """The registered tensor of the export in ``slot`` was re-pointed at other memory: peers'
-        later ops on it fail with :class:`~transport.errors.BufferMismatchError` (the slot stays
-        taken until the export is revoked). Blocking like :meth:`revoke`."""
+        """The export's tensor was re-pointed: peers' later ops on it fail with
+        :class:`~transport.errors.BufferMismatchError` (until it is revoked). Blocking like :meth:`revoke`."""
         self._write(slot, export_id | MOVED, name, True)
 
     def revoke(self, slot: int, name: str, wait: bool = True, memory: tuple[Any, int, int] | None = None) -> bool:
@@ -234,8 +232,7 @@ class SlotTable:
             delay = min(delay * 2, 0.05)
 
     def still_held(self, slot: int) -> bool:
-        """Whether a peer's copy still holds ``slot``, revoked while it did (:meth:`revoke` returned
-        False); once it is let go (or its process died) the slot is free again. Never waits."""
+        """Whether a peer's copy still holds ``slot`` (revoked while it did); once let go, the slot is free."""
         if self.fd < 0 or slot in self._free:
             return False
         if not _lock(self.fd, fcntl.F_WRLCK, slot):
@@ -271,16 +268,14 @@ class SlotTable:
 
 
 def new_slot_table(plane: str = "shm") -> SlotTable | None:
-    """A slot table for an endpoint's exports over ``plane`` (one-sided puts and gets), or None
-    where this kernel cannot lock byte ranges of a memfd per open file description (logged once:
-    every op then keeps its round trip)."""
+    """A slot table for an endpoint's exports over ``plane``, or None where this kernel has no OFD
+    locks on a memfd (logged once: every op then keeps its round trip)."""
     return SlotTable(plane) if SlotTable.usable() else None
 
 
 class ExportSlots:
-    """One exporter's slot table, made at its first export (:meth:`table`), and the marking of
-    its exports whose registered tensors were re-pointed (:meth:`mark_re_pointed`): the part of
-    ``shm``'s and ``cuda_ipc``'s exporters that is the same. Event loop thread."""
+    """One exporter's slot table, made at its first export (:meth:`table`), and the marking of re-pointed
+    exports (:meth:`mark_re_pointed`): what ``shm``'s and ``cuda_ipc``'s exporters share. Event loop thread."""
 
     def __init__(self, plane: str) -> None:
         self.plane = plane  # the exports' key in ``LocalBuffer.exports`` (and the plane its warnings name)
@@ -350,6 +345,7 @@ class TableView:
         self.inode = inode
         self._held: dict[int, int] = {}  # slot -> ops of this process holding its shared lock
         self._lock = threading.Lock()
+        self._closing = False  # close() was called: the last op to leave closes the table (_shut)
 
     def enter(self, slots: list[tuple[int, int]], names: list[str]) -> None:
         """Lock every ``(slot, export_id)`` shared and check its word; all or nothing. Raises
@@ -360,7 +356,7 @@ class TableView:
         taken before any word is read, so an op with one slot being revoked and another re-pointed
         raises :class:`StaleBufferError` (the caller re-reads the registry, then sees the mismatch)."""
         with self._lock:
-            if self.fd < 0:
+            if self.fd < 0 or self._closing:
                 raise PeerLostError(f"{self.plane}: the channel to the peer is closed")
             held = self._held
             taken: list[tuple[int, int]] = []
@@ -389,7 +385,7 @@ class TableView:
     def enter1(self, slot: int, export_id: int, name: str) -> None:
         """:meth:`enter` for one slot (the common case, without the lists)."""
         with self._lock:
-            if self.fd < 0:
+            if self.fd < 0 or self._closing:
                 raise PeerLostError(f"{self.plane}: the channel to the peer is closed")
             n = self._held.get(slot, 0)
             if n == 0 and not _lock(self.fd, fcntl.F_RDLCK, slot):
@@ -451,6 +447,8 @@ class TableView:
             if self.fd >= 0:
                 for run in _runs(sorted(free)):
                     _lock(self.fd, fcntl.F_UNLCK, *run)
+            if self._closing and not held:
+                self._shut()
 
     def leave1(self, slot: int) -> None:
         """Drop this op's hold of ``slot``'s shared lock (the last holder in this process unlocks)."""
@@ -462,6 +460,8 @@ class TableView:
             self._held.pop(slot, None)
             if self.fd >= 0:
                 _lock(self.fd, fcntl.F_UNLCK, slot)
+            if self._closing and not self._held:
+                self._shut()
 
     def owner_exited(self) -> bool:
         """Whether the process that owns the table has exited (its pidfd is readable): called after
@@ -478,18 +478,23 @@ class TableView:
             os.close(fd)
 
     def close(self) -> None:
+        """No new op; the table (its locks) closes once the last op left: a copy in flight keeps its slot."""
         with self._lock:
-            if self.fd >= 0:
-                os.close(self.fd)  # (drops every lock of this open file description)
-                self.fd = -1
-            self._close_pidfd()
+            self._closing = True
+            if not self._held:
+                self._shut()
+
+    def _shut(self) -> None:  # (under _lock) the mapping holds a duplicate of the descriptor: both go, so do the locks
+        if self.fd >= 0:
+            self._mm.close()
+            os.close(self.fd)
+            self.fd = -1
+        self._close_pidfd()
 
     def __del__(self) -> None:  # (a view dropped without close(): its descriptors go with it)
         for attr in ("fd", "_pidfd"):
             fd = getattr(self, attr, -1)
             setattr(self, attr, -1)
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
