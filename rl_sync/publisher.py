@@ -269,7 +269,8 @@ class WeightPublisher(PublisherBuffers):
         (only for subscribers not connected yet or restarted). Raises
         :class:`StaleVersionError` if ``version`` is not newer than the last
         pushed one and :class:`PlanMismatchError` if the weights do not fit a
-        subscriber's layout, both before any byte moves. The source tensors
+        subscriber's layout, both before any byte moves (``ValueError`` for a
+        ``timeout`` not > 0, NaN included, or a ``version`` of 2**64 or more). The source tensors
         must not change until it returns. Cancelling it tells every
         subscriber not yet told to commit to abort (their weights stay as
         they were); subscribers already told to commit may still commit.
@@ -277,6 +278,8 @@ class WeightPublisher(PublisherBuffers):
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {version!r}")
+        if version >= 1 << 64 or (timeout is not None and not timeout > 0):  # (NaN: a deadline never reached)
+            raise ValueError(f"version must be below 2**64 and timeout > 0, got {version!r} and {timeout!r}")
         if version <= self._version:
             raise StaleVersionError(f"version {version} is not newer than the last pushed version {self._version}")
         if self._run is not None or self._pushing:
@@ -342,7 +345,8 @@ class WeightPublisher(PublisherBuffers):
         # cost the others connect_timeout; a restarted one is picked up by whichever push first finds it
         # answering. Only a subscriber never planned yet is given connect_timeout.
         ep = self.endpoint
-        brief = {s for s in names if s in self._lost or s in self._not_ready or (s in self._layouts and ep.peer(s) is None)}
+        brief = {s for s in names if s in self._lost or s in self._not_ready or (s in self._layouts and (
+            (p := ep.peer(s)) is None or p.incarnation == self._layouts[s].incarnation))}  # (same one: a new manifest)
         got: list[Layout | BaseException | None] = [self._known_layout(s) for s in names]  # (no coroutine for those)
         todo = [i for i, s in enumerate(names) if got[i] is None]
         if todo:
@@ -422,15 +426,17 @@ class WeightPublisher(PublisherBuffers):
         common case of a push: no coroutine, no wait), else None (:meth:`_layout` plans it)."""
         peer = self.endpoint.peer(name)
         cached = self._layouts.get(name) if peer is not None and name not in self._lost else None
-        return cached if cached is not None and peer is not None and cached.incarnation == peer.incarnation else None
+        # (and the manifest it was read from: a subscriber made anew on that endpoint registers another one)
+        return cached if (cached is not None and peer is not None and cached.incarnation == peer.incarnation
+                          and peer.buffers.get(MANIFEST_BUFFER) is cached.spec) else None
 
     async def _layout(self, name: str, deadline: float) -> Layout:
         ep = self.endpoint
         peer = await ep.connect(name, timeout=max(0.001, deadline - time.monotonic()))
+        spec = peer.buffers.get(MANIFEST_BUFFER)  # (the object: another one once the peer registers anew)
         cached = self._layouts.get(name)
-        if cached is not None and cached.incarnation == peer.incarnation:
+        if cached is not None and cached.incarnation == peer.incarnation and spec is cached.spec:
             return cached
-        spec = peer.buffers.get(MANIFEST_BUFFER)
         while spec is None:  # its endpoint is up, its WeightSubscriber not yet (a generator still loading its
             # model, or restarting): it registers the manifest when made, and its registry update reaches us
             if time.monotonic() >= deadline:
@@ -445,7 +451,7 @@ class WeightPublisher(PublisherBuffers):
         manifest = decode_manifest(raw.numpy().tobytes())
         buckets = make_buckets(manifest, self.bucket_bytes)
         layout = Layout(peer.incarnation, manifest, buckets, plan_hash(manifest, buckets), peer.same_host,
-                        peer.maps_memory(), peer.maps_memory(gpu=True))
+                        peer.maps_memory(), peer.maps_memory(gpu=True), spec)
         self._layouts[name] = layout
         log.info("publisher %s: planned %s (%d tensors, %d buckets, %.1f MiB, via %s)", ep.name, name,
                  len(manifest.entries), len(buckets), sum(manifest.arenas) / 2**20, peer.plane)

@@ -32,8 +32,11 @@ class Layout:
     """A subscriber's manifest and buckets, cached for one incarnation."""
 
     def __init__(self, incarnation: int, manifest: Manifest, buckets: list[Bucket], digest: str, same_host: bool,
-                 maps_cpu: bool, maps_gpu: bool) -> None:
+                 maps_cpu: bool, maps_gpu: bool, spec: Any = None) -> None:
         self.incarnation = incarnation
+        # the manifest's BufferSpec as announced when it was read: a subscriber made anew on the same endpoint
+        # (another model, mode or arena size) registers another, so the publisher reads the manifest again
+        self.spec = spec
         self.manifest = manifest
         self.buckets = buckets
         self.digest = digest

@@ -221,6 +221,9 @@ class PushTracker:
             else:
                 self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
         elif r.stage == "commit":
+            if not t.committing:  # never told to commit (shared: its Commit goes with its Begin): no progress
+                log.warning("push %d: %s answered a Commit it was never sent; ignored", self.push_id, t.name)
+                return
             if r.error is None:
                 if not t.begun:  # (shared: a Begin with its Commit behind it is not answered on its own)
                     t.begun = True
