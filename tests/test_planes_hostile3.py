@@ -41,6 +41,18 @@ def _pausing_copy(monkeypatch, half: threading.Event, go: threading.Event, min_n
 
 
 # ---------------------------------------------------------------------------- shm: the channel lost mid-copy
+
+def _take_back_and_reuse(tgt, arena, n):
+    """The target takes ``x`` back (timed: it waits for a copy holding its slot, up to 2 s) and
+    registers ``y`` at x's old place in ``arena``, filled with -5; returns (seconds, y)."""
+    t0 = time.monotonic()
+    tgt.unregister("x")
+    took = time.monotonic() - t0
+    y = arena[:n]
+    tgt.register("y", y)
+    y.fill_(-5)
+    return took, y
+
 @pytest.mark.timeout(60)
 async def test_a_channel_lost_mid_copy_keeps_the_slot_locked_until_the_copy_stopped(store_url, uname, monkeypatch):
     """The initiator's channel breaks (a socket reset) while its one-sided put is in the middle of a
@@ -63,12 +75,7 @@ async def test_a_channel_lost_mid_copy_keeps_the_slot_locked_until_the_copy_stop
         ini._channels[tgt.name].lose(transport.PeerLostError("test: the socket was reset"))
         await asyncio.sleep(0.1)  # the initiator's channel closes its planes on the loop
         threading.Timer(0.3, go.set).start()  # the copy thread runs again 0.3 s from now
-        t0 = time.monotonic()
-        tgt.unregister("x")  # must wait for the copy (its slot lock), up to the 2 s bound
-        took = time.monotonic() - t0
-        y = arena[:n]
-        tgt.register("y", y)
-        y.fill_(-5)
+        took, y = _take_back_and_reuse(tgt, arena, n)  # must wait for the copy (its slot lock), up to the 2 s bound
         with pytest.raises(_TYPED):
             await asyncio.wait_for(put, 10)
         go.set()
@@ -200,12 +207,7 @@ async def test_a_staged_put_into_an_arena_view_never_lands_in_a_buffer_registere
         put = asyncio.ensure_future(ini.put(tgt.name, {"x": torch.full((n,), 7, dtype=torch.int64)}))
         assert await asyncio.to_thread(half.wait, 10), "the copy never started"
         threading.Timer(0.3, go.set).start()
-        t0 = time.monotonic()
-        tgt.unregister("x")
-        took = time.monotonic() - t0
-        y = arena[:n]
-        tgt.register("y", y)
-        y.fill_(-5)
+        took, y = _take_back_and_reuse(tgt, arena, n)
         try:
             await asyncio.wait_for(put, 10)
             outcome = "done"
@@ -243,12 +245,7 @@ async def test_a_notified_cuda_ipc_put_never_lands_in_a_buffer_registered_later_
             await asyncio.to_thread(ini.call, "connect", tgt.name)
             ini.start("put", tgt.name, "x", n, 7, b"note", 20)
             await asyncio.sleep(0.5)  # its copy is queued (it runs 1 s after it was issued)
-            t0 = time.monotonic()
-            tgt.unregister("x")
-            took = time.monotonic() - t0
-            y = arena[:n]
-            tgt.register("y", y)
-            y.fill_(-5)
+            took, y = _take_back_and_reuse(tgt, arena, n)
             err = await asyncio.to_thread(ini.result, 30)
             await asyncio.sleep(0.3)
             assert ini.call("op_planes", "put") == ["cuda_ipc"]

@@ -17,6 +17,7 @@ import rl_sync
 import transport
 from tests._remote import RemoteEndpoint
 from tests._rl_remote import stamped
+from tests.test_rl_sync import trainer
 
 SPEC = {"a": ("float32", (64, 64)), "b": ("float32", (4096,)), "c": ("float32", (3, 5))}
 # 16 MiB in 8 MiB buckets: the pulls' shm copies run on the loop's default executor (THREAD_COPY_BYTES)
@@ -38,8 +39,6 @@ def gens_of(store_url, uname, modes, spec=SPEC, **sub_kwargs):
             g.kill()
 
 
-def trainer(store_url, uname, **kw):
-    return transport.Endpoint(uname("trainer"), store=store_url, timeout=20, **kw)
 
 
 # ---------------------------------------------------------------------------- many readers
