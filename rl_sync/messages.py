@@ -20,6 +20,8 @@ reading its own notifications (one process may even be both). One push, seen fro
                            answers the Commit only: one message each way per push)
           ◀──────────────  Reply(stage="commit")
     Abort ──────────────▶  (instead of Commit, on failure or cancellation) nothing is applied
+          ◀──────────────  Reply(stage="dropped")   (at any point: another push's Begin, most often another
+                           publisher's, superseded this one there; it fails that subscriber's entry at once)
 
 A reply with ``error`` set fails that subscriber's push only.
 """
@@ -77,7 +79,7 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):
     push_id: int
-    stage: str  # "begin" | "pull" | "commit"
+    stage: str  # "begin" | "pull" | "commit" | "dropped"
     bucket: int = -1
     error: str | None = None
     error_kind: str | None = None  # "stale" | "plan" | "other"

@@ -6,9 +6,15 @@ Shared by the publisher (:mod:`rl_sync.push_track`) and the subscriber (:mod:`rl
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-__all__ = ["REPLY_EXPECTED", "InOrder"]
+import transport
+
+__all__ = ["REPLY_EXPECTED", "InOrder", "post_in_order"]
+
+log = logging.getLogger("rl_sync.subscriber")
 
 REPLY_EXPECTED = True  # (see InOrder)
 
@@ -46,3 +52,23 @@ class InOrder:
             self._waiting[peer] -= 1
 
         task.add_done_callback(done)
+
+
+def post_in_order(order: InOrder, ep: transport.Endpoint, peer: str, payload: bytes,
+                  spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any]]) -> None:
+    """Post ``payload`` (a message nothing answers: a subscriber's reply) to ``peer`` behind every
+    earlier one: at once where it can, else in a task made by ``spawn``. A failure is logged."""
+    try:
+        if order.now(peer, payload):
+            return
+    except transport.TransportError as exc:
+        log.warning("subscriber %s: reply to %s failed: %s", ep.name, peer, exc)
+        return
+
+    async def send() -> None:
+        try:
+            await ep.post(peer, payload, reply_expected=REPLY_EXPECTED)
+        except transport.TransportError as exc:
+            log.warning("subscriber %s: reply to %s failed: %s", ep.name, peer, exc)
+
+    order.behind(peer, spawn(send()))

@@ -220,6 +220,9 @@ class PushTracker:
                 t.orphaned.add(r.bucket)
             else:
                 self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
+        elif r.stage == "dropped":  # another push (another publisher's) superseded this one there
+            if not t.committed:
+                self.fail(t, SubscriberRejectedError(f"{t.name} dropped the push: {r.error}"))
         elif r.stage == "commit":
             if not t.committing:  # never told to commit (shared: its Commit goes with its Begin): no progress
                 log.warning("push %d: %s answered a Commit it was never sent; ignored", self.push_id, t.name)

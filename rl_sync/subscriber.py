@@ -48,7 +48,7 @@ from .plan import (
     make_buckets,
     plan_hash,
 )
-from .posting import REPLY_EXPECTED, InOrder
+from .posting import InOrder, post_in_order
 from .rwlock import RWLock
 from .weights import live_tensors, repoint, shared_memory
 
@@ -356,8 +356,10 @@ class WeightSubscriber(Holding):
         # a later Begin supersedes what has not committed; from here on this one can be aborted or
         # superseded in turn (it is in _starting) through every wait below
         for old in (self._push, *self._starting):
-            if old is not None:
+            if old is not None:  # (its publisher is told: another publisher's push would wait for its deadline)
                 self._drop(old, f"superseded by push {msg.push_id} of {peer}")
+                self._reply(old.publisher, m.Reply(old.push_id, "dropped", -1, f"superseded by push {msg.push_id} "
+                                                   f"of {peer}", "other", self._version))
         self._starting.add(push)
         try:
             await self._start(push)
@@ -472,23 +474,7 @@ class WeightSubscriber(Holding):
         return self._given.changed()
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
-        payload = m.encode(reply)
-        # (answers a message: nothing answers it) right here where the channel is open and no earlier reply
-        # to that peer still waits in a task (it would be overtaken), else in a task
-        try:
-            if self._order.now(peer, payload):
-                return
-        except transport.TransportError as exc:
-            log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
-            return
-
-        async def send() -> None:
-            try:
-                await self.endpoint.post(peer, payload, reply_expected=REPLY_EXPECTED)
-            except transport.TransportError as exc:
-                log.warning("subscriber %s: reply to %s failed: %s", self.endpoint.name, peer, exc)
-
-        self._order.behind(peer, self._spawn(send()))
+        post_in_order(self._order, self.endpoint, peer, m.encode(reply), self._spawn)  # (in order; nothing answers it)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -300,16 +300,21 @@ async def test_two_publishers_on_one_endpoint_pushing_to_one_subscriber_at_once(
         assert report.ok and holds(m1, 99)
 
 
-@pytest.mark.xfail(strict=True, reason="a subscriber drops a push superseded by another publisher's Begin without "
-                   "a word: that publisher's entry waits for its deadline (found by this review, not fixed)")
 async def test_a_push_superseded_by_another_publisher_s_fails_its_entry_promptly(store_url, uname):
+    """Two publishers push to one generator at once: the later Begin supersedes the earlier push
+    there, and the subscriber tells that push's publisher (a "dropped" reply), whose entry fails at
+    once instead of at its 3 s deadline (it waited for the deadline before)."""
     async with endpoints(store_url, uname, 2) as (ep, g1):
         (s1, m1), = subscribe([g1])
         pa = rl_sync.WeightPublisher(ep, [g1.name], bucket_bytes=4096)
         pb = rl_sync.WeightPublisher(ep, [g1.name], bucket_bytes=8192)
         ra, rb = await asyncio.wait_for(asyncio.gather(pa.push(stamped(2), 2, timeout=3.0),
                                                        pb.push(stamped(3), 3, timeout=3.0)), 10)
-        assert max(r.seconds for r in (*ra.results.values(), *rb.results.values())) < 1.0, (ra.summary(), rb.summary())
+        results = [*ra.results.values(), *rb.results.values()]
+        assert max(r.seconds for r in results) < 2.0, (ra.summary(), rb.summary())
+        assert any(r.ok for r in results), (ra.summary(), rb.summary())
+        for r in results:
+            assert r.ok or "dropped the push: superseded" in str(r.error), (ra.summary(), rb.summary())
 
 
 # ---------------------------------------------------------------------------- the trainer's tensors
