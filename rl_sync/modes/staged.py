@@ -58,17 +58,13 @@ class StagedMode(CommitMode):
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, readers_late(sub.commit_timeout), "timeout",
                                                sub._version))
             return
-        if sub._push is not push:  # dropped while it waited for readers' GPU work: a newer push that began
-            # meanwhile (it found _applying free) may be writing the staging arena: copy nothing
+        # dropped while it waited for readers' GPU work (a newer push that began meanwhile, finding _applying
+        # free, may be writing the staging arena), or the model's tensors are no longer what it writes: copy nothing
+        why, kind = ("the push was aborted", "other") if sub._push is not push else (sub._changed(), "plan")
+        if why is not None:
             sub._applying.release()
             sub._lock.release_write()
-            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
-                                               sub._version))
-            return
-        if (why := sub._changed()) is not None:  # the model's tensors are no longer what the commit writes
-            sub._applying.release()
-            sub._lock.release_write()
-            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, why, "plan", sub._version))
+            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, why, kind, sub._version))
             return
         try:
             try:
