@@ -37,7 +37,7 @@ def read_msg(s: socket.socket) -> wire.Message:
 
 
 def hello(protocol: int = wire.PROTOCOL_VERSION, name: str = "mallory", buffers=()) -> wire.Hello:
-    return wire.Hello(protocol, name, 1234, local_host(), ["tcp"], 0, list(buffers), "mallory->tgt")
+    return wire.Hello(protocol, name, 1234, local_host(), ["tcp"], 0, list(buffers), "mallory->tgt", notify_window=64)
 
 
 def prove(s: socket.socket, secret: bytes, address: tuple[str, int]) -> tuple[bytes, bytes]:

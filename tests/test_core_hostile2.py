@@ -297,18 +297,16 @@ async def test_a_peer_restarted_under_its_name_during_a_stream_of_ops(store_url,
 
 
 # ---------------------------------------------------------------------------- a notification flood
-@pytest.mark.xfail(strict=True, reason="known defect: a full notification queue blocks the channel's reader, "
-                   "so the answers to our own ops to the flooding peer are not read (see the docstring)")
 async def test_a_consumer_with_a_full_queue_still_completes_its_own_ops_to_the_flooding_peer(store_url, uname):
     """The peer posts 1000 notifications while this endpoint (queue bound 20) reads them one at a
     time and answers every 100th with a put to that peer (tcp: the put's acknowledgement comes
     back on the channel the flood arrives on). Each answer completes well before its 2 s timeout;
     every notification arrives, in order.
 
-    Fails now: while the queue is full the channel's reader thread blocks in ``Inbox.deliver`` and
-    reads nothing, so the acknowledgement of our own put to the flooding (healthy) peer is never
-    read and the put times out, every time the queue is full (a consumer that answers what it
-    reads stalls by a timeout per answer)."""
+    Failed before notification credits (transport.credits): a full queue blocked the channel's
+    reader thread, so the acknowledgement of our own put to the flooding (healthy) peer was never
+    read and the put timed out, every time the queue was full. Now the flooding peer's posts wait
+    for credits in its own process and our reader never stops reading."""
     count = 1000
     tgt = RemoteEndpoint(uname("flood"), store=store_url, planes=("tcp",), commands=_CMDS)
     try:

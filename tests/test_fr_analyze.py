@@ -516,8 +516,8 @@ async def test_real_endpoints_dumps_are_clean(tmp_path: Path, capsys: pytest.Cap
 
 
 async def test_real_endpoints_notification_queue_full(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """b never consumes notifications and holds at most one, so its reader blocks on a's
-    second notify: a times out, b has the op as "received"; the analysis names it."""
+    """b never consumes notifications and holds at most one of a's, so a's second notify waits
+    for a notification credit and times out, never sent; the analysis names the wait."""
     async with asyncio.timeout(30):
         a = transport.Endpoint("a", store="tcp://127.0.0.1:0", host_store=True, timeout=10, planes=("tcp",),
                                dump_dir=tmp_path / "auto")
@@ -543,7 +543,7 @@ async def test_real_endpoints_notification_queue_full(tmp_path: Path, capsys: py
     [f] = rep.findings
     assert f.blocking and f.op.kind == "notify" and f.op.seq == 2
     assert (f.op.initiator, f.op.target) == ("a", "b")
-    assert (f.op.initiator_state, f.op.target_state) == ("timed_out", "received")
-    assert f.verdict == "target_received_not_done"
-    assert f"STALLED: notify #{f.op.op_id} (seq 2) a -> b 3 B: b received the notification at" in out
-    assert "notification queue is full" in out
+    assert (f.op.initiator_state, f.op.target_state) == ("timed_out", None)
+    assert f"STALLED: notify #{f.op.op_id} (seq 2) a -> b 3 B: the header never reached b" in out
+    assert "a never sent it: from " in out and "it waited for a notification credit of b" in out, out
+    assert "(its max_pending_notifications)" in out and "gave up at" in out, out

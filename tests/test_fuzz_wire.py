@@ -51,7 +51,7 @@ def _samples() -> list[wire.Message]:
             wire.WireBuffer("g", "bfloat16", [2, 3], "cuda:0", 12, None, _IPC)]
     item = wire.Item("w", "float32", 0, 16, [4, 4])
     out: list[wire.Message] = [
-        wire.Hello(wire.PROTOCOL_VERSION, "peer", 2**62, _HOST, ["shm", "tcp"], 3, bufs, "a->b"),
+        wire.Hello(wire.PROTOCOL_VERSION, "peer", 2**62, _HOST, ["shm", "tcp"], 3, bufs, "a->b", 10000),
         wire.Registry(4, bufs),
         wire.Put(1, 1, "tcp", [item], b"note", None),
         wire.Put(2, 2, "shm", [wire.Item("s", "uint8", 8, 100)], None, [5]),
@@ -59,6 +59,7 @@ def _samples() -> list[wire.Message]:
         wire.Get(4, 4, [wire.Item("s", "uint8", 0, 8)], "shm", [5]),
         wire.Data(3),
         wire.Notify(5, 5, b"payload"),
+        wire.Credit(2500),
         wire.Sync(6),
         wire.Ack(7),
         wire.Fail(8, "unknown_buffer", "no such buffer"),

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .credits import NoteCredits, carries_note
 from .dispatch import Dispatcher
 from .errors import (
     EndpointClosedError,
@@ -64,7 +65,7 @@ from .peer import Notification, Peer
 from .planes import PeerLink, PlaneChoice, needs_unmap_acks
 from .receiver import Receiver
 from .registry import BufferSpec
-from .sender import Sender
+from .sender import Sender, chain
 from .serving import Serving
 from .staging import Staging
 from .wire import (
@@ -109,39 +110,16 @@ class CoreProtocol(Protocol):
 
     staging: Staging
     planes: tuple[str, ...]  # the planes this endpoint allows
+    @property
+    def notify_window(self) -> int: ...  # the notification credits we grant each peer (transport.credits)
 
     def exporter(self, plane: str) -> Exporter | None: ...  # a plane's exporter (None: not allowed, exports nothing)
 
     def unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
-    def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool: ...  # reader thread (blocks) or loop
+    def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool: ...  # reader thread or loop
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
     def on_timeout(self, ch: Channel, op: Op, exc: TransportTimeoutError) -> None: ...  # event loop
-
-
-def _chain(head: bytes, payload: Iterator[memoryview],
-           early: Callable[[StagingError], None] | None = None) -> Iterator[bytes | memoryview]:
-    """A header frame and a lazily produced payload, as one iterator submission (closing it
-    closes ``payload``). The payload's first buffer is produced *before* the header goes out:
-    if that fails (``early`` is told), nothing was sent and the channel stays in sync. Any
-    error there is reported, as a :class:`StagingError` (the original as its cause): one that
-    reached the writer unreported would leave the op waiting for its deadline."""
-    try:
-        first = next(payload, None)
-    except Exception as exc:
-        if isinstance(exc, StagingError):
-            if early is not None:
-                early(exc)
-            raise
-        err = StagingError(f"cannot produce the payload: {type(exc).__name__}: {exc}")
-        err.__cause__ = exc
-        if early is not None:
-            early(err)
-        raise err from exc
-    yield head
-    if first is not None:
-        yield first
-        yield from payload
 
 
 class Channel:
@@ -190,6 +168,7 @@ class Channel:
         self.socket_kind = family_name(sock)  # "unix" (a same-host peer: transport.local_socket) or "tcp"
         self._lock = threading.Lock()
         self.ops = OpTable(self, self._lock)  # the initiator's pending ops and their lifecycle
+        self.credits = NoteCredits(self, remote.notify_window, core.notify_window)  # notifications, both ways
         self._tx = Sender(sock, self.peer_name, self._send_failed)
         self._rx = Receiver(sock, lambda: self.is_open)  # (reader thread only)
         self._target = Serving(self, self._rx, self._lock)  # the target's half: the peer's ops, served by the reader
@@ -280,10 +259,13 @@ class Channel:
             op.on_wire = True
             rec = op.record
             on_sent = lambda: self.recorder.update(rec, OpState.SENT)  # noqa: E731
+        if carries_note(msg):  # (spends a credit; one that is never sent gives it back)
+            self.credits.sent()
+            on_dropped = self.credits.unsent_then(on_dropped)
         head = encode_frame(msg)
         frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
         # (concrete types first: an ABC isinstance check costs more than the rest of a small send)
-        frames = [head, *payload] if isinstance(payload, (list, tuple)) else _chain(head, iter(payload), early)
+        frames = [head, *payload] if isinstance(payload, (list, tuple)) else chain(head, iter(payload), early)
         if not self._tx.submit(frames, on_sent, direct=direct, on_dropped=on_dropped):
             raise PeerLostError(f"channel to {self.peer_name!r} is {self.state.value}: {self.error}")
 
@@ -385,13 +367,14 @@ class Channel:
         the event loop): :meth:`~transport.op_table.OpTable.hold_order`."""
         return self.ops.hold_order()
 
-    def post_here(self, payload: bytes, reply_expected: bool = False) -> None:
+    def post_here(self, payload: bytes, reply_expected: bool = False, rec: Record | None = None) -> None:
         """Event loop: send ``payload`` as a notification nothing answers, right now (nothing of
         the channel is held back: :meth:`in_order_now`), recorded in the flight recorder as done
         (or failed) in one step (:meth:`~transport.op_table.OpTable.post_here`). Raises
-        :class:`PeerLostError` if the channel is down. ``reply_expected``: the loop asks for the reads."""
+        :class:`PeerLostError` if the channel is down. ``reply_expected``: the loop asks for the reads.
+        ``rec``: a parked post's record (:meth:`~transport.op_table.OpTable.park_post`)."""
         self.ops.post_here(lambda op_id, seq: self.send(Notify(op_id, seq, bytes(payload), False)), len(payload),
-                           self.plane.name)
+                           self.plane.name, rec)
         if self.reads is not None and reply_expected:
             self.reads.want_replies()
 
@@ -442,6 +425,7 @@ class Channel:
             pass
 
     def _closed(self, exc: BaseException) -> None:
+        self.credits.close()
         if self.reads is not None:
             self.reads.close()
         self.plane.close()

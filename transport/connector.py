@@ -104,7 +104,7 @@ class Connector:
         ep = self.ep
         epoch, bufs = ep.wire_registry()
         return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._offers.offered(), epoch, bufs,
-                     channel_id)
+                     channel_id, ep.notify_window)
 
     def adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
                dialer: bool, offered: list[str]) -> Channel:
@@ -460,6 +460,14 @@ class Connector:
                 ch.tick(now, interval, timeout)
             except PeerLostError:
                 pass
+
+    @staticmethod
+    async def drain_posts(chans: list[Channel], timeout: float) -> None:
+        """Give the posts still waiting for their peers' credits up to ``timeout`` s to go out
+        before the channels close (event loop): what is left is dropped, logged."""
+        pumps = [ch.credits.pump for ch in chans if ch.credits.pump is not None]
+        if pumps:
+            await asyncio.wait(pumps, timeout=timeout)
 
     @staticmethod
     def close_all(chans: list[Channel], timeout: float) -> None:

@@ -5,10 +5,9 @@ it reads frames through the channel's :class:`~transport.receiver.Receiver` whil
 open and hands each one on (:meth:`Dispatcher.dispatch`): the peer's ops to the target's half
 (:class:`~transport.serving.Serving`), answers to our ops to the op table
 (:class:`~transport.op_table.OpTable`), a registry update to the channel, the NCCL link's set-up
-to the link. A frame that cannot be parsed, or a socket that fails, breaks the channel (the op the
+to the link, credits to the channel's :class:`~transport.credits.NoteCredits`. A frame that cannot be parsed, or a socket that fails, breaks the channel (the op the
 target's half was serving is recorded as failed). Everything here runs on the reader thread and
-may block it (a payload received into a tensor, a full notification queue); nothing blocks the
-event loop. It sees the channel through :class:`ReadChannel`.
+may block it (a payload received into a tensor); nothing blocks the event loop. It sees the channel through :class:`ReadChannel`.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from .planes import SendingChannel, link_refusal
 from .wire import (
     Ack,
     Bye,
+    Credit,
     Data,
     Fail,
     Get,
@@ -41,6 +41,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
+    from .credits import NoteCredits
     from .loop_reads import LoopReads
     from .op_table import OpTable
     from .receiver import Receiver
@@ -61,6 +62,9 @@ class ReadChannel(SendingChannel, Protocol):
     def lose(self, exc: BaseException) -> None: ...
 
     def take_registry(self, msg: Registry) -> None: ...
+
+    @property
+    def credits(self) -> NoteCredits: ...
 
 
 class Dispatcher:
@@ -90,7 +94,7 @@ class Dispatcher:
                     self.dispatch(msg)
                     # (a get reply the loop could not have taken whole does not hand the reads back at once:
                     # back-to-back large gets keep them on the thread, which receives their payloads)
-                    reads.thread_read(isinstance(msg, (Ack, Fail, Notify))
+                    reads.thread_read(isinstance(msg, (Ack, Fail, Notify, Credit))
                                       or (isinstance(msg, Data) and self.last_data_loops))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, ProtocolError) as exc:
             self._fail_serving(exc)
@@ -132,12 +136,16 @@ class Dispatcher:
                 self.ch.link.not_posted(msg.op_id)  # a listener's nccl op the dialer rejected before its Go
             op = self.ops.pop(msg.op_id)
             if op is not None:
+                if op.note:  # (refused: its notification was never queued there)
+                    self.ch.credits.refund()
                 cls = ERROR_KINDS.get(msg.kind, RemoteError)
                 self.ops.settle_from_thread(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
         elif isinstance(msg, Data):
             self._take_data(msg)
         elif isinstance(msg, Notify):
             self.target.serve_notify(msg)
+        elif isinstance(msg, Credit):
+            self.ch.credits.returned(msg.total)
         elif isinstance(msg, Registry):
             self.ch.take_registry(msg)
         elif isinstance(msg, Sync):

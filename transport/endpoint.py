@@ -82,8 +82,9 @@ class Endpoint(Operations):
             ``$TRANSPORT_FR_DIR`` or ``<tmp>/transport-fr``).
         dump_signal: a signal (e.g. ``signal.SIGUSR1``) that dumps the flight
             recorder; None installs no handler.
-        max_pending_notifications: notifications queued for the application
-            before the channels delivering them are back-pressured.
+        max_pending_notifications: each peer's notifications held here that
+            the application has not taken yet, at most: the peer's credits
+            (its notify/put-with-notify wait for one, its posts queue there).
         staging: :class:`transport.StagingConfig` of the staged path
             that moves CUDA tensors (bounce-buffer size and count, stall
             bound); None uses the defaults (4 x 8 MiB per op).
@@ -176,6 +177,7 @@ class Endpoint(Operations):
         self._closing: asyncio.Future[None] | None = None  # the close, once one started (close())
         self._cut_open = False  # close() cancelled that task: open() raises EndpointClosedError
         self._inbox = Inbox(max_pending_notifications, lambda: self._state == "open")
+        self.notify_window = self._inbox.window  # each peer's credits (transport.credits)
         self._registry_dirty = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
@@ -294,8 +296,8 @@ class Endpoint(Operations):
         if self._record is not None:
             await self._rdv.withdraw(self._record, time.monotonic() + min(timeout, 2.0))
         end = time.monotonic() + timeout
-        chans = list(self._all)
-        if chans:
+        if chans := list(self._all):  # (posts waiting for credits: up to 1 s to go out)
+            await self._connector.drain_posts(chans, min(1.0, max(0.0, end - time.monotonic())))
             await asyncio.to_thread(self._connector.close_all, chans, max(0.1, end - time.monotonic()))
         for task in list(self._tasks):
             task.cancel()
@@ -457,11 +459,9 @@ class Endpoint(Operations):
 
     # ------------------------------------------------------------------ notifications
     def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool:
-        """Channel reader threads hand notifications over here; blocks while the queue is full
-        (back-pressure: the channel reads nothing meanwhile). False if the endpoint or the
-        channel closed while waiting (the op is then not acknowledged). ``here``: from the event
-        loop (its reads), never blocks: False at once if the queue is full (``Inbox.deliver_here``)."""
-        return self._inbox.deliver_here(note) if here else self._inbox.deliver(note, ch)
+        """Channel reader threads (``here``: the event loop) hand notifications over here; never
+        blocks (:meth:`Inbox.deliver <transport.inbox.Inbox.deliver>`, ``deliver_here``)."""
+        return (self._inbox.deliver_here if here else self._inbox.deliver)(note, ch.credits)
 
     def on_notification(self, callback: Callable[[Notification], Any] | None, *, prefix: bytes = b"") -> None:
         """Call ``callback(note)`` on the event loop for each notification instead of queueing it.

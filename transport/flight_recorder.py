@@ -163,6 +163,12 @@ class FlightRecorder:
             if error is not None:
                 rec.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
+    def mark(self, rec: Record, event: str) -> None:
+        """Note ``event`` in ``rec``'s history, its state unchanged (e.g. ``awaiting_credit``: an
+        op that carries a notification waits for a credit of its peer: :mod:`transport.credits`)."""
+        with self._lock:
+            rec.history.append((event, time.time()))
+
     def snapshot(self) -> list[dict]:
         with self._lock:
             return [asdict(r) for r in self._ring]

@@ -57,6 +57,13 @@ def _initiator_story(i: _Side, target: str) -> str:
     """What the initiator's own record says."""
     rec, name = i.rec, i.rec.initiator
     t_sent = _when(rec, "sent")
+    t_credit = _when(rec, "awaiting_credit")
+    if (t_credit is not None and t_sent is None and _when(rec, "credited") is None
+            and rec.state in ("posted", "timed_out", "cancelled", "failed")):
+        text = (f"{name} never sent it: from {_clock(t_credit)} it waited for a notification credit of {target}, "
+                f"which held as many of {name}'s notifications as it allows (its max_pending_notifications), not "
+                f"taken by its application")
+        return text + ("" if rec.state == "posted" else f"; {name} gave up at {_clock(rec.t_updated)} ({rec.state})")
     if rec.state == "posted":
         if rec.kind == "put" and rec.plane == "shm":
             how = f"the copy into {target}'s shared memory or the header send never finished"
@@ -145,11 +152,10 @@ def _explain(st: _Stream, seq: int, dumps_of: dict[str, list[Dump]]) -> tuple[st
                     text += f"; {ini} gave up at {_clock(r.t_updated)} ({r.state})"
         elif trec.kind == "put":
             text = (f"{tgt} received the header at {when} (the bytes were already copied into its memory) but never "
-                    f"acknowledged it: its reader is blocked, most likely waiting for room in its notification queue "
-                    f"(the application is not consuming notifications)")
+                    f"acknowledged it: its reader stalled (a frozen process, or its event loop never ran the answer)")
         elif trec.kind in ("notify", "post"):
-            text = (f"{tgt} received the notification at {when} but never queued it: its notification queue is full "
-                    f"(the application is not consuming notifications) or its reader stalled")
+            text = (f"{tgt} received the notification at {when} but never queued it: its reader stalled (a frozen "
+                    f"process)")
         elif trec.kind == "get":
             text = f"{tgt} received the request at {when} but never sent the reply"
         else:

@@ -140,6 +140,8 @@ def check_hello(msg: Message) -> Hello:
         raise ProtocolError(f"peer speaks protocol {msg.protocol}, this endpoint speaks {PROTOCOL_VERSION}")
     if not msg.name:
         raise ProtocolError("peer sent an empty endpoint name")
+    if msg.notify_window < 1:
+        raise ProtocolError(f"peer granted {msg.notify_window} notification credits (at least 1)")
     specs_from_wire(msg.buffers)
     return msg
 

@@ -1,11 +1,13 @@
-"""An endpoint's notifications: the queue the application reads, the callbacks that take them
-instead, and the back-pressure on the channels that deliver them.
+"""An endpoint's notifications: the queue the application reads and the callbacks that take them
+instead.
 
-Channel reader threads hand each notification to :meth:`Inbox.deliver`, which blocks while
-``max_pending`` of them are waiting for the application (the channel reads nothing meanwhile, so
-the peer's later ops wait behind it: back-pressure, not loss). The notification then moves to the
-event loop, where a callback registered for the longest matching payload prefix takes it, else the
-catch-all callback, else the queue that :meth:`Inbox.next` and :meth:`Inbox.iterate` read.
+Channel reader threads (or the event loop, where it reads a channel itself) hand each
+notification to :meth:`Inbox.deliver`, which never blocks: each peer holds at most ``window`` of
+its notifications here unconsumed, by the channel's credits (:mod:`transport.credits`: the peer
+waits for credits, not our reader). The notification moves to the event loop, where a callback
+registered for the longest matching payload prefix takes it, else the catch-all callback, else the
+queue that :meth:`Inbox.next` and :meth:`Inbox.iterate` read; either way its credit goes back to
+its channel then.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
@@ -25,15 +26,13 @@ __all__ = ["Inbox"]
 
 log = logging.getLogger("transport.endpoint")
 
-_ROOM_POLL_S = 0.2  # how often a delivery blocked on a full queue checks whether to give up
 
+class _Credits(Protocol):
+    """What :meth:`Inbox.deliver` uses of the channel's credits (:class:`transport.credits.NoteCredits`)."""
 
-class _Delivering(Protocol):
-    """What :meth:`Inbox.deliver` uses of the channel it delivers for."""
-
-    @property
-    def is_open(self) -> bool: ...
-    last_rx: float
+    def delivered(self) -> bool: ...
+    def overflow(self) -> Exception: ...
+    def taken(self) -> None: ...
 
 
 class Inbox:
@@ -46,12 +45,14 @@ class Inbox:
     only when it runs again (never while it may still be cancelled), so a cancelled or timed-out
     wait loses nothing; one that leaves without taking passes its wake-up on."""
 
-    def __init__(self, max_pending: int, is_open: Callable[[], bool]) -> None:
+    def __init__(self, window: int, is_open: Callable[[], bool]) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**63:
+            raise ValueError(f"max_pending_notifications must be an int from 1 to 2**63 - 1, got {window!r}")
+        self.window = window  # each peer's notifications held here unconsumed, at most (its credits)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_open = is_open
-        self._notes: collections.deque[Notification] = collections.deque()
+        self._notes: collections.deque[tuple[Notification, _Credits]] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._room = threading.Semaphore(max_pending)
         self._catch_all: Callable[[Notification], Any] | None = None
         self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
         self._closed = False
@@ -70,45 +71,42 @@ class Inbox:
                 fut.set_result(None)
 
     # ---------------------------------------------------------------- reader threads
-    def deliver(self, note: Notification, ch: _Delivering) -> bool:
-        """Hand ``note`` to the event loop (a channel's reader thread); blocks while the queue is
-        full. False if the endpoint or the channel closed while waiting (the op is then not
-        acknowledged)."""
-        while not self._room.acquire(timeout=_ROOM_POLL_S):
-            if not self._is_open() or not ch.is_open:
-                return False
-            ch.last_rx = time.monotonic()  # we are the ones not reading: the peer is not silent
+    def deliver(self, note: Notification, credits: _Credits) -> bool:
+        """Hand ``note``, which spent one of ``credits`` (its channel's), to the event loop (a
+        channel's reader thread); never blocks. False if the endpoint is closing (the op is then
+        not acknowledged); raises ProtocolError if the peer sent more than its credits allow."""
+        if self._closed or self._loop is None:
+            return False
+        if not credits.delivered():
+            raise credits.overflow()
         try:
-            if self._loop is None:
-                raise RuntimeError("not attached to an event loop")
-            self._loop.call_soon_threadsafe(self._enqueue, note)
+            self._loop.call_soon_threadsafe(self._enqueue, note, credits)
         except RuntimeError:  # the loop is closed
-            self._room.release()
             return False
         return True
 
     # ---------------------------------------------------------------- event loop
-    def deliver_here(self, note: Notification) -> bool:
+    def deliver_here(self, note: Notification, credits: _Credits) -> bool:
         """:meth:`deliver` from the event loop itself (it read the notification: a channel's
         ``LoopReads``): queued on the loop behind what the reader threads delivered before, without
-        a thread's wake-up. False, nothing done, if the queue is full (the caller leaves the
-        notification to the reader thread, which waits for room)."""
-        if not self._room.acquire(blocking=False):
+        a thread's wake-up. False, nothing done, if the endpoint is closing or the peer sent more
+        than its credits allow (the caller leaves the notification to the reader thread)."""
+        if self._closed or self._loop is None or not credits.delivered():
             return False
-        assert self._loop is not None
-        self._loop.call_soon(self._enqueue, note)
+        self._loop.call_soon(self._enqueue, note, credits)
         return True
 
-    def _enqueue(self, note: Notification) -> None:
+    def _enqueue(self, note: Notification, credits: _Credits) -> None:
         callback = self._route(note.payload)
         if callback is not None:
-            self._room.release()
             try:
                 callback(note)
             except Exception:  # a user callback must not kill the channel
                 log.exception("notification callback failed")
+            finally:
+                credits.taken()
             return
-        self._notes.append(note)
+        self._notes.append((note, credits))
         self._wake_one()
 
     def _wake_one(self) -> None:
@@ -120,8 +118,8 @@ class Inbox:
                 return
 
     def _take(self) -> Notification:
-        note = self._notes.popleft()
-        self._room.release()
+        note, credits = self._notes.popleft()
+        credits.taken()
         return note
 
     def _route(self, payload: bytes) -> Callable[[Notification], Any] | None:

@@ -63,7 +63,7 @@ import msgspec
 
 from .errors import ERROR_KINDS, RemoteError
 from .receiver import READ_AHEAD, RX_POLL_S, Receiver
-from .wire import Ack, Data, Fail, Notify, Ping, decode
+from .wire import Ack, Credit, Data, Fail, Notify, Ping, decode
 
 __all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled", "loop_takes"]
 
@@ -100,6 +100,7 @@ class _Channel(Protocol):
     loop: asyncio.AbstractEventLoop
     peer_name: str
     link: Any  # the NCCL link (its Fail frames are the thread's: link.not_posted)
+    credits: Any  # the channel's notification credits (transport.credits.NoteCredits)
 
     @property
     def is_open(self) -> bool: ...
@@ -329,19 +330,25 @@ class LoopReads:
                         self.ops.settle(op, None)
                 elif isinstance(msg, Ping):
                     rx.consume_frame()
+                elif isinstance(msg, Credit):
+                    rx.consume_frame()
+                    self.ch.credits.returned(msg.total)
                 elif isinstance(msg, Data):
                     if not self._take_data(msg):
                         return
                 elif isinstance(msg, Notify) and self._notify is not None:
                     if not self._notify(msg):  # (the thread waits for room; no hand-over per frame meanwhile)
                         self.want = bool(self.ops.pending)
-                        self._hand_back("a notification the loop cannot deliver (too large, or the queue is full)")
+                        self._hand_back("a notification the loop cannot deliver (too large, past its credits, or the "
+                                        "endpoint is closing)")
                         return
                     rx.consume_frame()
                 elif isinstance(msg, Fail) and self.ch.link is None:
                     rx.consume_frame()
                     op = self.ops.pop(msg.op_id)
                     if op is not None:
+                        if op.note:  # (refused: its notification was never queued there)
+                            self.ch.credits.refund()
                         cls = ERROR_KINDS.get(msg.kind, RemoteError)
                         self.ops.settle(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
                 else:

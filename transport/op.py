@@ -60,7 +60,7 @@ class Op:
     """One in-flight op of this side: its future, sequence number and record."""
 
     __slots__ = ("abandon_bound", "abandoned", "after", "busy", "dests", "future", "gated", "inline", "keep", "kind", "lock",
-                 "on_wire", "op_id", "quiet", "record", "seq", "staged", "stuck", "via_link")
+                 "note", "on_wire", "op_id", "quiet", "record", "seq", "staged", "stuck", "via_link")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, op_id: int, seq: int, kind: OpKind, record: Record,
                  inline: bool = True) -> None:
@@ -75,6 +75,7 @@ class Op:
         self.keep: Any = None  # tensors referenced until the op is over
         self.inline = inline  # the op's bytes travel in the channel's stream (tcp framing)
         self.gated = False  # its plane may wait before sending: later ops are kept behind it (OpTable.run)
+        self.note = kind in (OpKind.NOTIFY, OpKind.POST)  # it carries a notification: it spends a credit (transport.credits)
         self.abandoned = False
         self.on_wire = False  # its header was handed to the sender
         # Writing into the caller's tensors or the peer's buffer (a get's payload, a local copy, an shm or

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .answer_spin import AnswerSpin
@@ -61,6 +61,8 @@ class OpChannel(Protocol):
     staging: Staging
     reads: LoopReads | None  # who reads the channel's socket (None: always its reader thread)
     host: HostInfo  # the peer's
+    credits: Any  # its notification credits (transport.credits.NoteCredits)
+    plane: DataPlane  # its own plane (a parked post's record names it)
 
     def lose(self, exc: BaseException) -> None: ...
 
@@ -82,6 +84,7 @@ class OpTable:
         self.loop = channel.loop
         self.lock = lock
         self._seq = itertools.count(1)
+        self.calls = 0  # puts, gets, notifies and posts called on the channel (:meth:`called`)
         self.pending: dict[int, Op] = {}
         # the hand-over to the sender of the latest op that had to be ordered behind, or could wait
         # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
@@ -127,9 +130,11 @@ class OpTable:
         writer or to a copy thread still go out, and the channel stays usable.
         """
         caught = False  # the op's answer was read by its own coroutine (answer_spin)
+        credits = self.ch.credits
         try:
             prev, mine = place if place is not None else (self._order_tail, None)
-            if not ordered or (mine is None and not op.gated and (prev is None or prev.done())):
+            if not ordered or (mine is None and not op.gated and (prev is None or prev.done())
+                               and not (op.note and not credits.available())):
                 # the common case: the op is handed to the sender at once, in call order, and only its
                 # future is awaited: a timer fails it at the deadline (cheaper than a timeout scope)
                 timer = self.loop.call_at(deadline, _expire, op.future)
@@ -142,6 +147,8 @@ class OpTable:
                 finally:
                     timer.cancel()
             else:
+                if op.note:  # in its turn, it waits for a notification credit first (transport.credits)
+                    start = _after_credit(self.ch, op, start)
                 async with asyncio.timeout_at(deadline):
                     await self._in_order(prev, start, mine, op.future)
                     await op.future
@@ -156,7 +163,8 @@ class OpTable:
                 self.ch.recorder.update(op.record, OpState.TIMED_OUT)
             exc = TransportTimeoutError(
                 f"{op.kind.value} #{op.op_id} (seq {op.seq}) to {self.ch.peer_name!r} did not complete before "
-                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else ""),
+                f"its deadline (it was {was}: {_STATE_HINT.get(was, '')})" + (f"; {note}" if note else "")
+                + self._credit_hint(op),
                 Phase.NOTIFY if op.kind in (OpKind.NOTIFY, OpKind.POST) else Phase.TRANSFER,
             )
             self.ch.core.on_timeout(self.ch, op, exc)
@@ -183,6 +191,19 @@ class OpTable:
         if caught:  # one pass of the loop, as awaiting the answer would have given: its timers, its other
             await asyncio.sleep(0)  # sockets and what the answers read here woke run before the caller goes on
 
+    def _credit_hint(self, op: Op) -> str:
+        """Why an op that timed out before it was sent waited, where notification credits held it
+        (it waited for one, or behind posts parked for them): noted in its record too."""
+        credits, peer = self.ch.credits, self.ch.peer_name
+        if op.on_wire or not (credits.parked or (op.note and not credits.available())):
+            return ""
+        if not any(event == "awaiting_credit" for event, _ in op.record.history):
+            self.ch.recorder.mark(op.record, "awaiting_credit")
+        held = ("it waited for a notification credit" if op.note and not credits.parked else
+                f"it waited behind {credits.parked} posts parked for notification credits")
+        return (f"; {held}: {peer!r} holds {credits.window} notifications of ours its application has not taken "
+                f"(its max_pending_notifications)")
+
     async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any],
                         mine: asyncio.Future[None] | None = None,
                         ended: asyncio.Future[Any] | None = None) -> None:
@@ -206,7 +227,8 @@ class OpTable:
             self._holds = holds  # (no other op of the channel starts meanwhile: they are all behind mine)
             await start()
         finally:
-            self._holds = None
+            if self._holds is holds:  # (cancelled while behind ``prev``, it never set them: they are another op's)
+                self._holds = None
             pending = [h for h in holds if not h.done()]
             if pending:  # what start() handed to a thread holds the op's place until it ended (cancelled too)
                 asyncio.gather(*pending).add_done_callback(lambda _f: self.give_back((prev, mine)))
@@ -386,10 +408,19 @@ class OpTable:
         return ch.recorder.record_done(next(OpTable._op_ids), ch.id, next(self._seq), "initiator", ch.core.name,
                                        ch.peer_name, kind, names, nbytes, plane, t_posted, error)
 
-    def post_here(self, send: Callable[[int, int], None], nbytes: int, plane: str) -> None:
+    def post_here(self, send: Callable[[int, int], None], nbytes: int, plane: str, rec: Record | None = None) -> None:
         """Event loop: ``send(op_id, seq)`` a notification nothing answers, with no op object, and
-        record it done (or failed with what ``send`` raised, re-raised) in one step."""
+        record it done (or failed with what ``send`` raised, re-raised) in one step; ``rec``: a
+        parked post's record (:meth:`park_post`), whose ids it takes and which it ends."""
         ch = self.ch
+        if rec is not None:
+            try:
+                send(rec.op_id, rec.seq)
+            except BaseException as exc:
+                ch.recorder.update(rec, OpState.FAILED, exc)
+                raise
+            ch.recorder.update(rec, OpState.DONE)
+            return
         op_id, seq, t0 = next(OpTable._op_ids), next(self._seq), time.time()
         error: BaseException | None = None
         try:
@@ -400,6 +431,25 @@ class OpTable:
         finally:
             ch.recorder.record_done(op_id, ch.id, seq, "initiator", ch.core.name, ch.peer_name, OpKind.POST, [],
                                     nbytes, plane, t0, error)
+
+    def called(self) -> int:
+        """Count a put, get, notify or post called on the channel (any thread; approximate across
+        threads, but never unchanged when another was called): a put whose first try the peer
+        refused as stale is retried only if no other op was called since its own stamp, since
+        the retry would go out after it (:func:`transport.transfer.transfer`)."""
+        self.calls += 1
+        return self.calls
+
+    def park_post(self, payload: bytes, reply_expected: bool) -> None:
+        """Event loop: a post that cannot go out right now (an earlier op of the channel is held
+        back, no notification credit, or posts are parked already): it takes its place in the
+        call order and a record (posted) now, and waits in the channel's credits
+        (:meth:`~transport.credits.NoteCredits.park`), not in the caller."""
+        ch = self.ch
+        rec = ch.recorder.record(op_id=next(OpTable._op_ids), channel=ch.id, seq=next(self._seq), role="initiator",
+                                 initiator=ch.core.name, peer=ch.peer_name, kind=OpKind.POST, names=[],
+                                 nbytes=len(payload), plane=ch.plane.name, state=OpState.POSTED)
+        ch.credits.park(self.reserve(), payload, reply_expected, rec)
 
     def in_order_now(self) -> bool:
         """Whether an op started now goes out at once (no earlier op of the channel is still held
@@ -419,3 +469,18 @@ class OpTable:
             self.loop.call_soon_threadsafe(self.settle, op, exc)
         except RuntimeError:  # loop closed: nobody is waiting any more
             pass
+
+
+def _after_credit(ch: OpChannel, op: Op, start: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, None]]:
+    """``start``, once ``ch``'s credits allow a notification (at once if they do; the wait is
+    noted in the op's record); not at all if the op ended meanwhile (its channel was lost:
+    awaiting its future raises that)."""
+    async def gated() -> None:
+        waited = not ch.credits.available()
+        if waited:
+            ch.recorder.mark(op.record, "awaiting_credit")
+        if await ch.credits.wait(op.future):
+            if waited:
+                ch.recorder.mark(op.record, "credited")
+            await start()
+    return gated

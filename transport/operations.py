@@ -107,7 +107,9 @@ class Operations:
         :class:`transport.At` ``(tensor, offset)`` for a sub-range. Returns once
         the target holds the bytes (remote completion). ``notify`` (bytes, at
         most 1 MiB) is delivered to the target's notifications only after all
-        bytes have landed. Connects first if needed.
+        bytes have landed; with one, the put first waits (within its deadline,
+        in the channel's call order) for a notification credit of ``peer``
+        (see ``max_pending_notifications``). Connects first if needed.
 
         Bad input raises before any byte moves (:class:`UnknownBufferError`,
         :class:`BufferMismatchError`, :class:`InvalidTensorError`). At the
@@ -140,7 +142,7 @@ class Operations:
             _check_payload(notify)
         ch = self._open_channel(peer) or await self._channel(peer, deadline)
         await transfer(ch, OpKind.PUT, tensors, deadline, lambda plane, op, pairs: plane.put(op, pairs, notify),
-                             here=notify is None)
+                       here=notify is None, note=notify is not None)
 
     async def get(self, peer: str, tensors: Tensors, *, timeout: float | None = None) -> None:
         """Read ``peer``'s registered buffers into ``tensors`` (same rules as :meth:`put`).
@@ -261,7 +263,11 @@ class Operations:
         """Send ``payload`` (bytes, at most 1 MiB) to ``peer``'s notifications; returns once it is queued there.
 
         Ordered with this endpoint's puts to ``peer``: a notification sent after
-        a put arrives after that put's bytes.
+        a put arrives after that put's bytes. ``peer`` holds at most its
+        ``max_pending_notifications`` of ours that its application has not taken:
+        past that, this waits for one to be taken (a notification credit), in
+        order with our other ops to ``peer`` (which wait behind it), until the
+        deadline (:class:`TransportTimeoutError`, which says so).
         """
         await self._notification(peer, payload, timeout, answer=True)
 
@@ -276,12 +282,16 @@ class Operations:
         message: it is lost with no error here if the channel breaks before the peer read it
         or the peer is closing (the peer logs the drop); a broken channel fails the next op
         to the peer with :class:`PeerLostError` (and a new channel to it has another
-        :attr:`Peer.channel_id`). There is no back-pressure: a peer that reads nothing (its
-        notification queue full, or frozen) leaves posts queued in this process, so post in a
-        loop only what answers come back for; :meth:`notify` waits. For protocols whose
-        messages are answered by messages of their own (rl_sync's). Cancelled before it is handed to the channel
-        (waiting to dial, or behind a staged op still waiting for the caller's CUDA work):
-        not sent. Raises :class:`InvalidTensorError` for a payload that is not bytes or too
+        :attr:`Peer.channel_id`). A post never waits for the peer nor for our earlier ops:
+        one that cannot go out at once (an earlier op of the channel held back: a staged op
+        waiting for the caller's CUDA work, a registry sync; or ``peer`` holding its
+        ``max_pending_notifications`` of ours untaken) waits in this process, in order, our
+        later ops to ``peer`` behind it, and goes out once its turn and a notification credit
+        came (dropped, logged and recorded failed, if the channel closes first; ``close()``
+        gives such posts up to 1 s); a frozen peer's posts queue in this process too, so post
+        in a loop only what answers come back for; :meth:`notify` waits. For protocols whose
+        messages are answered by messages of their own (rl_sync's). Cancelled while it waits
+        to dial: not sent. Raises :class:`InvalidTensorError` for a payload that is not bytes or too
         large, :class:`PeerLostError` if the channel is broken, and what dialling raises.
 
         ``reply_expected``: ``peer`` answers with a post (or notification) of its own, which
@@ -300,7 +310,8 @@ class Operations:
         already handed to the channel); False, with nothing sent, if no channel to ``peer`` is
         open yet (or this endpoint is not open), an op to ``peer`` waits for a dial, or an op of
         the channel is still held back (a staged op waiting for its CUDA work, an shm copy still
-        running on a worker thread): then ``await post(...)`` instead, which dials and waits its
+        running on a worker thread, a post waiting for a notification credit), or ``peer`` holds
+        its ``max_pending_notifications`` of ours untaken: then ``await post(...)`` instead, which dials and waits its
         turn. A caller that falls back to such a task for one message keeps its later messages
         to ``peer`` behind it (a ``post_nowait`` made before the task ran would overtake it).
         Never blocks; call it on the endpoint's event loop. Raises :class:`InvalidTensorError`
@@ -308,8 +319,9 @@ class Operations:
         broke just now. ``reply_expected``: as for :meth:`post`."""
         _check_payload(payload)
         ch = self._open_channel(peer)
-        if ch is None or not ch.in_order_now():
+        if ch is None or not ch.in_order_now() or not ch.credits.available():
             return False
+        ch.ops.called()
         ch.post_here(payload, reply_expected)
         return True
 
@@ -321,6 +333,10 @@ class Operations:
         if not answer and self.post_nowait(peer, payload, reply_expected=reply_expected):  # (no op object)
             return
         ch = await self._channel(peer, deadline)
+        ch.ops.called()
+        if not answer and not (ch.in_order_now() and ch.credits.available()):  # (it waits here, not the caller)
+            ch.ops.park_post(bytes(payload), reply_expected)
+            return
         op = ch.new_op(OpKind.NOTIFY if answer else OpKind.POST, [], len(payload),
                        answered=answer or reply_expected)
 

@@ -26,7 +26,7 @@ next buffer only after sending the previous one, so nothing else can slip
 into the middle of it. If producing a buffer raises, the connection is
 unusable (the peer saw part of a payload): ``on_error`` gets the exception;
 unless it raised before its first buffer: then nothing of it went out, the
-job is dropped (the iterator reports its own failure; the channel's ``_chain``
+job is dropped (the iterator reports its own failure; :func:`chain`
 reports any error there to the op), a warning is logged and sending goes on.
 An iterator that is dropped or stopped early is closed (so it can release
 what it holds).
@@ -42,7 +42,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DIRECT_MAX", "Sender"]
+from .errors import StagingError
+
+__all__ = ["DIRECT_MAX", "Sender", "chain"]
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +246,28 @@ class Sender:
             self.last_tx = time.monotonic()
             if job.on_sent is not None:
                 job.on_sent()
+
+
+def chain(head: bytes, payload: Iterator[memoryview],
+           early: Callable[[StagingError], None] | None = None) -> Iterator[bytes | memoryview]:
+    """A header frame and a lazily produced payload, as one iterator submission (closing it
+    closes ``payload``). The payload's first buffer is produced *before* the header goes out:
+    if that fails (``early`` is told), nothing was sent and the channel stays in sync. Any
+    error there is reported, as a :class:`StagingError` (the original as its cause): one that
+    reached the writer unreported would leave the op waiting for its deadline."""
+    try:
+        first = next(payload, None)
+    except Exception as exc:
+        if isinstance(exc, StagingError):
+            if early is not None:
+                early(exc)
+            raise
+        err = StagingError(f"cannot produce the payload: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        if early is not None:
+            early(err)
+        raise err from exc
+    yield head
+    if first is not None:
+        yield first
+        yield from payload

@@ -218,9 +218,13 @@ class Serving:
             if len(note) > MAX_NOTIFY:
                 raise ProtocolError(f"notification of {len(note)} bytes exceeds {MAX_NOTIFY}")
 
-            def deliver() -> TransportError | None:
-                if self.ch.core.deliver(Notification(self.ch.peer_name, note, msg.op_id), self.ch):
-                    return None
+            def deliver() -> TransportError | None:  # (the link's answering thread)
+                try:
+                    if self.ch.core.deliver(Notification(self.ch.peer_name, note, msg.op_id), self.ch):
+                        return None
+                except ProtocolError as exc:  # past its credits
+                    self.ch.lose(exc)
+                    return exc
                 return EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered")
 
         self.current = None  # the link's completion settles the record
@@ -393,8 +397,8 @@ class Serving:
         """:meth:`serve_notify` on the event loop, which read ``msg`` (``LoopReads``, under its
         lock): delivered without the reader thread, recorded, and answered if asked, on the loop's
         next turn (outside that lock: a send that fails breaks the channel, which wakes the
-        reader). False, nothing done, where it must be the thread's: too large (a protocol error),
-        or the endpoint's queue full (the thread waits for room: back-pressure). Never raises."""
+        reader). False, nothing done, where it must be the thread's: too large or past the peer's
+        credits (protocol errors), or the endpoint closing. Never raises."""
         if len(msg.payload) > MAX_NOTIFY or not self.ch.core.deliver(
                 Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch, here=True):
             return False

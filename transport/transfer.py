@@ -62,12 +62,17 @@ async def pick_plane(ch: Channel, pairs: list[Any], deadline: float) -> Any:
 
 
 async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
-                   start: Callable[[Any, Any, list[Any]], Awaitable[None]], here: bool = False) -> None:
+                   start: Callable[[Any, Any, list[Any]], Awaitable[None]], here: bool = False,
+                   note: bool = False) -> None:
     """Plan, pick the plane and run one put or get (``start(plane, op, pairs)`` sends it).
     ``here``: the op may be done synchronously by its plane (a put without a notification, or a
-    get). Retried once: after a registry sync if the peer re-registered a buffer, and staged if a
-    ``cuda_ipc`` mapping could not be opened here (logged)."""
+    get); ``note``: it carries a notification (it spends a credit: :mod:`transport.credits`).
+    Retried once: after a registry sync if the peer re-registered a buffer (a put only where no
+    later op of the channel started meanwhile: its retry would land after that op, a notification
+    called after the put before its bytes), and staged if a ``cuda_ipc`` mapping could not be
+    opened here (logged)."""
     into = kind is OpKind.GET
+    stamp = ch.ops.called()
     place = None  # the op's place in the call order, taken before its first await (OpTable.reserve)
     try:
         for retry in (False, True):
@@ -92,6 +97,7 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
                     continue
             op = ch.new_op(kind, [it.name for it, _ in pairs], sum(t.nbytes for _, t in pairs), plane,
                            answered=not (here and plane.one_sided))  # (no answer to read if it is done here)
+            op.note = note
             mine, place = place, None  # (run consumes it)
             try:
                 await ch.run(op, lambda: start(plane, op, pairs), deadline, mine)  # noqa: B023
@@ -100,8 +106,9 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
                 if retry or not plane.staged_on_unavailable:
                     raise
             except StaleBufferError as exc:
-                if retry or not exc.retry_safe:
+                if retry or not exc.retry_safe or (kind is OpKind.PUT and ch.ops.calls != stamp):
                     raise
+                place = ch.reserve()  # (the retry keeps its place: no op called from now on overtakes it)
                 await ch.sync_registry(deadline)
     finally:
         if place is not None:  # (it ended, or raised, before it was handed over)
@@ -117,6 +124,7 @@ def transfer_now(ch: Channel, kind: OpKind, tensors: Tensors) -> bool:
     retried: :func:`transfer` refreshes it). Any thread; never waits. Raises the caller's errors
     (:class:`~transport.errors.InvalidTensorError`) and what the op raised when it cannot be
     retried (a put whose bytes may have reached memory the peer reused, a lost peer)."""
+    ch.ops.called()
     try:
         pairs = plan_items(ch.peer_specs, tensors, peer=ch.peer_name, into=kind is OpKind.GET)
     except (UnknownBufferError, BufferMismatchError):

@@ -34,8 +34,9 @@ Theory of operation, per connection::
            <----------------------------  Ack (from the recv's completion) | Fail
     Put(nccl) <--- (listener: request)    dialer posts ncclRecv, answers
            Go ------------------------->  listener posts its ncclSend
-    Notify ---------------------------->  queue for the application
-           <----------------------------  Ack
+    Notify (spends a credit) ---------->  queue for the application
+           <----------------------------  Ack (none for a post)
+           <----------------------------  Credit (as the application takes them)
     Registry (whenever it changes) ---->  replace cached copy
     Sync ------------------------------>
            <----------------------------  Registry, Ack
@@ -73,6 +74,7 @@ __all__ = [
     "Ack",
     "Bye",
     "Challenge",
+    "Credit",
     "Data",
     "Fail",
     "Get",
@@ -104,7 +106,8 @@ __all__ = [
 # 5: IpcHandle's slot-table fields (cuda_ipc puts without a notification, and gets, likewise)
 # 6: Notify.answer (a posted notification: no Ack, no Fail)
 # 7: LinkFrame (a link's set-up frames, opaque to the core) instead of NcclSetup / NcclReady
-PROTOCOL_VERSION = 7
+# 8: notification credits: Hello.notify_window, the Credit frame (transport.credits)
+PROTOCOL_VERSION = 8
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
@@ -196,6 +199,9 @@ class Hello(msgspec.Struct, tag="hello"):
     epoch: int
     buffers: list[WireBuffer]
     channel_id: str = ""
+    # how many of the receiver's notifications the sender of this Hello holds unconsumed at most
+    # (its max_pending_notifications): the receiver's credits on the new channel (transport.credits)
+    notify_window: int = 0
 
 
 class Registry(msgspec.Struct, tag="registry"):
@@ -236,6 +242,13 @@ class Notify(msgspec.Struct, tag="notify"):
     # False: posted (``Endpoint.post``): the sender does not wait, so the target answers nothing
     # (no Ack; a notification it cannot queue is dropped and logged, not answered with Fail)
     answer: bool = True
+
+
+class Credit(msgspec.Struct, tag="credit"):
+    """Credits given back: the sender's application has taken ``total`` of the receiver's
+    notifications so far on this channel (cumulative: a late or repeated frame changes nothing)."""
+
+    total: int
 
 
 class Sync(msgspec.Struct, tag="sync"):
@@ -311,8 +324,8 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str = ""
 
 
-Message = Union[Hello, Registry, Put, Get, Data, Notify, Sync, Ack, Fail, Unmapped, LinkFrame, Go, Ping, Bye,
-                Challenge, Proof]
+Message = Union[Hello, Registry, Put, Get, Data, Notify, Credit, Sync, Ack, Fail, Unmapped, LinkFrame, Go, Ping,
+                Bye, Challenge, Proof]
 PreAuth = Union[Challenge, Proof, Bye, _HelloVersion]
 
 _encoder = msgspec.msgpack.Encoder()
