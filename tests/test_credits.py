@@ -30,6 +30,7 @@ async def test_a_peer_holds_exactly_its_window_and_the_next_notify_waits_for_a_t
         async with transport.Endpoint(uname("ini"), store=store_url, planes=("tcp",), timeout=10) as ini:
             for i in range(4):
                 await asyncio.wait_for(ini.notify(tgt.name, b"n%d" % i), 5)
+            assert ini.peers[tgt.name].notify_credits == (0, 4, 0)
             t0 = time.monotonic()
             with pytest.raises(transport.TransportTimeoutError, match="waited for a notification credit"):
                 await ini.notify(tgt.name, b"never", timeout=0.5)
@@ -59,6 +60,7 @@ async def test_posts_past_the_window_return_at_once_and_go_out_in_order_before_l
                 await asyncio.wait_for(ini.post(tgt.name, b"p%02d" % i), 1.0)
             assert time.monotonic() - t0 < 2.0
             assert not ini.post_nowait(tgt.name, b"x"), "post_nowait overtook posts waiting for credits"
+            assert ini.peers[tgt.name].notify_credits == (0, 2, 48)
             put = asyncio.ensure_future(ini.put(tgt.name, {"w": torch.full((4,), 7.0)}))
             note = asyncio.ensure_future(ini.notify(tgt.name, b"after"))
             await asyncio.sleep(0.3)

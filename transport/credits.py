@@ -80,6 +80,10 @@ class NoteCredits:
         """Whether a notification may be sent now (any thread)."""
         return self._sent - self._returned - self._refunded < self.window
 
+    def free(self) -> int:
+        """How many notifications may be sent now (any thread; a snapshot)."""
+        return max(0, self.window - (self._sent - self._returned - self._refunded))
+
     @property
     def parked(self) -> int:
         """Posts waiting here for a credit (event loop)."""

@@ -48,6 +48,7 @@ class _Channel(Protocol):
     id: str
     state: Any  # its ChannelState (.value)
     socket_kind: str
+    credits: Any  # its NoteCredits (transport.credits)
 
     @property
     def is_open(self) -> bool: ...
@@ -131,6 +132,15 @@ class Peer:
     @property
     def connected(self) -> bool:
         return self._channel.is_open
+
+    @property
+    def notify_credits(self) -> tuple[int, int, int]:
+        """``(available, window, parked)``: how many more notifications (notify, post, put with
+        ``notify=``) this endpoint may send the peer now, of the ``window`` it granted (its
+        ``max_pending_notifications``), and how many posts wait here for a credit or their turn
+        (see :meth:`transport.Endpoint.post`). Event loop (a snapshot)."""
+        c = self._channel.credits
+        return c.free(), c.window, c.parked
 
     def __repr__(self) -> str:
         state = "open" if self.connected else self._channel.state.value
