@@ -157,6 +157,13 @@ class NoteCredits:
             finally:
                 if not fut.done():
                     fut.cancel()
+                if self._waiters and self._waiters[-1] is fut:  # (a wait that left: no dead entry stays behind)
+                    self._waiters.pop()
+                elif not fut.done() or fut.cancelled():
+                    try:
+                        self._waiters.remove(fut)
+                    except ValueError:  # (already taken by _wake)
+                        pass
         return True
 
     def park(self, place: Any, payload: bytes, reply_expected: bool, rec: Any) -> None:

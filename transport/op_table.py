@@ -85,6 +85,7 @@ class OpTable:
         self.lock = lock
         self._seq = itertools.count(1)
         self.calls = 0  # puts, gets, notifies and posts called on the channel (:meth:`called`)
+        self._calls_lock = threading.Lock()
         self.pending: dict[int, Op] = {}
         # the hand-over to the sender of the latest op that had to be ordered behind, or could wait
         # before sending (a staged op awaiting the caller's CUDA work): ops go out in call order
@@ -433,12 +434,12 @@ class OpTable:
                                     nbytes, plane, t0, error)
 
     def called(self) -> int:
-        """Count a put, get, notify or post called on the channel (any thread; approximate across
-        threads, but never unchanged when another was called): a put whose first try the peer
+        """Count a put, get, notify or post called on the channel (any thread): a put whose first try the peer
         refused as stale is retried only if no other op was called since its own stamp, since
         the retry would go out after it (:func:`transport.transfer.transfer`)."""
-        self.calls += 1
-        return self.calls
+        with self._calls_lock:
+            self.calls += 1
+            return self.calls
 
     def park_post(self, payload: bytes, reply_expected: bool) -> None:
         """Event loop: a post that cannot go out right now (an earlier op of the channel is held
