@@ -26,6 +26,23 @@ def _note(i: int) -> Notification:
     return Notification("peer", f"n{i}".encode())
 
 
+class _Credits:
+    """A channel's side of its queued notifications (what the inbox uses of
+    transport.credits.NoteCredits): counts the credits given back, one per notification taken."""
+
+    def __init__(self) -> None:
+        self.given_back = 0
+
+    def delivered(self) -> bool:
+        return True
+
+    def overflow(self) -> Exception:
+        return AssertionError("never past its credits here")
+
+    def taken(self) -> None:
+        self.given_back += 1
+
+
 @pytest.mark.timeout(60)
 async def test_a_waiter_cancelled_after_its_wake_up_passes_the_notification_on():
     inbox = Inbox(16, lambda: True)
@@ -34,13 +51,15 @@ async def test_a_waiter_cancelled_after_its_wake_up_passes_the_notification_on()
     second = asyncio.ensure_future(inbox.next(10))
     await asyncio.sleep(0)  # (both parked, first in line)
     assert len(inbox._waiters) == 2
-    inbox._enqueue(_note(1))  # wakes the first waiter ...
+    credits = _Credits()
+    inbox._enqueue(_note(1), credits)  # wakes the first waiter ...
     first.cancel()  # ... which is cancelled before it runs
     got = await asyncio.wait_for(second, 5)
     assert got.payload == b"n1"
     with pytest.raises(asyncio.CancelledError):
         await first
     assert not inbox._waiters and not inbox._notes
+    assert credits.given_back == 1  # (once, by the wait that took it)
 
 
 @pytest.mark.timeout(60)
@@ -49,12 +68,14 @@ async def test_concurrent_waiters_each_get_one_and_close_wakes_the_rest():
     inbox.attach(asyncio.get_running_loop())
     waiters = [asyncio.ensure_future(inbox.next(10)) for _ in range(8)]
     await asyncio.sleep(0)
+    credits = _Credits()
     for i in range(5):
-        inbox._enqueue(_note(i))
+        inbox._enqueue(_note(i), credits)
     await asyncio.sleep(0.05)
     done = [w for w in waiters if w.done()]
     assert sorted(w.result().payload for w in done) == [f"n{i}".encode() for i in range(5)]
     assert [w.result().payload for w in waiters[:5]] == [f"n{i}".encode() for i in range(5)]  # (in the order they came)
+    assert credits.given_back == 5
     inbox.close()
     for w in waiters[5:]:
         with pytest.raises(transport.EndpointClosedError):
@@ -76,8 +97,11 @@ async def test_waits_that_time_out_leave_nothing_behind():
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert not inbox._waiters
-    inbox._enqueue(_note(7))
+    credits = _Credits()
+    inbox._enqueue(_note(7), credits)
+    assert credits.given_back == 0
     assert (await inbox.next(1)).payload == b"n7"
+    assert credits.given_back == 1
 
 
 @pytest.mark.timeout(180)
