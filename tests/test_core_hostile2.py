@@ -11,7 +11,7 @@ shared memory: what the other suites leave out.
   raised, and concurrent ops that were not cancelled land whole;
 - a peer restarted under the same name while a stream of ops runs: every op ends, typed or
   done, within its timeout, and the stream reaches the new incarnation;
-- a flood of notifications into a slow consumer whose queue is full: the consumer's own ops to
+- a flood of notifications into a slow consumer past its credits: the consumer's own ops to
   the flooding peer still complete (the answers to them travel on the same channel).
 """
 

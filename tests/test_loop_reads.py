@@ -111,10 +111,10 @@ async def test_posts_answered_by_posts_are_read_on_the_loop(store_url, uname, mo
 
 @pytest.mark.timeout(120)
 async def test_posts_beyond_a_full_queue_wait_in_order_without_a_hand_over_each(store_url, uname, monkeypatch):
-    """Our queue of notifications holds 8; B posts 200 while we read none (after we posted to B:
-    our loop wants the reads). The ones the loop cannot queue go to the reader thread, which waits
-    for room (back-pressure): all 200 then arrive in order, and the reads do not change hands per
-    notification meanwhile."""
+    """We grant B 8 notifications; B posts 200 while we read none (after we posted to B: our loop
+    wants the reads). B's posts past its credits wait in B (protocol 8; before, the ones the loop
+    could not queue went to our reader thread, which waited for room): all 200 then arrive in
+    order, and the reads do not change hands per notification meanwhile."""
     monkeypatch.setattr(loop_reads, "STALL_S", 0.5)
     monkeypatch.setattr(loop_reads, "WATCH_S", 0.5)
     b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
