@@ -159,7 +159,7 @@ class NoteCredits:
                     fut.cancel()
                 if self._waiters and self._waiters[-1] is fut:  # (a wait that left: no dead entry stays behind)
                     self._waiters.pop()
-                elif not fut.done() or fut.cancelled():
+                elif fut.cancelled():
                     try:
                         self._waiters.remove(fut)
                     except ValueError:  # (already taken by _wake)

@@ -334,18 +334,16 @@ class Operations:
             return
         ch = await self._channel(peer, deadline)
         ch.ops.called()
-        if not answer and not (ch.in_order_now() and ch.credits.available()):  # (it waits here, not the caller)
-            ch.ops.park_post(bytes(payload), reply_expected)
+        if not answer:  # (dialled: out now, as post_nowait, or it waits here, never in the caller)
+            if ch.in_order_now() and ch.credits.available():
+                ch.post_here(payload, reply_expected)
+            else:
+                ch.ops.park_post(bytes(payload), reply_expected)
             return
-        op = ch.new_op(OpKind.NOTIFY if answer else OpKind.POST, [], len(payload),
-                       answered=answer or reply_expected)
+        op = ch.new_op(OpKind.NOTIFY, [], len(payload))
 
         async def _send() -> None:
-            if answer:
-                ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
-            else:
-                ch.send(Notify(op.op_id, op.seq, bytes(payload), False))
-                ch.finish_here(op)  # (recorded done once handed to the channel: nothing comes back)
+            ch.send(Notify(op.op_id, op.seq, bytes(payload)), op=op)
 
         await ch.run(op, _send, deadline)
 
