@@ -10,6 +10,10 @@ What must hold, with real processes and sockets:
 - a loop of ops whose answers the spin catches still gives the event loop its turns (timers run),
   and callers resume in the order their answers came;
 - an op's deadline bounds its spin; an endpoint of this same process is never spun for;
+- an op larger than 64 KiB spins only once all its bytes are in the kernel (a 128 KiB put taken
+  whole by the sender's fast path spins and catches its answer; a 2 MiB one, mostly queued for
+  the writer thread, never spins), and its misses are its own: small ops to a frozen peer still
+  spin after a large op's miss;
 - ``TRANSPORT_SPIN_US`` is checked: a bad value is logged as an error and the default used,
   ``0`` turns spinning off.
 """
@@ -169,6 +173,60 @@ async def test_callers_resume_in_the_order_their_answers_came(store_url, uname):
             inverted += order == [2, 1]
         assert inverted == 0, f"the second put's caller went on before the first's in {inverted} of 300"
         assert b.call("check", "x", 1) and b.call("check", "y", 2)
+
+
+BIG = 128 << 10
+
+
+@pytest.mark.timeout(120)
+async def test_a_larger_op_spins_once_its_bytes_are_all_in_the_kernel(store_url, uname):
+    async with _pair(store_url, uname, 0.005, timeout=20) as (ep, b, spin):
+        b.call("register", "big", "uint8", (BIG,))
+        b.call("register", "huge", "uint8", (2 << 20,))
+        await ep.put(b.name, {"big": make_tensor("uint8", (BIG,), 0)})  # (our registry copy learns of it)
+        caught = spin.caught
+        for i in range(1, 61):
+            await ep.put(b.name, {"big": make_tensor("uint8", (BIG,), i)})
+        assert b.call("check", "big", 60)
+        assert spin.caught - caught >= 30, (spin.caught, spin.missed, spin.skipped)
+        for i in range(1, 11):  # (a get's reply this large is the reader thread's: whether it spins or not)
+            await ep.put(b.name, {"big": make_tensor("uint8", (BIG,), i)})
+            dst = make_tensor("uint8", (BIG,), 1000 + i)
+            await ep.get(b.name, {"big": dst})
+            assert bool((dst == make_tensor("uint8", (BIG,), i)).all()), i
+
+        huge = make_tensor("uint8", (2 << 20,), 7)
+        await ep.put(b.name, {"huge": huge})
+        caught, missed = spin.caught, spin.missed
+        for _ in range(5):  # (most of 2 MiB is still queued when put() hands it over: no spin)
+            await ep.put(b.name, {"huge": huge})
+        assert (spin.caught, spin.missed) == (caught, missed)
+        assert b.call("check", "huge", 7)
+
+
+@pytest.mark.timeout(120)
+async def test_a_large_ops_missed_spin_does_not_stop_small_ops_spinning(store_url, uname):
+    async with _pair(store_url, uname, 0.005, timeout=20) as (ep, b, spin):
+        b.call("register", "big", "uint8", (BIG,))
+        caught = spin.caught
+        for _ in range(20):  # (the registry update the peer sent may have left the reads with the thread a while)
+            await ep.put(b.name, {"big": make_tensor("uint8", (BIG,), 0)})
+            await asyncio.sleep(0.002)
+        assert spin.caught > caught, (spin.caught, spin.missed, spin.skipped)
+        with _frozen(b):
+            missed, skipped = spin.missed, spin.skipped
+            with pytest.raises(TransportTimeoutError):  # (128 KiB fits the empty socket buffers: it spins, misses)
+                await ep.put(b.name, {"big": make_tensor("uint8", (BIG,), 1)}, timeout=0.2)
+            assert (spin.missed, spin.skipped) == (missed + 1, skipped)
+            with pytest.raises(TransportTimeoutError):  # a small op is not let by for it: it spins too
+                await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 2)}, timeout=0.2)
+            assert (spin.missed, spin.skipped) == (missed + 2, skipped)
+            with pytest.raises(TransportTimeoutError):  # (and now small ops back off)
+                await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 3)}, timeout=0.2)
+            assert (spin.missed, spin.skipped) == (missed + 2, skipped + 1)
+        await ep.put(b.name, {"big": make_tensor("uint8", (BIG,), 4)})
+        await ep.put(b.name, {"x": make_tensor("uint8", (SIZE,), 5)})
+        assert b.call("check", "big", 4) and b.call("check", "x", 5)
 
 
 @pytest.mark.timeout(120)

@@ -142,8 +142,9 @@ class OpTable:
                 try:
                     await start()
                     reads = self.ch.reads
-                    if reads is not None and not op.future.done():  # (a small op's answer: read it right here)
-                        caught = self.spin.wait(self.loop, reads, op.future, op.record.nbytes, deadline)
+                    if reads is not None and not op.future.done():  # (its answer: read it right here)
+                        caught = self.spin.wait(self.loop, reads, op.future, op.record.nbytes, deadline,
+                                                op.record.state == "sent")  # (its bytes all in the kernel)
                     await op.future
                 finally:
                     timer.cancel()
