@@ -1,6 +1,7 @@
 """tcp puts with a feature of the initiator's on and off, in one run: the event loop reading its ops'
-answers (``--switch loop_reads``, transport.loop_reads) or small ops reading their own answers
-before they sleep (``--switch spin``, transport.answer_spin).
+answers (``--switch loop_reads``, transport.loop_reads), small ops reading their own answers
+before they sleep (``--switch spin``, transport.answer_spin), or ops over 64 KiB doing so once all
+their bytes are in the kernel (``--switch sent_spin``: answer_spin.SENT_SPIN_MAX_BYTES, 0 when off).
 
 One initiator process and ``--peers`` target processes on this host, every channel on ``tcp``.
 For each size: a put to one peer (sequential, one op at a time) and a put to every peer at once
@@ -10,7 +11,7 @@ on, then one with it off (the order alternates between rounds), against the same
 both see the same machine. Prints the medians and on/off ratios (> 1: faster with the feature
 on); a raw-socket reference is in ``bench/bench_transport.py``'s raw phase.
 
-    python bench/tcp_fanout.py [--switch loop_reads|spin] [--peers 4] [--rounds 3] [--reps 200]
+    python bench/tcp_fanout.py [--switch loop_reads|spin|sent_spin] [--peers 4] [--rounds 3] [--reps 200]
                                [--sizes 4096,1048576,16777216]
 """
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 STORE_TIMEOUT = 60.0
+_SENT_DEFAULT: dict[str, int] = {}  # answer_spin.SENT_SPIN_MAX_BYTES as imported (--switch sent_spin)
 
 
 def _target(name: str, url: str, sizes: list[int], ready: Any, stop: Any) -> None:
@@ -53,9 +55,13 @@ def _target(name: str, url: str, sizes: list[int], ready: Any, stop: Any) -> Non
 async def _measure(switch: str, on: bool, url: str, names: list[str], sizes: list[int], reps: int,
                    rnd: int) -> dict[tuple[str, int], float]:
     import transport
+    from transport import answer_spin
 
     if switch == "loop_reads":
         os.environ["TRANSPORT_LOOP_READS"] = "1" if on else "0"  # (read when a channel is made)
+    if switch == "sent_spin":
+        default = _SENT_DEFAULT.setdefault("bytes", answer_spin.SENT_SPIN_MAX_BYTES)
+        answer_spin.SENT_SPIN_MAX_BYTES = default if on else 0  # (read at each op)
     out: dict[tuple[str, int], float] = {}
     async with transport.Endpoint(f"init-{rnd}-{int(on)}", store=url, planes=("tcp",), timeout=30) as ep:
         for n in names:
@@ -129,7 +135,7 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--switch", choices=("loop_reads", "spin"), default="loop_reads",
+    ap.add_argument("--switch", choices=("loop_reads", "spin", "sent_spin"), default="loop_reads",
                     help="the feature turned on and off (default: loop_reads)")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)

@@ -17,8 +17,11 @@ It spins only where that delays nothing else:
   is left is the peer draining its receive queue and answering, often within the budget. Over
   loopback TCP, back-to-back 1 MiB puts against a raw socket's send+ack, this spin on and off
   in random order per repetition in one process pair (four runs): 0.98-1.22x the raw socket
-  with it, 0.92-1.09x without; at 4 MiB no clear change (the fast path seldom takes it all). A
-  larger op that still has bytes queued never spins (its answer is a send buffer's drain away).
+  with it, 0.92-1.09x without; at 4 MiB no clear change (the fast path seldom takes it all).
+  ``bench/tcp_fanout.py --switch sent_spin`` (three runs): one peer 1.08-1.27x faster with it
+  from 128 KiB to 4 MiB (once 0.79x at 128 KiB), a put to 4 peers at once 0.95-1.08x (not
+  slower). A larger op that still has bytes queued never spins (its answer is a send buffer's
+  drain away).
   Large ops keep their own record of misses (below), so a peer slow to drain megabytes does
   not stop small ops from spinning;
 * only while the event loop has nothing else ready to run (asyncio's own loops: their queue of
