@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 STORE_TIMEOUT = 60.0
-_SENT_DEFAULT: dict[str, int] = {}  # answer_spin.SENT_SPIN_MAX_BYTES as imported (--switch sent_spin)
 
 
 def _target(name: str, url: str, sizes: list[int], ready: Any, stop: Any) -> None:
@@ -59,29 +58,32 @@ async def _measure(switch: str, on: bool, url: str, names: list[str], sizes: lis
 
     if switch == "loop_reads":
         os.environ["TRANSPORT_LOOP_READS"] = "1" if on else "0"  # (read when a channel is made)
-    if switch == "sent_spin":
-        default = _SENT_DEFAULT.setdefault("bytes", answer_spin.SENT_SPIN_MAX_BYTES)
-        answer_spin.SENT_SPIN_MAX_BYTES = default if on else 0  # (read at each op)
-    out: dict[tuple[str, int], float] = {}
-    async with transport.Endpoint(f"init-{rnd}-{int(on)}", store=url, planes=("tcp",), timeout=30) as ep:
-        for n in names:
-            await ep.connect(n)
-            if switch == "spin" and not on:
-                ep._channels[n].ops.spin.budget = 0.0  # (the channel's policy; on: TRANSPORT_SPIN_US's budget)
-        for size in sizes:
-            src = torch.ones(size, dtype=torch.uint8)
-            n_reps = max(10, reps * 4096 // max(size, 4096)) if size > 1 << 20 else reps
-            for case in ("one peer", f"{len(names)} peers at once"):
-                times = []
-                for i in range(n_reps + n_reps // 10):
-                    t0 = time.perf_counter()
-                    if case == "one peer":
-                        await ep.put(names[0], {f"buf{size}": src})
-                    else:
-                        await asyncio.gather(*(ep.put(n, {f"buf{size}": src}) for n in names))
-                    if i >= n_reps // 10:
-                        times.append(time.perf_counter() - t0)
-                out[(case, size)] = statistics.median(times)
+    prev = answer_spin.SENT_SPIN_MAX_BYTES
+    if switch == "sent_spin" and not on:
+        answer_spin.SENT_SPIN_MAX_BYTES = 0  # (read at each op; restored below)
+    try:
+        out: dict[tuple[str, int], float] = {}
+        async with transport.Endpoint(f"init-{rnd}-{int(on)}", store=url, planes=("tcp",), timeout=30) as ep:
+            for n in names:
+                await ep.connect(n)
+                if switch == "spin" and not on:
+                    ep._channels[n].ops.spin.budget = 0.0  # (the channel's policy; on: TRANSPORT_SPIN_US's budget)
+            for size in sizes:
+                src = torch.ones(size, dtype=torch.uint8)
+                n_reps = max(10, reps * 4096 // max(size, 4096)) if size > 1 << 20 else reps
+                for case in ("one peer", f"{len(names)} peers at once"):
+                    times = []
+                    for i in range(n_reps + n_reps // 10):
+                        t0 = time.perf_counter()
+                        if case == "one peer":
+                            await ep.put(names[0], {f"buf{size}": src})
+                        else:
+                            await asyncio.gather(*(ep.put(n, {f"buf{size}": src}) for n in names))
+                        if i >= n_reps // 10:
+                            times.append(time.perf_counter() - t0)
+                    out[(case, size)] = statistics.median(times)
+    finally:
+        answer_spin.SENT_SPIN_MAX_BYTES = prev
     return out
 
 

@@ -144,7 +144,7 @@ class OpTable:
                     reads = self.ch.reads
                     if reads is not None and not op.future.done():  # (its answer: read it right here)
                         caught = self.spin.wait(self.loop, reads, op.future, op.record.nbytes, deadline,
-                                                op.record.state == "sent")  # (its bytes all in the kernel)
+                                                op.record.state == OpState.SENT)  # (its bytes all in the kernel)
                     await op.future
                 finally:
                     timer.cancel()
