@@ -319,11 +319,7 @@ class Operations:
         broke just now. ``reply_expected``: as for :meth:`post`."""
         _check_payload(payload)
         ch = self._open_channel(peer)
-        if ch is None or not ch.in_order_now() or not ch.credits.available():
-            return False
-        ch.ops.called()
-        ch.post_here(payload, reply_expected)
-        return True
+        return ch is not None and _post_now(ch, payload, reply_expected)
 
     async def _notification(self, peer: str, payload: bytes, timeout: float | None, *, answer: bool,
                             reply_expected: bool = False) -> None:
@@ -333,13 +329,12 @@ class Operations:
         if not answer and self.post_nowait(peer, payload, reply_expected=reply_expected):  # (no op object)
             return
         ch = await self._channel(peer, deadline)
-        ch.ops.called()
         if not answer:  # (dialled: out now, as post_nowait, or it waits here, never in the caller)
-            if ch.in_order_now() and ch.credits.available():
-                ch.post_here(payload, reply_expected)
-            else:
+            if not _post_now(ch, payload, reply_expected):
+                ch.ops.called()
                 ch.ops.park_post(bytes(payload), reply_expected)
             return
+        ch.ops.called()
         op = ch.new_op(OpKind.NOTIFY, [], len(payload))
 
         async def _send() -> None:
@@ -353,3 +348,13 @@ def _check_payload(payload: object) -> None:
         raise InvalidTensorError(f"notification payloads are bytes, got {type(payload).__name__}")
     if len(payload) > MAX_NOTIFY:
         raise InvalidTensorError(f"notification payload of {len(payload)} bytes exceeds {MAX_NOTIFY}")
+
+
+def _post_now(ch: Channel, payload: bytes, reply_expected: bool) -> bool:
+    """Post ``payload`` on ``ch`` right here (counted as called, sent, recorded) if nothing of the
+    channel is held back and the peer has a notification credit for it; False, nothing done, else."""
+    if not (ch.in_order_now() and ch.credits.available()):
+        return False
+    ch.ops.called()
+    ch.post_here(payload, reply_expected)
+    return True
