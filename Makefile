@@ -2,6 +2,9 @@
 # make test   set up .venv and run the test suite (all but the chaos soak)
 # make soak   the chaos soak: faults every few seconds while pushing (SOAK_SECONDS, default 150)
 VENV ?= .venv
+# test processes (pytest-xdist): most tests wait on their spawned peers (timeouts, frozen and killed
+# processes), so 3 workers use 2 cores well and halve the suite's time; WORKERS=0 runs it in one process
+WORKERS ?= 3
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo test test-fast soak bench doctor lint
@@ -14,10 +17,10 @@ demo: setup
 	$(PY) examples/rl_loop.py
 
 test: setup
-	$(PY) -m pytest -m "not soak"
+	$(PY) -m pytest -m "not soak" -n $(WORKERS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not soak"
+	$(PY) -m pytest -m "not slow and not soak" -n $(WORKERS)
 
 soak: setup
 	$(PY) -m pytest -m soak tests/test_chaos_soak.py -q -s
