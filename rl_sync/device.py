@@ -30,7 +30,34 @@ from typing import Any
 
 import torch
 
-__all__ = ["Copier", "ReaderMarks", "caller_marks", "normal_device", "one_device", "pack_device", "wait_events"]
+__all__ = ["Copier", "ReaderMarks", "caller_marks", "foreach_copy", "normal_device", "one_device", "pack_device",
+           "wait_events"]
+
+# an uncast copy is a copy of bytes: it runs viewed as the integer type of the dtype's width, the one kernel
+# every build has (CUDA's _foreach_copy_ dispatches no uint16/32/64 nor the bit and sub-byte types)
+_SAME_BYTES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# the dtypes CUDA's _foreach_copy_ casts between (ATen's foreach_tensor_copy dispatch); others cast one by one
+_FOREACH_CASTS = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+                  torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}
+
+
+def foreach_copy(into: list[torch.Tensor], out_of: list[torch.Tensor]) -> None:
+    """``into[i].copy_(out_of[i])`` for every i, in one ``torch._foreach_copy_`` where it can:
+    the batch is of one (destination dtype, source dtype) pair and on one device. The same dtype
+    on both sides runs as a byte copy of the integer type of that width; a cast between types
+    ``_foreach_copy_`` does not dispatch on every device runs one ``copy_`` per tensor."""
+    if not into:
+        return
+    dd, sd = into[0].dtype, out_of[0].dtype
+    if dd == sd:
+        alias = _SAME_BYTES.get(into[0].element_size())
+        if alias is not None and alias != dd:
+            into, out_of = [t.view(alias) for t in into], [t.view(alias) for t in out_of]
+    elif dd not in _FOREACH_CASTS or sd not in _FOREACH_CASTS:
+        for d, src in zip(into, out_of, strict=True):
+            d.copy_(src)
+        return
+    torch._foreach_copy_(into, out_of)
 
 
 def one_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:

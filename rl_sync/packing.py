@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .device import foreach_copy
 from .plan import Bucket
 
 __all__ = ["MAX_KEPT", "pack"]
@@ -112,4 +113,4 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], base: torch.Tensor
             batch[0].append(d)
             batch[1].append(src)
         for into, out_of in batches.values():
-            torch._foreach_copy_(into, out_of)
+            foreach_copy(into, out_of)

@@ -471,28 +471,31 @@ class WeightPublisher(PublisherBuffers):
             run.on_reply(target, msg)
 
 
-# Replies reach publishers through one route per endpoint (several publishers may share an endpoint).
-_PUBLISHERS: weakref.WeakKeyDictionary[transport.Endpoint, list[WeightPublisher]] = weakref.WeakKeyDictionary()
+# Replies reach publishers through one route per endpoint (several publishers may share an endpoint). Both
+# hold the publishers weakly: a publisher dropped without close() is freed (its lock folder removed), and
+# its endpoint with it once closed and dropped; what it registered (slots, banks, aliases of the trainer's
+# tensors) stays registered until close() or the endpoint's close, as any registered buffer does.
+_PUBLISHERS: weakref.WeakKeyDictionary[transport.Endpoint, weakref.WeakSet[WeightPublisher]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _attach(pub: WeightPublisher) -> None:
     pubs = _PUBLISHERS.get(pub.endpoint)
     if pubs is None:
-        pubs = _PUBLISHERS[pub.endpoint] = []
+        pubs = _PUBLISHERS[pub.endpoint] = weakref.WeakSet()
 
         def route(note: transport.Notification) -> None:
             for p in list(pubs):
                 p._on_reply(note)
 
         pub.endpoint.on_notification(route, prefix=m.TO_PUBLISHER)
-    if pub not in pubs:
-        pubs.append(pub)
+    pubs.add(pub)
 
 
 def _detach(pub: WeightPublisher) -> None:
     pubs = _PUBLISHERS.get(pub.endpoint)
     if pubs is not None and pub in pubs:
-        pubs.remove(pub)
+        pubs.discard(pub)
         if not pubs:
             del _PUBLISHERS[pub.endpoint]
             pub.endpoint.on_notification(None, prefix=m.TO_PUBLISHER)

@@ -155,3 +155,51 @@ def test_an_entry_view_in_its_arena_or_a_part_of_it() -> None:
     origin = e.offset + 8 * size  # (a buffer that starts 8 elements into the entry)
     part = e.view_in(arena[origin:], 16 * size, 40 * size, origin=origin)
     assert part.shape == (24,) and torch.equal(part, state["emb"].reshape(-1)[16:40])
+
+
+_EVERY = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+_EVERY += [getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+           if hasattr(torch, n)]
+
+
+@pytest.mark.parametrize("dtype", _EVERY, ids=str)
+def test_foreach_copy_is_byte_exact_for_every_dtype(dtype: torch.dtype) -> None:
+    """rl_sync's batched copies (the pack, the staged commit) run one dtype pair per
+    ``_foreach_copy_``; an uncast batch runs as a byte copy (CUDA's kernel has no uint16/32/64):
+    every byte lands, whatever the shapes (0-d, empty, views of an arena), nothing else is written."""
+    from rl_sync.device import foreach_copy
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(), (0,), (5,), (3, 4)]
+    size = torch.tensor([], dtype=dtype).element_size()
+    srcs = [torch.randint(0, 256, (int(torch.Size(s).numel()) * size,), dtype=torch.uint8, generator=g)
+            .view(dtype).reshape(s) for s in shapes]
+    total = sum(t.numel() for t in srcs)
+    arena = torch.full(((total + 2) * size,), 0xA5, dtype=torch.uint8)  # (one spare element at each end)
+    dests, at = [], size
+    for t in srcs:
+        dests.append(arena[at:at + t.numel() * size].view(dtype).reshape(t.shape))
+        at += t.numel() * size
+    foreach_copy(dests, srcs)
+    for d, s in zip(dests, srcs, strict=True):
+        assert d.dtype == dtype and torch.equal(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
+    assert bool((arena[:size] == 0xA5).all()) and bool((arena[at:] == 0xA5).all())
+
+
+def test_foreach_copy_casts_as_copy_does() -> None:
+    """A cast batch (the publisher's float32 -> bfloat16) gives what ``copy_`` gives; a cast between
+    types ``_foreach_copy_`` does not take on every device runs one ``copy_`` per tensor."""
+    from rl_sync.device import foreach_copy
+
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(5, generator=g), torch.randn(2, 3, generator=g)]
+    dests = [torch.empty(t.shape, dtype=torch.bfloat16) for t in srcs]
+    foreach_copy(dests, srcs)
+    assert all(torch.equal(d, s.to(torch.bfloat16)) for d, s in zip(dests, srcs, strict=True))
+    if hasattr(torch, "uint16"):
+        ints = [torch.tensor([1, 2, 65535], dtype=torch.int32)]
+        out = [torch.zeros(3, dtype=torch.uint16)]
+        foreach_copy(out, ints)
+        assert out[0].to(torch.int32).tolist() == [1, 2, 65535]
+    foreach_copy([], [])  # (nothing to do)

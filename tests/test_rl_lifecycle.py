@@ -198,3 +198,36 @@ async def test_a_generator_whose_subscriber_comes_up_during_the_planning_wait_ge
             assert all(gen.call("sub_check", TRAIN, 1).values())
     finally:
         gen.kill()
+
+
+async def test_a_publisher_dropped_without_close_is_freed_and_so_is_its_closed_endpoint(store_url, uname):
+    """A publisher the application drops without ``close()`` (an RL driver that makes a new one per
+    phase) is freed: its lock folder goes, and nothing keeps it, or its endpoint once closed and
+    dropped, alive for the process's life (the replies' route holds publishers weakly)."""
+    import gc
+    import os
+    import weakref
+
+    with generators(store_url, uname, 1, mode="shared") as gens:
+        ep = trainer(store_url, uname)
+        async with ep:
+            pub = cast_pub(ep, gens)
+            assert (await pub.push(seeded(TRAIN, 1), 1)).ok
+            lock_dir = pub._lock_dir
+            assert lock_dir is not None and os.listdir(lock_dir) is not None  # (shared: banks and their lock files)
+            gone = weakref.ref(pub)
+            del pub
+            await asyncio.sleep(0.05)  # (the push's watchdog task, cancelled at its end, ends at the loop's next turn)
+            for _ in range(3):
+                gc.collect()
+            assert gone() is None, "a dropped publisher must be freed while its endpoint lives"
+            with pytest.raises(FileNotFoundError):  # its finalizer removes the lock folder
+                os.listdir(lock_dir)
+            pub2 = cast_pub(ep, gens)  # (the endpoint's route serves a publisher made after)
+            assert (await pub2.push(seeded(TRAIN, 2), 2)).ok
+            pub2.close()
+        ep_gone = weakref.ref(ep)
+        del ep, pub2
+        for _ in range(3):
+            gc.collect()
+        assert ep_gone() is None, "a closed endpoint whose publishers were dropped must be freed"

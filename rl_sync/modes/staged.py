@@ -12,6 +12,7 @@ import threading
 import torch
 
 from .. import messages as m
+from ..device import foreach_copy
 from ..weights import uncancellable
 from .base import CommitMode, Push, Subscriber, readers_late
 
@@ -115,7 +116,7 @@ class StagedMode(CommitMode):
         before: one kernel never writes the same bytes twice."""
         with torch.no_grad():
             for dests, srcs in self._batches(bank):
-                torch._foreach_copy_(dests, srcs)
+                foreach_copy(dests, srcs)
 
     def _batches(self, bank: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         # views are taken at the first commit, not at construction: registering (at open) moves an arena

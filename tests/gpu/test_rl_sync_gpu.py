@@ -177,6 +177,9 @@ def test_a_push_waits_for_the_work_queued_on_the_trainers_stream(store_url):
             async with transport.Endpoint(_name("gpu-trainer"), store=store_url, timeout=60) as ep:
                 pub = rl_sync.WeightPublisher(ep, [g.name for g in gens], dtype="auto", bucket_bytes=BUCKET)
                 weights = {n: torch.zeros(sh, dtype=getattr(torch, dt), device=DEV) for n, (dt, sh) in TRAIN.items()}
+                # a first push makes the send slots (their allocation waits for the whole device): only a later
+                # push can show whether the pack itself waits for the work queued on the trainer's stream
+                assert (await pub.push(weights, 1, timeout=60)).ok
                 torch.cuda.synchronize()
                 torch.cuda._sleep(SLEEP_CYCLES)
                 for t in weights.values():

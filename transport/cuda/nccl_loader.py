@@ -422,7 +422,8 @@ def _locate_with_pathfinder() -> tuple[str, str]:
         raise _CandidateError(f"cuda.pathfinder: {type(exc).__name__}: {text[:500]}") from None
     if not loaded.abs_path:
         raise _CandidateError("cuda.pathfinder loaded NCCL but did not report its path")
-    return loaded.abs_path, f"cuda.pathfinder, found via {loaded.found_via}"
+    # (found_via: cuda-pathfinder >= 1.3 only)
+    return loaded.abs_path, f"cuda.pathfinder, found via {getattr(loaded, 'found_via', 'a search it did not name')}"
 
 
 def _locate_system() -> tuple[str, str]:

@@ -106,7 +106,12 @@ class NcclPlane(DataPlane):
             except BaseException as exc:
                 finished(exc)
                 raise
-            link.completed(last, finished)
+            # (the scratch buffers live until the receive into them is done: freed before, the caching allocator
+            # could hand their memory to another tensor while NCCL still writes it)
+            def done(exc: BaseException | None, _keep: list[torch.Tensor] = targets) -> None:
+                finished(exc)
+
+            link.completed(last, done)
 
         if link.dialer:
             with link.lock:
