@@ -28,12 +28,20 @@ Each push is timed by its :class:`rl_sync.PushReport` (``seconds``, from the cal
 commit), after one warm-up push (planning, registrations, mappings); the median of ``--reps``.
 The generator's bytes are checked once per case against the trainer's (a checksum of every
 tensor). Every wait is bounded.
+
+Memory: the headline needs two bf16 copies of its model (trainer and generator) and a few GiB;
+when that is more than the GPU's free memory (``torch.cuda.mem_get_info``: 30B needs ~125 GiB,
+an H200's, not an 80 GB H100's) it is scaled down to the largest size that fits (13B, 6.7B, ...)
+or skipped, and the reason is printed. Each case gives its memory back before the next. A row
+that fails is recorded as ``{"case": ..., "error": ...}`` and the later rows still run; the exit
+status is 1 when any row failed or its bytes differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import statistics
@@ -49,6 +57,7 @@ if str(ROOT) not in sys.path:
 
 GiB = 1 << 30
 WAIT_S = 600.0
+HEADROOM = 4 * GiB  # the headline's need beyond its two model copies: CUDA contexts, adopt arena, slack
 
 
 def llama_spec(params_b: float) -> dict[str, tuple[int, ...]]:
@@ -56,6 +65,8 @@ def llama_spec(params_b: float) -> dict[str, tuple[int, ...]]:
     vocab = 32000
     if params_b >= 20:
         hidden, layers, ffn = 6656, 60, 17920  # ~32.5B (Llama-30B's shapes)
+    elif params_b >= 10:
+        hidden, layers, ffn = 5120, 40, 13824  # ~13B (Llama-13B's): the headline that fits an 80 GB GPU
     elif params_b >= 5:
         hidden, layers, ffn = 4096, 32, 11008  # ~6.7B (Llama-7B's)
     else:  # small: keep the shapes' proportions, scaled to the size asked for
@@ -126,8 +137,13 @@ def _generator(conn: Any, store: str, name: str, spec: dict[str, tuple[int, ...]
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _checksum(torch: Any, tensors: dict[str, Any]) -> float:
-    return float(sum(t.float().sum().item() for t in tensors.values()))
+def _checksum(torch: Any, tensors: dict[str, Any], as_dtype: Any = None) -> float:
+    """The sum of every element, one tensor at a time (cast to ``as_dtype`` first, if given): at most
+    one tensor's temporary copy exists at a time, never a second copy of the whole model."""
+    total = 0.0
+    for t in tensors.values():
+        total += float((t if as_dtype is None else t.to(as_dtype)).float().sum().item())
+    return total
 
 
 class _Gen:
@@ -176,32 +192,84 @@ async def _push_case(torch: Any, store: str, spec: dict[str, tuple[int, ...]], m
                        for n, sh in spec.items()}
             cast = None if trainer_dtype == torch.bfloat16 else torch.bfloat16
             pub = rl_sync.WeightPublisher(ep, [gen.name], dtype=cast, bucket_bytes=1 << 30)
-            secs, report = [], None
-            for version in range(1, reps + 2):
-                report = await pub.push(weights, version, timeout=WAIT_S)
-                if not report.ok:
-                    raise RuntimeError(report.summary())
-                if version > 1:
-                    secs.append(report.seconds)
-            assert report is not None
-            v, got = await asyncio.to_thread(gen.call, "sum")
-            want = _checksum(torch, {n: t.to(torch.bfloat16) for n, t in weights.items()})
-            r = report.results[gen.name]
-            row: dict[str, Any] = {
-                "mode": mode, "live": report.packed_bytes == 0, "bytes": r.bytes,
-                "push_ms_median": statistics.median(secs) * 1e3, "push_ms": [s * 1e3 for s in secs],
-                "plane": r.plane, "plane_reason": r.plane_reason, "generator_gpu_bytes": gen.used,
-                "checked": v == reps + 1 and abs(got - want) <= 1e-3 * max(1.0, abs(want)),
-            }
-            if ipc_baseline:
-                from torch.multiprocessing.reductions import reduce_tensor
+            try:
+                secs, report = [], None
+                for version in range(1, reps + 2):
+                    report = await pub.push(weights, version, timeout=WAIT_S)
+                    if not report.ok:
+                        raise RuntimeError(report.summary())
+                    if version > 1:
+                        secs.append(report.seconds)
+                assert report is not None
+                v, got = await asyncio.to_thread(gen.call, "sum")
+                want = _checksum(torch, weights, as_dtype=torch.bfloat16)  # one tensor at a time
+                r = report.results[gen.name]
+                row: dict[str, Any] = {
+                    "mode": mode, "live": report.packed_bytes == 0, "bytes": r.bytes,
+                    "push_ms_median": statistics.median(secs) * 1e3, "push_ms": [s * 1e3 for s in secs],
+                    "plane": r.plane, "plane_reason": r.plane_reason, "generator_gpu_bytes": gen.used,
+                    "checked": v == reps + 1 and abs(got - want) <= 1e-3 * max(1.0, abs(want)),
+                }
+                if ipc_baseline:
+                    from torch.multiprocessing.reductions import reduce_tensor
 
-                handles = {n: reduce_tensor(t) for n, t in weights.items()}
-                times = [await asyncio.to_thread(gen.call, "ipc", handles) for _ in range(reps)]
-                row["per_tensor_ipc_ms_median"] = statistics.median(times) * 1e3
-            return row
+                    times = []
+                    for _ in range(reps):
+                        # fresh handles per repetition: torch's IPC ref counters expect each handle to be
+                        # rebuilt once; rebuilding one handle again would leave the trainer's blocks in
+                        # its IPC limbo after they are freed
+                        handles = {n: reduce_tensor(t) for n, t in weights.items()}
+                        times.append(await asyncio.to_thread(gen.call, "ipc", handles))
+                        del handles
+                    row["per_tensor_ipc_ms_median"] = statistics.median(times) * 1e3
+                return row
+            finally:
+                pub.close()  # unregisters its slots and the live aliases of the trainer's weights
     finally:
         gen.stop()
+
+
+def _run_case(torch: Any, device: str, case: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """One row: ``_push_case`` in its own event loop; an exception becomes ``{"case", "error"}`` so the
+    later rows still run. On CUDA the case's memory is given back afterwards (its weights, the IPC
+    limbo of blocks the generator had opened, the caching allocator's cache)."""
+    try:
+        row = asyncio.run(_push_case(torch, *args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - recorded in the row; the exit status says a row failed
+        row = {"case": case, "error": repr(exc), "checked": False}
+    gc.collect()
+    if device.startswith("cuda"):
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - e.g. a sticky CUDA error: recorded, the next rows still try
+            row.setdefault("cleanup_error", repr(exc))
+    return row
+
+
+def _headline_spec(torch: Any, params_b: float, device: str) -> tuple[dict[str, tuple[int, ...]] | None, str]:
+    """The headline's model: ``params_b``'s, or the largest smaller one whose two copies (trainer and
+    generator) and a few GiB for contexts and arenas fit in the GPU's free memory; ``None`` if none
+    does. Also says what was chosen and why."""
+    spec = llama_spec(params_b)
+    if not device.startswith("cuda"):
+        return spec, ""
+    free, total = torch.cuda.mem_get_info()
+
+    def need(sp: dict[str, tuple[int, ...]]) -> int:
+        return 2 * (2 * _numel(sp)) + HEADROOM
+
+    if need(spec) <= free:
+        return spec, ""
+    asked = (f"headline {_numel(spec) / 1e9:.1f}B needs ~{need(spec) / GiB:.0f} GiB (trainer + generator bf16 "
+             f"copies + {HEADROOM // GiB} GiB), {free / GiB:.0f} of {total / GiB:.0f} GiB free")
+    for p in (30.0, 13.0, 7.0, 3.0, 1.0, 0.3):
+        if p < params_b:
+            sp = llama_spec(p)
+            if need(sp) <= free:
+                return sp, f"{asked}: scaled down to {_numel(sp) / 1e9:.1f}B (~{need(sp) / GiB:.0f} GiB)"
+    return None, f"{asked}: skipped (no smaller size fits)"
 
 
 def _d2d_rate(torch: Any, device: str) -> float:
@@ -251,39 +319,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}: d2d copy_ {rate / 1e9:.0f} GB/s")
     print(f"{'case':34} {'GB':>6} {'push ms':>9} {'limit ms':>9} {'ratio':>6} {'ipc ms':>8} {'gen GPU GB':>10}  plane")
     if not args.skip_headline:
-        spec = llama_spec(args.params_b)
-        nbytes = 2 * _numel(spec)
-        row = asyncio.run(_push_case(torch, url, spec, "direct", device, torch.bfloat16, args.reps,
-                                     ipc_baseline=device.startswith("cuda")))
-        row.update(case=f"headline {_numel(spec) / 1e9:.1f}B direct live", limit_ms=nbytes / rate * 1e3)
-        row["limit_ratio"] = row["limit_ms"] / row["push_ms_median"]
-        doc["rows"].append(row)
-        _print(row)
-        _save(args.json, doc)  # after each row: a run killed at its time limit keeps the rows it measured
-    if device.startswith("cuda"):  # (the headline's tensors, ~2 x 60 GB for 30B, are not kept reserved for the rest)
-        torch.cuda.empty_cache()
+        # (the headline's tensors, ~2 x 60 GB for 30B, are given back after it: _run_case)
+        head_spec, why = _headline_spec(torch, args.params_b, device)
+        if why:
+            print(why)
+            doc["headline_note"] = why
+        if head_spec is None:
+            print(f"SUMMARY rl_sync colocated push headline skipped: {why}")
+        else:
+            nbytes = 2 * _numel(head_spec)
+            case = f"headline {_numel(head_spec) / 1e9:.1f}B direct live"
+            row = _run_case(torch, device, case, url, head_spec, "direct", device, torch.bfloat16, args.reps,
+                            ipc_baseline=device.startswith("cuda"))
+            _finish_row(row, case, nbytes / rate * 1e3)
+            doc["rows"].append(row)
+            _print(row)
+            _save(args.json, doc)  # after each row: a run killed at its time limit keeps the rows it measured
     if not args.skip_modes:
         spec = llama_spec(args.modes_params_b)
         nbytes = 2 * _numel(spec)
         for mode, dtype in (("staged", torch.float32), ("swap", torch.float32), ("direct", torch.float32),
                             ("direct", torch.bfloat16)):
-            row = asyncio.run(_push_case(torch, url, spec, mode, device, dtype, args.reps))
-            row.update(case=f"{_numel(spec) / 1e9:.1f}B {mode}{' live' if row['live'] else ' (f32->bf16)'}",
-                       limit_ms=nbytes / rate * 1e3)
-            row["limit_ratio"] = row["limit_ms"] / row["push_ms_median"]
+            case = f"{_numel(spec) / 1e9:.1f}B {mode}{' live' if dtype == torch.bfloat16 else ' (f32->bf16)'}"
+            row = _run_case(torch, device, case, url, spec, mode, device, dtype, args.reps)
+            if "error" not in row:  # named after what the push did (live or packed)
+                case = f"{_numel(spec) / 1e9:.1f}B {mode}{' live' if row['live'] else ' (f32->bf16)'}"
+            _finish_row(row, case, nbytes / rate * 1e3)
             doc["rows"].append(row)
             _print(row)
             _save(args.json, doc)
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
     head = next((r for r in doc["rows"] if r["case"].startswith("headline")), None)
-    if head is not None:
+    if head is not None and "error" in head:
+        print(f"SUMMARY rl_sync colocated push {head['case']}: FAILED: {head['error']}")
+    elif head is not None:
         ipc = head.get("per_tensor_ipc_ms_median")
         print(f"SUMMARY rl_sync colocated push {head['case']}: {head['push_ms_median']:.1f} ms (target <= 50 ms for 30B), "
               f"limit {head['limit_ms']:.1f} ms ({head['limit_ratio']:.2f}x)"
               + (f", per-tensor IPC handles {ipc:.1f} ms" if ipc else "") + f", checked={head['checked']}")
+    failed = [r["case"] for r in doc["rows"] if not r.get("checked")]
+    if failed:
+        print(f"FAILED rows ({len(failed)}): {', '.join(failed)}")
     _save(args.json, doc)
-    return 0 if all(r["checked"] for r in doc["rows"]) else 1
+    return 1 if failed else 0
+
+
+def _finish_row(row: dict[str, Any], case: str, limit_ms: float) -> None:
+    """Name the row; a measured one also gets the d2d limit and its ratio."""
+    row["case"] = case
+    if "error" not in row:
+        row["limit_ms"] = limit_ms
+        row["limit_ratio"] = limit_ms / row["push_ms_median"]
 
 
 def _save(path: Path | None, doc: dict[str, Any]) -> None:
@@ -293,6 +378,9 @@ def _save(path: Path | None, doc: dict[str, Any]) -> None:
 
 
 def _print(row: dict[str, Any]) -> None:
+    if "error" in row:
+        print(f"{row['case']:34} ERROR {row['error']}")
+        return
     ipc = row.get("per_tensor_ipc_ms_median")
     print(f"{row['case']:34} {row['bytes'] / 1e9:6.2f} {row['push_ms_median']:9.1f} {row['limit_ms']:9.1f} "
           f"{row['limit_ratio']:6.2f} {ipc if ipc is not None else float('nan'):8.1f} "
