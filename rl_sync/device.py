@@ -94,7 +94,7 @@ def caller_marks(devices: Iterable[torch.device]) -> list[Any]:
     Empty for the CPU."""
     events = []
     for device in {normal_device(d) for d in devices if d.type == "cuda"}:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # (a host wait on it sleeps: spinning would take a core from the trainer)
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return events

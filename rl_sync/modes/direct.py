@@ -156,8 +156,8 @@ class DirectMode(CommitMode):
                     sub.endpoint.unregister(arena_name(0, i), discard=True)
                 raise
             arenas.append(arena)
-            if sub.device.type == "cuda":
-                torch.cuda.empty_cache()
+            if sub.device.type == "cuda":  # (off the loop: freeing device memory waits for the device)
+                await asyncio.to_thread(torch.cuda.empty_cache)
         sub._live_bank = 0
 
     def _adopt_arena(self, i: int, arena: torch.Tensor) -> None:
