@@ -236,7 +236,10 @@ class WeightPublisher(PublisherBuffers):
         self._committed.pop(name, None)
 
     def close(self) -> None:
-        """Stop taking replies and unregister the send slots (idempotent)."""
+        """Stop taking replies and unregister the send slots, live buffers and shared banks
+        (idempotent; any thread that may call the endpoint's ``unregister``). A publisher
+        dropped without it is freed too (nothing else keeps it), but what it registered stays
+        registered, and so in memory, until its endpoint closes."""
         _detach(self)
         for names, _ in self._slots.values():
             for n in names:
