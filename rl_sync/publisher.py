@@ -237,9 +237,8 @@ class WeightPublisher(PublisherBuffers):
 
     def close(self) -> None:
         """Stop taking replies and unregister the send slots, live buffers and shared banks
-        (idempotent; any thread that may call the endpoint's ``unregister``). A publisher
-        dropped without it is freed too (nothing else keeps it), but what it registered stays
-        registered, and so in memory, until its endpoint closes."""
+        (idempotent). A publisher dropped without it is freed too, but what it registered
+        stays registered, and so in memory, until its endpoint closes."""
         _detach(self)
         for names, _ in self._slots.values():
             for n in names:
@@ -474,12 +473,9 @@ class WeightPublisher(PublisherBuffers):
             run.on_reply(target, msg)
 
 
-# Replies reach publishers through one route per endpoint (several publishers may share an endpoint). Both
-# hold the publishers weakly: a publisher dropped without close() is freed (its lock folder removed), and
-# its endpoint with it once closed and dropped; what it registered (slots, banks, aliases of the trainer's
-# tensors) stays registered until close() or the endpoint's close, as any registered buffer does.
-_PUBLISHERS: weakref.WeakKeyDictionary[transport.Endpoint, weakref.WeakSet[WeightPublisher]] = \
-    weakref.WeakKeyDictionary()
+# Replies reach publishers through one route per endpoint (several may share one), holding them weakly: a
+# publisher dropped without close() is freed, and its endpoint once closed and dropped (see close()).
+_PUBLISHERS: weakref.WeakKeyDictionary[transport.Endpoint, weakref.WeakSet[WeightPublisher]] = weakref.WeakKeyDictionary()
 
 
 def _attach(pub: WeightPublisher) -> None:
