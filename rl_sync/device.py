@@ -41,16 +41,20 @@ _FOREACH_CASTS = {torch.float32, torch.float64, torch.float16, torch.bfloat16, t
                   torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}
 
 
-def foreach_copy(into: list[torch.Tensor], out_of: list[torch.Tensor]) -> None:
+def foreach_copy(into: list[torch.Tensor], out_of: list[torch.Tensor], *, as_bytes: bool | None = None) -> None:
     """``into[i].copy_(out_of[i])`` for every i, in one ``torch._foreach_copy_`` where it can:
-    the batch is of one (destination dtype, source dtype) pair and on one device. The same dtype
-    on both sides runs as a byte copy of the integer type of that width; a cast between types
-    ``_foreach_copy_`` does not dispatch on every device runs one ``copy_`` per tensor."""
+    the batch is of one (destination dtype, source dtype) pair and on one device. On a GPU an
+    uncast batch of a dtype CUDA's kernel does not dispatch (uint16/32/64, bit and sub-byte types)
+    runs as a byte copy of the integer type of its width (``as_bytes``: that way or not, on any
+    device; default: only where needed, the views cost ~1 us per tensor); a cast between types it
+    does not dispatch runs one ``copy_`` per tensor."""
     if not into:
         return
     dd, sd = into[0].dtype, out_of[0].dtype
     if dd == sd:
-        alias = _SAME_BYTES.get(into[0].element_size())
+        if as_bytes is None:
+            as_bytes = into[0].is_cuda and dd not in _FOREACH_CASTS
+        alias = _SAME_BYTES.get(into[0].element_size()) if as_bytes else None
         if alias is not None and alias != dd:
             into, out_of = [t.view(alias) for t in into], [t.view(alias) for t in out_of]
     elif dd not in _FOREACH_CASTS or sd not in _FOREACH_CASTS:

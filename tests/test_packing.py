@@ -163,17 +163,20 @@ _EVERY += [getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m
            if hasattr(torch, n)]
 
 
+@pytest.mark.parametrize("as_bytes", [None, True], ids=["default", "as_bytes"])
 @pytest.mark.parametrize("dtype", _EVERY, ids=str)
-def test_foreach_copy_is_byte_exact_for_every_dtype(dtype: torch.dtype) -> None:
+def test_foreach_copy_is_byte_exact_for_every_dtype(dtype: torch.dtype, as_bytes: bool | None) -> None:
     """rl_sync's batched copies (the pack, the staged commit) run one dtype pair per
     ``_foreach_copy_``; an uncast batch runs as a byte copy (CUDA's kernel has no uint16/32/64):
-    every byte lands, whatever the shapes (0-d, empty, views of an arena), nothing else is written."""
+    every byte lands, whatever the shapes (0-d, empty, views of an arena), nothing else is written.
+    ``as_bytes=True`` runs here the byte copy a GPU batch of such a dtype takes."""
     from rl_sync.device import foreach_copy
 
     g = torch.Generator().manual_seed(7)
     shapes = [(), (0,), (5,), (3, 4)]
     size = torch.tensor([], dtype=dtype).element_size()
-    srcs = [torch.randint(0, 256, (int(torch.Size(s).numel()) * size,), dtype=torch.uint8, generator=g)
+    top = 2 if dtype == torch.bool else 256  # (random bytes of every value, valid ones for bool)
+    srcs = [torch.randint(0, top, (int(torch.Size(s).numel()) * size,), dtype=torch.uint8, generator=g)
             .view(dtype).reshape(s) for s in shapes]
     total = sum(t.numel() for t in srcs)
     arena = torch.full(((total + 2) * size,), 0xA5, dtype=torch.uint8)  # (one spare element at each end)
@@ -181,7 +184,7 @@ def test_foreach_copy_is_byte_exact_for_every_dtype(dtype: torch.dtype) -> None:
     for t in srcs:
         dests.append(arena[at:at + t.numel() * size].view(dtype).reshape(t.shape))
         at += t.numel() * size
-    foreach_copy(dests, srcs)
+    foreach_copy(dests, srcs, as_bytes=as_bytes)
     for d, s in zip(dests, srcs, strict=True):
         assert d.dtype == dtype and torch.equal(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
     assert bool((arena[:size] == 0xA5).all()) and bool((arena[at:] == 0xA5).all())
