@@ -56,6 +56,10 @@ def foreach_copy(into: list[torch.Tensor], out_of: list[torch.Tensor], *, as_byt
             as_bytes = into[0].is_cuda and dd not in _FOREACH_CASTS
         alias = _SAME_BYTES.get(into[0].element_size()) if as_bytes else None
         if alias is not None and alias != dd:
+            if any(t.dtype != dd or t.is_conj() or t.is_neg() for t in (*into, *out_of)):
+                for d, src in zip(into, out_of, strict=True):  # (not one pair, or a lazy conj/neg view)
+                    d.copy_(src)
+                return
             into, out_of = [t.view(alias) for t in into], [t.view(alias) for t in out_of]
     elif dd not in _FOREACH_CASTS or sd not in _FOREACH_CASTS:
         for d, src in zip(into, out_of, strict=True):

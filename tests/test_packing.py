@@ -206,3 +206,14 @@ def test_foreach_copy_casts_as_copy_does() -> None:
         foreach_copy(out, ints)
         assert out[0].to(torch.int32).tolist() == [1, 2, 65535]
     foreach_copy([], [])  # (nothing to do)
+    # the byte copy only for one dtype pair of plain tensors: a mixed batch, a lazily conjugated or negated
+    # view (which .view(dtype) refuses) are copied one by one, as copy_ does
+    mixed_src, mixed_dst = [torch.ones(2), torch.full((2,), 2.0, dtype=torch.bfloat16)], [torch.zeros(2),
+                                                                                        torch.zeros(2, dtype=torch.bfloat16)]
+    foreach_copy(mixed_dst, mixed_src, as_bytes=True)
+    assert all(torch.equal(d, s) for d, s in zip(mixed_dst, mixed_src, strict=True))
+    c = torch.complex(torch.randn(3, generator=g), torch.randn(3, generator=g))
+    for lazy in (c.conj(), c.conj().imag):  # (is_conj(), is_neg())
+        out = [torch.zeros(lazy.shape, dtype=lazy.dtype)]
+        foreach_copy(out, [lazy], as_bytes=True)
+        assert torch.equal(out[0], lazy.resolve_conj().resolve_neg())

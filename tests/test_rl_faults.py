@@ -266,7 +266,7 @@ async def test_a_slow_subscriber_holds_up_only_itself(store_url, uname, mode):
             took = {n: r.seconds for n, r in report.results.items()}
             lines.append(f"  reader in hold() 2 s: slow one {took[slow.name]:.2f} s, others "
                          f"{', '.join(f'{took[g.name]:.2f}' for g in gens.gens if g is not slow)} s (bound {bound:.2f})")
-            assert took[slow.name] >= 1.9, took
+            assert took[slow.name] >= 1.5, took  # (released 2 s after push(); its own clock starts a little later)
             assert all(took[g.name] <= bound for g in gens.gens if g is not slow), lines[-1]
             # starved of CPU: stopped 150 ms of every 170 ms while the push runs
             stop = threading.Event()

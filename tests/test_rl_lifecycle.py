@@ -217,8 +217,9 @@ async def test_a_publisher_dropped_without_close_is_freed_and_so_is_its_closed_e
             assert lock_dir is not None and os.listdir(lock_dir) is not None  # (shared: banks and their lock files)
             gone = weakref.ref(pub)
             del pub
-            await asyncio.sleep(0.05)  # (the push's watchdog task, cancelled at its end, ends at the loop's next turn)
-            for _ in range(3):
+            end = time.monotonic() + 10  # (the push's watchdog task, cancelled at its end, ends at a later turn)
+            while gone() is not None and time.monotonic() < end:
+                await asyncio.sleep(0.02)
                 gc.collect()
             assert gone() is None, "a dropped publisher must be freed while its endpoint lives"
             with pytest.raises(FileNotFoundError):  # its finalizer removes the lock folder
