@@ -3,7 +3,8 @@
 # make soak   the chaos soak: faults every few seconds while pushing (SOAK_SECONDS, default 150)
 VENV ?= .venv
 # test processes (pytest-xdist): most tests wait on their spawned peers (timeouts, frozen and killed
-# processes), so 3 workers use 2 cores well and halve the suite's time; WORKERS=0 runs it in one process
+# processes), so 3 workers use 2 cores well and halve the suite's time; WORKERS=0 runs it in one process.
+# --dist loadgroup: tests are spread one by one, except those of one xdist_group (the Ray tests), kept together
 WORKERS ?= 3
 PY := $(VENV)/bin/python
 
@@ -17,10 +18,10 @@ demo: setup
 	$(PY) examples/rl_loop.py
 
 test: setup
-	$(PY) -m pytest -m "not soak" -n $(WORKERS)
+	$(PY) -m pytest -m "not soak" -n $(WORKERS) --dist loadgroup
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not soak" -n $(WORKERS)
+	$(PY) -m pytest -m "not slow and not soak" -n $(WORKERS) --dist loadgroup
 
 soak: setup
 	$(PY) -m pytest -m soak tests/test_chaos_soak.py -q -s

@@ -44,7 +44,7 @@ trap 'rm -f "$log"' EXIT
 set +e
 if [ "$FULL" = 1 ]; then  # (GPU tests skip here, saying why; the backend's must not)
   # (in WORKERS processes, 3 by default, as make test runs it)
-  "$VENV/bin/python" -m pytest -m "not soak" -n "${WORKERS:-3}" -q -rs -p no:cacheprovider 2>&1 | tee "$log"
+  "$VENV/bin/python" -m pytest -m "not soak" -n "${WORKERS:-3}" --dist loadgroup -q -rs -p no:cacheprovider 2>&1 | tee "$log"
 else
   "$VENV/bin/python" -m pytest tests/test_torch_transport.py tests/test_torch_transport_bench.py -q -rs -p no:cacheprovider 2>&1 | tee "$log"
 fi

@@ -24,7 +24,9 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; scripts/setup.sh installs it)")
 
-pytestmark = pytest.mark.timeout(200)
+# (one test process runs them all, one after another, when the suite runs in several (make test): the
+# module's Ray set-up, ~7 processes, is then made once and never beside another Ray run on a small machine)
+pytestmark = [pytest.mark.timeout(200), pytest.mark.xdist_group("ray")]
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "RAY_RL_TEST_TAG"
