@@ -435,7 +435,10 @@ async def test_a_relay_frozen_then_killed_mid_transfer_holds_up_none_of_its_thre
             pub = rl_sync.WeightPublisher(ep, names, bucket_bytes=1 << 20, observer=observer)
             report = await pub.push(seeded(RELAYED, 1), 1, timeout=30)
             assert report.ok, report.summary()
-            assert [report.results[n].source for n in names] == [ep.name] + [names[0]] * 3
+            sources = [report.results[n].source for n in names]
+            # the relay plan: the leader pulls from the trainer, the three from it; on a loaded machine a first
+            # push may send them to the trainer instead when the leader's Begin answer comes late (by design)
+            assert sources[0] == ep.name and sources[1:] in ([names[0]] * 3, [ep.name] * 3), sources
             normal = max(r.seconds for r in report.results.values())
             for v, sig in ((2, signal.SIGSTOP), (4, signal.SIGKILL)):
                 armed.append((gens[0].proc.pid, sig))
