@@ -116,7 +116,8 @@ class CoreProtocol(Protocol):
     def exporter(self, plane: str) -> Exporter | None: ...  # a plane's exporter (None: not allowed, exports nothing)
 
     def unmapped(self, ch: Channel, epoch: int) -> None: ...  # reader thread
-    def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool: ...  # reader thread or loop
+    def deliver(self, note: Notification, ch: Channel, here: bool = False,  # reader thread or loop
+                ack: Callable[[], None] | None = None) -> bool: ...
     def wire_registry(self) -> tuple[int, list[WireBuffer]]: ...  # any thread
     def channel_closed(self, ch: Channel, exc: BaseException) -> None: ...  # event loop
     def on_timeout(self, ch: Channel, op: Op, exc: TransportTimeoutError) -> None: ...  # event loop

@@ -458,10 +458,10 @@ class Endpoint(Operations):
             self._exports.tick()
 
     # ------------------------------------------------------------------ notifications
-    def deliver(self, note: Notification, ch: Channel, here: bool = False) -> bool:
-        """Channel reader threads (``here``: the event loop) hand notifications over here; never
-        blocks (:meth:`Inbox.deliver <transport.inbox.Inbox.deliver>`, ``deliver_here``)."""
-        return (self._inbox.deliver_here if here else self._inbox.deliver)(note, ch.credits)
+    def deliver(self, note: Notification, ch: Channel, here: bool = False, ack: Callable[[], None] | None = None) -> bool:
+        """Channel reader threads (``here``: the event loop) hand notifications over here, ``ack``
+        first; never blocks (:meth:`Inbox.deliver <transport.inbox.Inbox.deliver>`, ``deliver_here``)."""
+        return (self._inbox.deliver_here if here else self._inbox.deliver)(note, ch.credits, ack)
 
     def on_notification(self, callback: Callable[[Notification], Any] | None, *, prefix: bytes = b"") -> None:
         """Call ``callback(note)`` on the event loop for each notification instead of queueing it.

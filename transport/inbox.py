@@ -71,28 +71,37 @@ class Inbox:
                 fut.set_result(None)
 
     # ---------------------------------------------------------------- reader threads
-    def deliver(self, note: Notification, credits: _Credits) -> bool:
+    def deliver(self, note: Notification, credits: _Credits, ack: Callable[[], None] | None = None) -> bool:
         """Hand ``note``, which spent one of ``credits`` (its channel's), to the event loop (a
         channel's reader thread); never blocks. False if the endpoint is closing (the op is then
-        not acknowledged); raises ProtocolError if the peer sent more than its credits allow."""
-        if self._closed or self._loop is None:
+        not acknowledged); raises ProtocolError if the peer sent more than its credits allow.
+        ``ack`` (the sender's answer, for a notification it waits on) is called here first, before
+        the loop can see ``note``: an application that closes its endpoint as soon as it took the
+        notification cannot get its ``Bye`` to the sender ahead of that answer. An exception of
+        ``ack`` propagates, ``note`` undelivered."""
+        if self._closed or self._loop is None or self._loop.is_closed():
             return False
         if not credits.delivered():
             raise credits.overflow()
+        if ack is not None:
+            ack()
         try:
             self._loop.call_soon_threadsafe(self._enqueue, note, credits)
-        except RuntimeError:  # the loop is closed
-            return False
+        except RuntimeError:  # the loop closed just now: lost with the endpoint, as a queued one is
+            pass
         return True
 
     # ---------------------------------------------------------------- event loop
-    def deliver_here(self, note: Notification, credits: _Credits) -> bool:
+    def deliver_here(self, note: Notification, credits: _Credits, ack: Callable[[], None] | None = None) -> bool:
         """:meth:`deliver` from the event loop itself (it read the notification: a channel's
         ``LoopReads``): queued on the loop behind what the reader threads delivered before, without
-        a thread's wake-up. False, nothing done, if the endpoint is closing or the peer sent more
-        than its credits allow (the caller leaves the notification to the reader thread)."""
+        a thread's wake-up, ``ack`` on the loop's next turn just before it. False, nothing done, if
+        the endpoint is closing or the peer sent more than its credits allow (the caller leaves
+        the notification to the reader thread)."""
         if self._closed or self._loop is None or not credits.delivered():
             return False
+        if ack is not None:
+            self._loop.call_soon(ack)
         self._loop.call_soon(self._enqueue, note, credits)
         return True
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -190,11 +190,11 @@ class Serving:
         if error is not None:
             self._reject(rec, msg.op_id, error)
             return
-        if msg.notify is not None and not self.ch.core.deliver(Notification(self.ch.peer_name, msg.notify, msg.op_id), self.ch):
+        if msg.notify is None:
+            self._answer(rec, msg.op_id)
+        elif not self.ch.core.deliver(Notification(self.ch.peer_name, msg.notify, msg.op_id), self.ch,
+                                      ack=lambda: self._answer(rec, msg.op_id)):
             self._reject(rec, msg.op_id, EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not delivered"))
-            return
-        self._done(rec)
-        self.ch.send(Ack(msg.op_id))
 
     def _serve_via_link(self, msg: Put | Get, rec: Record) -> None:
         """Reader thread: the peer's op over the channel's link (a plane whose bytes the link
@@ -218,9 +218,9 @@ class Serving:
             if len(note) > MAX_NOTIFY:
                 raise ProtocolError(f"notification of {len(note)} bytes exceeds {MAX_NOTIFY}")
 
-            def deliver() -> TransportError | None:  # (the link's answering thread)
+            def deliver(ack: Callable[[], None]) -> TransportError | None:  # (the link's answering thread)
                 try:
-                    if self.ch.core.deliver(Notification(self.ch.peer_name, note, msg.op_id), self.ch):
+                    if self.ch.core.deliver(Notification(self.ch.peer_name, note, msg.op_id), self.ch, ack=ack):
                         return None
                 except ProtocolError as exc:  # past its credits
                     self.ch.lose(exc)
@@ -239,6 +239,12 @@ class Serving:
     def _done(self, rec: Record) -> None:
         self.ch.recorder.update(rec, OpState.DONE)
         self.current = None
+
+    def _answer(self, rec: Record, op_id: int) -> None:
+        """The op is done: record it and acknowledge it (for a notification, before the
+        application can see it: ``Inbox.deliver``)."""
+        self._done(rec)
+        self.ch.send(Ack(op_id))
 
     def _reject(self, rec: Record, op_id: int, error: TransportError, *, answer: bool = True) -> None:
         """Record the op rejected and answer ``Fail``; ``answer`` False (a posted notification, whose
@@ -399,12 +405,12 @@ class Serving:
         next turn (outside that lock: a send that fails breaks the channel, which wakes the
         reader). False, nothing done, where it must be the thread's: too large or past the peer's
         credits (protocol errors), or the endpoint closing. Never raises."""
+        op_id = msg.op_id
         if len(msg.payload) > MAX_NOTIFY or not self.ch.core.deliver(
-                Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch, here=True):
+                Notification(self.ch.peer_name, msg.payload, op_id), self.ch, here=True,
+                ack=(lambda: self._ack_here(op_id)) if msg.answer else None):
             return False
         self._done(self._target_record(msg, OpKind.NOTIFY if msg.answer else OpKind.POST, [], "control"))
-        if msg.answer:
-            self.ch.loop.call_soon(self._ack_here, msg.op_id)
         return True
 
     def _ack_here(self, op_id: int) -> None:
@@ -418,10 +424,10 @@ class Serving:
         rec = self._target_record(msg, OpKind.NOTIFY if msg.answer else OpKind.POST, [], "control")
         if len(msg.payload) > MAX_NOTIFY:
             raise ProtocolError(f"notification of {len(msg.payload)} bytes exceeds {MAX_NOTIFY}")
-        if not self.ch.core.deliver(Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch):
+        if not self.ch.core.deliver(Notification(self.ch.peer_name, msg.payload, msg.op_id), self.ch,
+                                    ack=(lambda: self._answer(rec, msg.op_id)) if msg.answer else None):
             self._reject(rec, msg.op_id, EndpointClosedError(f"{self.ch.core.name!r} is closing; notification not "
                                                              "delivered"), answer=msg.answer)
             return
-        self._done(rec)
-        if msg.answer:
-            self.ch.send(Ack(msg.op_id))
+        if not msg.answer:
+            self._done(rec)

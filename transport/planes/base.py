@@ -110,8 +110,10 @@ class PeerLink(Protocol):
         """Reader thread: the dialer's go-ahead for our op ``op_id``."""
 
     def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
-              rec: Any, deliver: Callable[[], TransportError | None] | None) -> None:
-        """Reader thread: post our half of the peer's op and answer it from the completion."""
+              rec: Any, deliver: Callable[[Callable[[], None]], TransportError | None] | None) -> None:
+        """Reader thread: post our half of the peer's op and answer it from the completion; for a put
+        with a notification, ``deliver(ack)`` hands it to the application (None, or the error to
+        answer), calling ``ack`` (which must send the ``Ack``) before the application can see it."""
 
 
 class SendingChannel(Protocol):

@@ -371,11 +371,11 @@ class Link:
 
     # ------------------------------------------------------------------ target side
     def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
-              rec: Any, deliver: Callable[[], TransportError | None] | None) -> None:
+              rec: Any, deliver: Callable[[Callable[[], None]], TransportError | None] | None) -> None:
         """Reader thread: the peer's nccl op ``msg`` arrived; ``ranges`` (buffer, offset, nbytes) if
         it was accepted, else ``error``. Post our half (into/from scratch if rejected: the peer's
-        half may be posted already), then answer from its completion (``deliver`` runs first, for a
-        put's notification)."""
+        half may be posted already), then answer from its completion (``deliver(ack)`` runs first,
+        for a put's notification: it calls ``ack`` before the application can see it)."""
         ch = self.channel
         is_put = isinstance(msg, Put)
         if error is None:
@@ -409,16 +409,23 @@ class Link:
                 ch.recorder.update(rec, OpState.FAILED, exc)
                 ch.lose(PeerLostError(f"the NCCL link with {ch.peer_name!r} failed: {exc}"))
                 return
+            acked = False
+
+            def ack() -> None:
+                nonlocal acked
+                acked = True
+                ch.recorder.update(rec, OpState.DONE)
+                ch.send_quietly(Ack(op_id))
+
             def reply() -> None:
                 nonlocal error
                 if error is None and deliver is not None:
-                    error = deliver()
+                    error = deliver(ack)  # (acknowledged before the application can see the notification)
                 if error is not None:
                     ch.recorder.update(rec, OpState.REJECTED, error)
                     ch.send_quietly(Fail(op_id, error_kind(error), str(error)))
-                else:
-                    ch.recorder.update(rec, OpState.DONE)
-                    ch.send_quietly(Ack(op_id))
+                elif not acked:
+                    ack()
 
             if error is None and deliver is not None:
                 self.answer(reply)

@@ -1,0 +1,104 @@
+"""A target that closes its endpoint as soon as it took a notification: the sender's op succeeds.
+
+``notify()`` returns once the notification is queued at the peer, and a put with ``notify=``
+once the bytes landed and the notification was queued. A generator that stops on a "done"
+notification (``examples/asyncio_put_get.py``) closes its endpoint right after taking it; its
+``Bye`` must not reach the sender ahead of the answer to that op, or the sender's op fails with
+``PeerLostError`` although the target got everything (seen in CI, 1 run in ~30, and here ~1 round
+in 5 under load when the answer was sent after the hand-over to the application).
+
+Real processes and sockets: a spawned target opens one endpoint per round under a fresh name,
+takes one notification and closes; the test's endpoint sends it (``notify`` or a put with
+``notify=``), 120 rounds per case, with two busy processes on this 2-core machine (the race needs
+the target's reader thread to be slow between handing the notification over and answering).
+Both readers of a notification are covered: the target's reader thread (``TRANSPORT_LOOP_READS=0``)
+and its event loop (which reads a channel while it waits for a reply there, and leaves a peer's
+ops, a put among them, to the thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+import transport
+
+ROUNDS = 120
+_CTX = mp.get_context("spawn")
+
+
+def _busy(until: float) -> None:
+    while time.time() < until:
+        pass
+
+
+def _target(store: str, names: list[str], sender: str | None, conn) -> None:
+    """Without ``sender``, the channel's reader thread reads everything (``TRANSPORT_LOOP_READS=0``);
+    with it, each endpoint first posts to ``sender`` expecting a reply, so that its loop reads the
+    channel while it waits (``transport.loop_reads``). Sends the payloads taken and, per round,
+    how many frames its loop read."""
+    os.environ["TRANSPORT_LOOP_READS"] = "0" if sender is None else "1"
+
+    async def main() -> tuple[list[bytes], list[int]]:
+        got, loop_frames = [], []
+        for name in names:
+            async with transport.Endpoint(name, store=store, timeout=20) as ep:
+                ep.register("x", torch.zeros(256, dtype=torch.uint8))
+                if sender is not None:
+                    await ep.post(sender, b"ready", reply_expected=True)
+                got.append((await ep.next_notification(timeout=30)).payload)
+                reads = next(iter(ep._channels.values())).reads
+                loop_frames.append(0 if reads is None else reads.loop_frames)
+        return got, loop_frames  # (each endpoint closed the moment its notification was taken)
+
+    conn.send(asyncio.run(main()))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("op", "reader"), [("notify", "thread"), ("notify", "loop"), ("put-notify", "thread")])
+async def test_the_senders_op_succeeds_when_the_target_closes_on_taking_the_notification(store_url, uname, op, reader):
+    names = [uname("t") for _ in range(ROUNDS)]
+    ours, theirs = _CTX.Pipe()
+    sender = uname("s")
+    target = _CTX.Process(target=_target, args=(store_url, names, sender if reader == "loop" else None, theirs))
+    hogs = [_CTX.Process(target=_busy, args=(time.time() + 120,)) for _ in range(2)]
+    failed: list[str] = []
+    try:
+        for p in (*hogs, target):
+            p.start()
+        async with transport.Endpoint(sender, store=store_url, timeout=20) as ep:
+            for i, name in enumerate(names):
+                payload = f"done {i}".encode()
+                try:
+                    if reader == "loop":  # (the target's loop reads once it posted, expecting an answer)
+                        assert (await ep.next_notification(timeout=30)).payload == b"ready"
+                    if op == "notify":
+                        await ep.notify(name, payload, timeout=20)
+                    else:
+                        peer = await ep.connect(name, timeout=20)
+                        deadline = time.monotonic() + 20
+                        while "x" not in peer.buffers:  # (its registration may follow the connect)
+                            assert time.monotonic() < deadline, "the target's buffer never appeared"
+                            await asyncio.sleep(0.005)
+                        await ep.put(name, {"x": torch.full((256,), i % 256, dtype=torch.uint8)}, notify=payload,
+                                     timeout=20)
+                except transport.TransportError as exc:
+                    failed.append(f"round {i}: {type(exc).__name__}: {exc}")
+        assert await asyncio.to_thread(ours.poll, 60), "the target did not finish"
+        got, loop_frames = ours.recv()
+        assert got == [f"done {i}".encode() for i in range(ROUNDS)]  # each taken once, in order
+        if reader == "loop":  # (under load the thread may take the reads back now and then)
+            assert sum(n > 0 for n in loop_frames) >= ROUNDS // 4, loop_frames
+        else:
+            assert not any(loop_frames), loop_frames
+        assert not failed, f"{len(failed)} of {ROUNDS} ops failed although the target took them: {failed[:3]}"
+    finally:
+        for p in (*hogs, target):
+            if p.is_alive():
+                p.kill()
+            p.join(10)
