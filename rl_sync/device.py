@@ -51,21 +51,20 @@ def foreach_copy(into: list[torch.Tensor], out_of: list[torch.Tensor], *, as_byt
     if not into:
         return
     dd, sd = into[0].dtype, out_of[0].dtype
+    one_by_one = dd != sd and (dd not in _FOREACH_CASTS or sd not in _FOREACH_CASTS)
     if dd == sd:
         if as_bytes is None:
             as_bytes = into[0].is_cuda and dd not in _FOREACH_CASTS
         alias = _SAME_BYTES.get(into[0].element_size()) if as_bytes else None
-        if alias is not None and alias != dd:
-            if any(t.dtype != dd or t.is_conj() or t.is_neg() for t in (*into, *out_of)):
-                for d, src in zip(into, out_of, strict=True):  # (not one pair, or a lazy conj/neg view)
-                    d.copy_(src)
-                return
-            into, out_of = [t.view(alias) for t in into], [t.view(alias) for t in out_of]
-    elif dd not in _FOREACH_CASTS or sd not in _FOREACH_CASTS:
+        if alias is not None and alias != dd:  # (not one pair, or a lazy conj/neg view: one by one)
+            one_by_one = any(t.dtype != dd or t.is_conj() or t.is_neg() for t in (*into, *out_of))
+            if not one_by_one:
+                into, out_of = [t.view(alias) for t in into], [t.view(alias) for t in out_of]
+    if one_by_one:
         for d, src in zip(into, out_of, strict=True):
             d.copy_(src)
-        return
-    torch._foreach_copy_(into, out_of)
+    else:
+        torch._foreach_copy_(into, out_of)
 
 
 def one_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
