@@ -185,12 +185,12 @@ class SharedMode(CommitMode):
         sub = self.sub
 
         def move() -> None:
-            for t in sub._live.values():
-                own = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t, own in zip(sub._live.values(), owns, strict=True):
                 own.copy_(t)
                 t.set_(own.untyped_storage(), 0, own.shape, own.stride())
 
-        try:
+        try:  # (allocated on this thread's current stream, as the model's own memory is: not the copier's)
+            owns = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sub._live.values()]
             sub._copier.run_blocking(move, sub._readers.pending())
             sub._live_bank = None
             if self._lease is not None:
