@@ -281,7 +281,10 @@ async def test_a_stream_of_puts_from_threads_does_not_hold_an_unregister_back(st
                 for th in threads:
                     await asyncio.to_thread(th.join, 30)
         assert counts["now"] > 100, counts
-        assert max(took) < 0.3, f"an unregister waited {max(took):.2f} s for a stream of copies: {took}"
+        # (before: each took 0.5-1.3 s; a thread in a copy may be descheduled for a while on a loaded machine,
+        # so one slow unregister is allowed, under its 2 s bound, but not a slow median)
+        assert sorted(took)[len(took) // 2] < 0.2, f"unregisters waited for a stream of copies: {took}"
+        assert max(took) < 1.5, f"an unregister waited {max(took):.2f} s for a stream of copies: {took}"
         print(f"\n  unregister took max {max(took) * 1e3:.1f} ms, median {sorted(took)[10] * 1e3:.1f} ms; {counts}")
     finally:
         tgt.kill()

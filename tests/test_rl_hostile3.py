@@ -287,10 +287,11 @@ async def test_two_publishers_on_one_endpoint_pushing_to_one_subscriber_at_once(
         for k in range(1, 4):
             va, vb = 2 * k, 2 * k + 1
             t0 = time.monotonic()
-            ra, rb = await asyncio.wait_for(asyncio.gather(pa.push(stamped(va), va, timeout=1.0),
-                                                           pb.push(stamped(vb), vb, timeout=1.0)), 10)
-            assert time.monotonic() - t0 < 2.5
-            assert ra.results[g0.name].ok and holds(m0, va) and ra.results[g0.name].seconds < 0.5
+            ra, rb = await asyncio.wait_for(asyncio.gather(pa.push(stamped(va), va, timeout=2.0),
+                                                           pb.push(stamped(vb), vb, timeout=2.0)), 10)
+            assert time.monotonic() - t0 < 4.5
+            # (g0 is not held up by the contention at g1, which can last to the 2 s deadline)
+            assert ra.results[g0.name].ok and holds(m0, va) and ra.results[g0.name].seconds < 1.0
             async with s1.hold() as held:
                 assert held >= last and holds(m1, held), (held, last)
                 last = held
