@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
@@ -56,6 +57,7 @@ class Inbox:
         self._catch_all: Callable[[Notification], Any] | None = None
         self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
         self._closed = False
+        self._order = threading.Lock()  # (ack + hand-over: one step for every other delivery)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver on ``loop`` from now on (the endpoint's, at ``open()``)."""
@@ -77,18 +79,22 @@ class Inbox:
         not acknowledged); raises ProtocolError if the peer sent more than its credits allow.
         ``ack`` (the sender's answer, for a notification it waits on) is called here first, before
         the loop can see ``note``: an application that closes its endpoint as soon as it took the
-        notification cannot get its ``Bye`` to the sender ahead of that answer. An exception of
-        ``ack`` propagates, ``note`` undelivered."""
+        notification cannot get its ``Bye`` to the sender ahead of that answer. The answer and the
+        hand-over are one step for every other delivery (a lock held for both, never longer): what
+        the sender does once answered, a notification over another channel, is queued behind
+        ``note``, as "returns once it is queued" promises. An exception of ``ack`` propagates,
+        ``note`` undelivered."""
         if self._closed or self._loop is None or self._loop.is_closed():
             return False
         if not credits.delivered():
             raise credits.overflow()
-        if ack is not None:
-            ack()
-        try:
-            self._loop.call_soon_threadsafe(self._enqueue, note, credits)
-        except RuntimeError:  # the loop closed just now: lost with the endpoint, as a queued one is
-            pass
+        with self._order:  # a delivery caused by our Ack (another channel's) is queued behind ours
+            if ack is not None:
+                ack()
+            try:
+                self._loop.call_soon_threadsafe(self._enqueue, note, credits)
+            except RuntimeError:  # the loop closed just now: lost with the endpoint, as a queued one is
+                pass
         return True
 
     # ---------------------------------------------------------------- event loop
@@ -96,13 +102,19 @@ class Inbox:
         """:meth:`deliver` from the event loop itself (it read the notification: a channel's
         ``LoopReads``): queued on the loop behind what the reader threads delivered before, without
         a thread's wake-up, ``ack`` on the loop's next turn just before it. False, nothing done, if
-        the endpoint is closing or the peer sent more than its credits allow (the caller leaves
-        the notification to the reader thread)."""
-        if self._closed or self._loop is None or not credits.delivered():
-            return False
-        if ack is not None:
-            self._loop.call_soon(ack)
-        self._loop.call_soon(self._enqueue, note, credits)
+        the endpoint is closing, a reader thread is between its answer and its hand-over, or the
+        peer sent more than its credits allow (the caller leaves the notification to the reader
+        thread)."""
+        if self._closed or self._loop is None or not self._order.acquire(blocking=False):
+            return False  # (a thread is between its Ack and its hand-over: the thread's turn)
+        try:
+            if not credits.delivered():
+                return False
+            if ack is not None:
+                self._loop.call_soon(ack)
+            self._loop.call_soon(self._enqueue, note, credits)
+        finally:
+            self._order.release()
         return True
 
     def _enqueue(self, note: Notification, credits: _Credits) -> None:
