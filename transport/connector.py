@@ -174,6 +174,9 @@ class Connector:
                                      else (ep._record.host, ep._record.port))
             ep._exports.watch(pending, hello.epoch, remote.host.pid if same_host(local_host(), remote.host)[0]
                                       else None)
+            end = time.monotonic() + ep.timeout
+            while ep._state == "opening" and time.monotonic() < end:  # (our record is published before open()
+                await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
             if ep._state != "open":
                 raise EndpointClosedError("endpoint is closing")
             sock.setblocking(True)

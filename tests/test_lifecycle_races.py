@@ -1,6 +1,10 @@
-"""A notification's answer against what follows it: a target that closes its endpoint as soon as it
-took a notification (the sender's op succeeds), and a sender that goes on once answered (what it
-sends next is queued behind).
+"""Races at the edges of an endpoint's life, with real processes and sockets.
+
+- A notification's answer against what follows it: a target that closes its endpoint as soon as it
+  took a notification (the sender's op succeeds), and a sender that goes on once answered (what it
+  sends next is queued behind).
+- A peer that dials an endpoint whose record is published but whose ``open()`` has not returned
+  keeps the channel it got.
 
 ``notify()`` returns once the notification is queued at the peer, and a put with ``notify=``
 once the bytes landed and the notification was queued. A generator that stops on a "done"
@@ -155,3 +159,38 @@ async def test_what_the_sender_sends_after_notify_returned_is_queued_behind_that
             if p.is_alive():
                 p.kill()
             p.join(10)
+
+
+@pytest.mark.timeout(60)
+async def test_a_channel_dialled_once_the_record_is_published_but_before_open_returned_is_kept(store_url, uname):
+    """``open()`` publishes the endpoint's record in the store, then finishes (the store's answer
+    comes back, the state becomes open). A peer that finds the record in that window and dials
+    gets a channel that works (before: its handshake completed, then the target refused it as
+    "closing" and the dialer's channel died). The window is widened here by holding ``open()``
+    just after its publish returned."""
+    target = transport.Endpoint(uname("t"), store=store_url, timeout=10)
+    published, release = asyncio.Event(), asyncio.Event()
+    real_publish = target._rdv.publish
+
+    async def publish_then_wait(*args, **kwargs):  # (the real publish; the record is in the store)
+        await real_publish(*args, **kwargs)
+        published.set()
+        await release.wait()
+
+    target._rdv.publish = publish_then_wait
+    opening = asyncio.ensure_future(target.open())
+    try:
+        await asyncio.wait_for(published.wait(), 10)
+        async with transport.Endpoint(uname("d"), store=store_url, timeout=10) as dialer:
+            connecting = asyncio.ensure_future(dialer.connect(target.name, timeout=10))
+            await asyncio.sleep(0.5)  # (the dial and handshake happen while the target is still opening)
+            release.set()
+            await asyncio.wait_for(opening, 10)
+            first = (await connecting).channel_id
+            await dialer.notify(target.name, b"hello", timeout=10)
+            assert (await target.next_notification(timeout=10)).payload == b"hello"
+            now = dialer.peer(target.name)
+            assert now is not None and now.channel_id == first, "the channel connect() returned was lost"
+    finally:
+        release.set()
+        await target.close()
