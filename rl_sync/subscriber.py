@@ -349,7 +349,8 @@ class WeightSubscriber(Holding):
                                       f"plan hash {msg.plan_hash} differs from the subscriber's {digest}", "plan",
                                       self._version))
             return
-        if self._strategy.writes_live and (why := self._changed()) is not None:  # (direct: before any byte lands)
+        strategy = self._strategy  # (direct: before any byte lands; not while its first move re-points them)
+        if strategy.writes_live and not strategy.moving and (why := self._changed()) is not None:
             self._reply(peer, m.Reply(msg.push_id, "begin", -1, why, "plan", self._version))
             return
         push = Push(peer, msg.push_id, msg.version, buckets, 0)

@@ -67,6 +67,37 @@ async def test_direct_push_right_after_a_first_push_given_up_while_the_weights_m
         gen.kill()
 
 
+MANY = {f"p{i}": ("float32", (4096,)) for i in range(8000)}  # 125 MiB in 8000 tensors: a first move of ~0.3 s
+
+
+@pytest.mark.timeout(180)
+async def test_a_begin_that_comes_while_the_first_move_re_points_the_weights_is_not_refused(store_url, uname):
+    """Direct mode's first push moves the weights into the arenas, one arena at a time, on the
+    copier's thread (copy, then re-point). A push given up meanwhile leaves the move running; the
+    next push's Begin checks that the model's tensors are still where the subscriber put them. That
+    check ran on the loop without the lock the move holds: caught between a re-point and its
+    record, it saw tensors "given other memory" and refused the push (PlanMismatchError; seen in
+    CI, and 1 round in 4 of this case before). Now it is made under the lock. Six generators, one
+    round each (a move happens once per subscriber)."""
+    gens = [RemoteEndpoint(uname("gen"), store=store_url, timeout=20) for _ in range(6)]
+    try:
+        for gen in gens:
+            gen.call("sub_create", MANY, {"mode": "direct", "arena_bytes": 4 << 20})
+        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
+            w1, w2 = seeded(MANY, 1), seeded(MANY, 2)
+            for gen in gens:
+                pub = rl_sync.WeightPublisher(ep, [gen.name], bucket_bytes=1 << 20)
+                await ep.connect(gen.name)
+                await pub.push(w1, 1, timeout=0.02)  # (given up at once, or done: the next push must succeed)
+                report = await pub.push(w2, 2, timeout=30)
+                assert report.ok, report.summary()
+                pub.close()
+                assert gen.call("sub_check_held", MANY, timeout=60) in ([2, True], (2, True))
+    finally:
+        for gen in gens:
+            gen.kill()
+
+
 LARGE = {f"layers.{i}.weight": ("bfloat16", (4096, 4096)) for i in range(16)}  # 512 MiB: the first move takes a while
 
 

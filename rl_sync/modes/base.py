@@ -98,6 +98,12 @@ class CommitMode:
     def __init__(self, sub: Subscriber) -> None:
         self.sub = sub
 
+    @property
+    def moving(self) -> bool:
+        """Whether the live weights are being re-pointed off the event loop now (direct mode's first
+        move, under the writer lock): a check of their places must wait for that lock."""
+        return False
+
     def make_banks(self) -> None:
         """At construction: make and register the banks of arenas (``nbanks`` of them)."""
         sub = self.sub

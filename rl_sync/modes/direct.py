@@ -36,6 +36,10 @@ class DirectMode(CommitMode):
         self._moves = 0  # moves of the weights into the arenas begun (at most one runs: it holds the writer lock)
         self._moving = False
 
+    @property
+    def moving(self) -> bool:
+        return self._moving
+
     def make_banks(self) -> None:
         self.sub._banks.append([])  # made at the first push, one at a time as the weights move in: see _adopt
 
@@ -62,6 +66,10 @@ class DirectMode(CommitMode):
             sub._drop(push, why)
             sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, why, "other" if push.dropped else "stale",
                                                sub._version))
+            return False
+        if (changed := sub._changed()) is not None:  # (again, under the lock: Begin's check skips it during a move)
+            sub._drop(push, changed)
+            sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, changed, "plan", sub._version))
             return False
         if not await sub._readers.wait(sub.commit_timeout):  # GPU reads queued in hold() before it was left
             dropped = push.dropped
