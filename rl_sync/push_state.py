@@ -88,7 +88,7 @@ class Target:
         self.commit_at = 0.0
         self.committed = False
         self.heard = 0.0  # when it last answered anything
-        self.gone_seen = False  # the watchdog saw its channel gone (it fails it at its next pass)
+        self.gone_seen = False  # the watchdog's last pass saw its channel gone (it fails it if the next one does too)
         self.planes: dict[str, str] = {}  # the transport planes its pulls took, and why (from its replies)
         self.error: BaseException | None = None
         self.finished_at = 0.0

@@ -357,13 +357,14 @@ class PushTracker:
                 if not t.alive:
                     continue
                 p = self.ep.peer(t.name)
-                if (p is None or p.incarnation != t.layout.incarnation
-                        or (t.channel is not None and p.channel_id != t.channel)):  # (what was posted may be lost)
+                gone = (p is None or p.incarnation != t.layout.incarnation
+                        or (t.channel is not None and p.channel_id != t.channel))  # (what was posted may be lost)
+                was_gone, t.gone_seen = t.gone_seen, gone
+                if gone:
                     # failed at the next pass: a channel is seen closed (its reader thread read the Bye) before
                     # the loop took what the subscriber sent ahead of it (its commit's Reply, queued on the loop)
-                    if t.gone_seen:
+                    if was_gone:
                         self.fail(t, self._lost_error(t, now))
-                    t.gone_seen = True
                 elif now >= self.deadline:
                     self.fail(t, self._overdue(t, now))
                 elif t.stalled or not t.begun:

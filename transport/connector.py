@@ -10,7 +10,9 @@ nccl. While a handshake runs, the peer may map what our Hello announced: the end
 track it as a *holder* (:meth:`~transport.exports.Exports.watch`) until the channel takes over.
 
 Runs on the endpoint's event loop. Every wait is bounded by the op's deadline (dialling) or
-:data:`_ACCEPT_HANDSHAKE_S` (an accepted connection's handshake); at most
+:data:`_ACCEPT_HANDSHAKE_S` (an accepted connection's handshake; one completed while our
+``open()`` is still finishing, after our record was published, then waits up to the endpoint's
+timeout for it to end, rather than being refused); at most
 :data:`_MAX_HANDSHAKES` accepted connections may be in their handshake at once.
 """
 
@@ -178,7 +180,8 @@ class Connector:
             while ep._state == "opening" and time.monotonic() < end:  # (our record is published before open()
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
             if ep._state != "open":
-                raise EndpointClosedError("endpoint is closing")
+                raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
+                                          f"endpoint still opening after {ep.timeout} s")
             sock.setblocking(True)
             self.adopt(sock, remote, remote.channel_id or f"{remote.name}->{ep.name}", hello.epoch, dialer=False,
                         offered=hello.planes)
