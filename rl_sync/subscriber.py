@@ -179,6 +179,7 @@ class WeightSubscriber(Holding):
         self._draining: set[asyncio.Task[Any]] = set()  # pulls of dropped pushes, cancelled, not yet over
         self._applying = asyncio.Lock()  # held while a commit copies staging into the live weights
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._replies: set[asyncio.Task[Any]] = set()  # replies posted by a task: close() lets them go out
         self._order = InOrder(endpoint)  # replies to each publisher in order (_reply)
         self._closed = False
         self._names: list[str] = []
@@ -475,7 +476,15 @@ class WeightSubscriber(Holding):
         return self._given.changed()
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
-        post_in_order(self._order, self.endpoint, peer, m.encode(reply), self._spawn)  # (in order; nothing answers it)
+        post_in_order(self._order, self.endpoint, peer, m.encode(reply), self._spawn_reply)  # (in order; unanswered)
+
+    def _spawn_reply(self, coro: Any) -> asyncio.Task[Any]:
+        """A reply's post, not cancelled by :meth:`close` (a commit's reply must reach its publisher
+        when the application closes right after it; the post is bounded by the endpoint's timeout)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+        return task
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
