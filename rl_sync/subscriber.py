@@ -350,11 +350,12 @@ class WeightSubscriber(Holding):
                                       f"plan hash {msg.plan_hash} differs from the subscriber's {digest}", "plan",
                                       self._version))
             return
-        strategy = self._strategy  # (direct: before any byte lands; not while its first move re-points them)
-        if strategy.writes_live and not strategy.moving and (why := self._changed()) is not None:
+        moving = self._strategy.moving  # (direct: checked before any byte lands; not while its first move re-points)
+        if self._strategy.writes_live and not moving and (why := self._changed()) is not None:
             self._reply(peer, m.Reply(msg.push_id, "begin", -1, why, "plan", self._version))
             return
         push = Push(peer, msg.push_id, msg.version, buckets, 0)
+        push.unchecked = moving
         # a later Begin supersedes what has not committed; from here on this one can be aborted or
         # superseded in turn (it is in _starting) through every wait below
         for old in (self._push, *self._starting):

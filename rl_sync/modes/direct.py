@@ -67,7 +67,7 @@ class DirectMode(CommitMode):
             sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, why, "other" if push.dropped else "stale",
                                                sub._version))
             return False
-        if (changed := sub._changed()) is not None:  # (again, under the lock: Begin's check skips it during a move)
+        if push.unchecked and (changed := sub._changed()) is not None:  # (Begin's check skipped: a move ran then)
             sub._drop(push, changed)
             sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, changed, "plan", sub._version))
             return False
