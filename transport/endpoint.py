@@ -459,8 +459,8 @@ class Endpoint(Operations):
 
     # ------------------------------------------------------------------ notifications
     def deliver(self, note: Notification, ch: Channel, here: bool = False, ack: Callable[[], None] | None = None) -> bool:
-        """Channel reader threads (``here``: the event loop) hand notifications over here, ``ack``
-        first; never blocks (:meth:`Inbox.deliver <transport.inbox.Inbox.deliver>`, ``deliver_here``)."""
+        """Channel reader threads (``here``: the event loop) hand notifications over here, then
+        ``ack``; never blocks (:meth:`Inbox.deliver <transport.inbox.Inbox.deliver>`, ``deliver_here``)."""
         return (self._inbox.deliver_here if here else self._inbox.deliver)(note, ch.credits, ack)
 
     def on_notification(self, callback: Callable[[Notification], Any] | None, *, prefix: bytes = b"") -> None:

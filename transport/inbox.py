@@ -57,7 +57,7 @@ class Inbox:
         self._catch_all: Callable[[Notification], Any] | None = None
         self._routes: dict[bytes, Callable[[Notification], Any]] = {}  # payload prefix -> callback
         self._closed = False
-        self._order = threading.Lock()  # (ack + hand-over: one step for every other delivery)
+        self._order = threading.Lock()  # a reader thread's hand-over and answer; close() waits for it
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver on ``loop`` from now on (the endpoint's, at ``open()``)."""
@@ -65,8 +65,12 @@ class Inbox:
 
     def close(self) -> None:
         """The endpoint closes: every :meth:`next` waiting, and any later, raises
-        :class:`EndpointClosedError` (event loop)."""
-        self._closed = True
+        :class:`EndpointClosedError` (event loop). Once it returned, every notification that a
+        reader thread handed over has had its answer sent (it waits for one mid-way, which takes
+        microseconds: the answer is a send that never blocks), so the channels' ``Bye`` frames,
+        sent after this, follow those answers."""
+        with self._order:
+            self._closed = True
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
@@ -75,46 +79,40 @@ class Inbox:
     # ---------------------------------------------------------------- reader threads
     def deliver(self, note: Notification, credits: _Credits, ack: Callable[[], None] | None = None) -> bool:
         """Hand ``note``, which spent one of ``credits`` (its channel's), to the event loop (a
-        channel's reader thread); never blocks. False if the endpoint is closing (the op is then
-        not acknowledged); raises ProtocolError if the peer sent more than its credits allow.
-        ``ack`` (the sender's answer, for a notification it waits on) is called here first, before
-        the loop can see ``note``: an application that closes its endpoint as soon as it took the
-        notification cannot get its ``Bye`` to the sender ahead of that answer. The answer and the
-        hand-over are one step for every other delivery (a lock held for both, never longer): what
-        the sender does once answered, a notification over another channel, is queued behind
-        ``note``, as "returns once it is queued" promises. An exception of ``ack`` propagates,
-        ``note`` undelivered."""
-        if self._closed or self._loop is None or self._loop.is_closed():
-            return False
-        if not credits.delivered():
-            raise credits.overflow()
-        with self._order:  # a delivery caused by our Ack (another channel's) is queued behind ours
-            if ack is not None:
-                ack()
+        channel's reader thread), then call ``ack`` (the sender's answer, for a notification it
+        waits on: a send that never blocks); never blocks otherwise. False, nothing done, if the
+        endpoint is closing (the op is then refused); raises ProtocolError if the peer sent more
+        than its credits allow. Queued before answered: whatever the answer lets the sender do
+        next (a notification over another channel, or, in this process, read what its callback
+        did) comes after ``note``. Both under the lock :meth:`close` takes: an application that
+        closes its endpoint as soon as it took ``note`` cannot get its ``Bye`` to the sender
+        ahead of the answer. An exception of ``ack`` propagates (the channel is lost)."""
+        with self._order:
+            if self._closed or self._loop is None:
+                return False
+            if not credits.delivered():
+                raise credits.overflow()
             try:
                 self._loop.call_soon_threadsafe(self._enqueue, note, credits)
-            except RuntimeError:  # the loop closed just now: lost with the endpoint, as a queued one is
-                pass
+            except RuntimeError:  # the loop is closed
+                return False
+            if ack is not None:
+                ack()
         return True
 
     # ---------------------------------------------------------------- event loop
     def deliver_here(self, note: Notification, credits: _Credits, ack: Callable[[], None] | None = None) -> bool:
         """:meth:`deliver` from the event loop itself (it read the notification: a channel's
         ``LoopReads``): queued on the loop behind what the reader threads delivered before, without
-        a thread's wake-up, ``ack`` on the loop's next turn just before it. False, nothing done, if
-        the endpoint is closing, a reader thread is between its answer and its hand-over, or the
-        peer sent more than its credits allow (the caller leaves the notification to the reader
+        a thread's wake-up, and ``ack`` right behind it, in the same turn of the loop (before the
+        application's code can run). False, nothing done, if the endpoint is closing or the peer
+        sent more than its credits allow (the caller leaves the notification to the reader
         thread)."""
-        if self._closed or self._loop is None or not self._order.acquire(blocking=False):
-            return False  # (a thread is between its Ack and its hand-over: the thread's turn)
-        try:
-            if not credits.delivered():
-                return False
-            if ack is not None:
-                self._loop.call_soon(ack)
-            self._loop.call_soon(self._enqueue, note, credits)
-        finally:
-            self._order.release()
+        if self._closed or self._loop is None or not credits.delivered():
+            return False
+        self._loop.call_soon(self._enqueue, note, credits)
+        if ack is not None:
+            self._loop.call_soon(ack)
         return True
 
     def _enqueue(self, note: Notification, credits: _Credits) -> None:

@@ -339,8 +339,8 @@ class LoopReads:
                 elif isinstance(msg, Notify) and self._notify is not None:
                     if not self._notify(msg):  # (the thread waits for room; no hand-over per frame meanwhile)
                         self.want = bool(self.ops.pending)
-                        self._hand_back("a notification the loop cannot deliver (too large, past its credits, the "
-                                        "endpoint closing, or a reader thread mid-delivery)")
+                        self._hand_back("a notification the loop cannot deliver (too large, past its credits, or the "
+                                        "endpoint is closing)")
                         return
                     rx.consume_frame()
                 elif isinstance(msg, Fail) and self.ch.link is None:

@@ -241,8 +241,8 @@ class Serving:
         self.current = None
 
     def _answer(self, rec: Record, op_id: int) -> None:
-        """The op is done: record it and acknowledge it (for a notification, before the
-        application can see it: ``Inbox.deliver``)."""
+        """The op is done: record it and acknowledge it (for a notification, once handed to the
+        loop and before the endpoint's close can send its ``Bye``: ``Inbox.deliver``)."""
         self._done(rec)
         self.ch.send(Ack(op_id))
 

@@ -113,7 +113,8 @@ class PeerLink(Protocol):
               rec: Any, deliver: Callable[[Callable[[], None]], TransportError | None] | None) -> None:
         """Reader thread: post our half of the peer's op and answer it from the completion; for a put
         with a notification, ``deliver(ack)`` hands it to the application (None, or the error to
-        answer), calling ``ack`` (which must send the ``Ack``) before the application can see it."""
+        answer), calling ``ack`` (which must send the ``Ack``) once it is queued, under the lock the
+        endpoint's close takes before its ``Bye``."""
 
 
 class SendingChannel(Protocol):

@@ -375,7 +375,7 @@ class Link:
         """Reader thread: the peer's nccl op ``msg`` arrived; ``ranges`` (buffer, offset, nbytes) if
         it was accepted, else ``error``. Post our half (into/from scratch if rejected: the peer's
         half may be posted already), then answer from its completion (``deliver(ack)`` runs first,
-        for a put's notification: it calls ``ack`` before the application can see it)."""
+        for a put's notification: it calls ``ack`` once the notification is queued)."""
         ch = self.channel
         is_put = isinstance(msg, Put)
         if error is None:
@@ -420,7 +420,7 @@ class Link:
             def reply() -> None:
                 nonlocal error
                 if error is None and deliver is not None:
-                    error = deliver(ack)  # (acknowledged before the application can see the notification)
+                    error = deliver(ack)  # (acknowledged once queued, before our close can send a Bye)
                 if error is not None:
                     ch.recorder.update(rec, OpState.REJECTED, error)
                     ch.send_quietly(Fail(op_id, error_kind(error), str(error)))
