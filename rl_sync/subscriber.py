@@ -477,20 +477,15 @@ class WeightSubscriber(Holding):
         return self._given.changed()
 
     def _reply(self, peer: str, reply: m.Reply) -> None:
-        post_in_order(self._order, self.endpoint, peer, m.encode(reply), self._spawn_reply)  # (in order; unanswered)
+        # (in order; unanswered. A reply's task is not one close() cancels: a commit's reply must reach its
+        # publisher when the application closes right after it; the post is bounded by the endpoint's timeout)
+        post_in_order(self._order, self.endpoint, peer, m.encode(reply), lambda c: self._spawn(c, self._replies))
 
-    def _spawn_reply(self, coro: Any) -> asyncio.Task[Any]:
-        """A reply's post, not cancelled by :meth:`close` (a commit's reply must reach its publisher
-        when the application closes right after it; the post is bounded by the endpoint's timeout)."""
+    def _spawn(self, coro: Any, tasks: set[asyncio.Task[Any]] | None = None) -> asyncio.Task[Any]:
+        tasks = self._tasks if tasks is None else tasks
         task = asyncio.get_running_loop().create_task(coro)
-        self._replies.add(task)
-        task.add_done_callback(self._replies.discard)
-        return task
-
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
         return task
 
     def __repr__(self) -> str:
