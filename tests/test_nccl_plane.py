@@ -479,3 +479,41 @@ def test_the_poster_runs_each_ops_job_in_order_on_its_own_thread():
         posted[2].synchronize()
     finally:
         poster.close()
+
+
+async def test_a_notified_put_whose_link_aborts_after_its_completion_is_failed_not_left_received(store_url,
+                                                                                                    uname):
+    """On the target, a put with ``notify=`` completes on the link's bridge thread, is checked
+    (the link still up), and is then handed to the link's answering thread; an abort in between
+    (the peer lost, a timeout elsewhere on the link) drops that hand-over. The op then ends FAILED
+    in the target's flight recorder, never left RECEIVED, the notification is not delivered, and
+    the initiator's put fails (nothing reported done). Deterministic: the hand-over aborts first."""
+    async with transport.Endpoint(uname("nccl-tgt"), store=store_url, timeout=30, planes=PLANES,
+                                  engines={"nccl": SocketLinkEngine}) as tgt, \
+            transport.Endpoint(uname("nccl-init"), store=store_url, timeout=10, planes=PLANES,
+                               engines={"nccl": SocketLinkEngine}) as ep:
+        tgt.register("w", torch.zeros(64))
+        await ep.connect(tgt.name)
+        ch = ep._channels[tgt.name]
+        await _until(lambda: ch.link is not None and ch.link.state == "ready", what="the initiator's link is up")
+        await ep.put(tgt.name, {"w": torch.ones(64)}, notify=b"first")
+        assert (await tgt.next_notification(timeout=10)).payload == b"first"
+        assert _ops(ep, "put")[-1]["plane"] == "nccl"
+        tch = tgt._channels[ep.name]
+        link = tch.link
+        answer = link.answer
+
+        def aborted_first(job):  # the channel lost (which aborts its link) just before the hand-over
+            tch.lose(PeerLostError("lost by the test between the completion's check and the hand-over"))
+            return answer(job)
+
+        link.answer = aborted_first
+        with pytest.raises(PeerLostError):
+            await ep.put(tgt.name, {"w": torch.full((64,), 2.0)}, notify=b"second")
+        await _until(lambda: _ops(tgt, "put", role="target")[-1]["state"] != "received",
+                     what="the target's record leaves RECEIVED")
+        recs = _ops(tgt, "put", role="target")
+        assert recs[-1]["state"] == "failed" and "before the op's notification was delivered" in recs[-1]["error"], \
+            recs[-1]
+        with pytest.raises((asyncio.TimeoutError, TimeoutError, transport.TransportTimeoutError)):
+            await tgt.next_notification(timeout=0.3)

@@ -357,17 +357,19 @@ class Link:
         entry[1](None)
         return True
 
-    def answer(self, job: Callable[[], None]) -> None:
+    def answer(self, job: Callable[[], None]) -> bool:
         """Run ``job`` (deliver a notification, then acknowledge) on this link's answering thread:
-        delivery may wait for room in the application's queue, and the completion thread must not."""
+        delivery may wait for room in the application's queue, and the completion thread must not.
+        False if the link is down: the job is dropped (the peer's op fails with the lost link)."""
         with self._state_lock:
             q = self._answers
             if q is None and self.state != "down":
                 q = self._answers = queue.SimpleQueue()
                 threading.Thread(target=_answering, args=(q,), name="transport-nccl-answers", daemon=True).start()
-        if q is None:
-            return
-        q.put(job)
+            if q is None:
+                return False
+            q.put(job)  # (under the lock: abort's end-of-queue mark comes after it, so it runs)
+        return True
 
     # ------------------------------------------------------------------ target side
     def serve(self, msg: Put | Get, ranges: list[tuple[Any, int, int]] | None, error: TransportError | None,
@@ -428,7 +430,10 @@ class Link:
                     ack()
 
             if error is None and deliver is not None:
-                self.answer(reply)
+                if not self.answer(reply):  # aborted since the completion was checked: never delivered
+                    ch.recorder.update(rec, OpState.FAILED, PeerLostError(
+                        f"the NCCL link with {ch.peer_name!r} was aborted before the op's notification was "
+                        f"delivered: {self.reason}"))
             else:
                 reply()
 
