@@ -11,6 +11,7 @@ import itertools
 import logging
 import mmap
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -26,6 +27,14 @@ __all__ = ["Segment", "ShmExport", "ShmExporter", "SlotTable", "export_buffer", 
            "new_segment", "new_slot_table"]
 
 log = logging.getLogger(__name__)
+
+# Every live segment of this process, by its storage's address, whichever endpoint made it: a tensor
+# that lies in one already (registered with another endpoint of this process) is exported from it by
+# the next endpoint too, never moved again (which would leave the first endpoint's export on memory
+# the tensor no longer uses). Segments' ``refs`` count the exports of all endpoints; the lock guards
+# them and this index (endpoints may run on different threads).
+_LIVE: dict[int, Segment] = {}
+_LIVE_LOCK = threading.Lock()
 
 
 def memfd_probe() -> tuple[bool, str]:
@@ -70,6 +79,14 @@ class Segment:
     def close(self, *, drop_storage: bool = True) -> None:
         """Close the fd (idempotent); existing mappings stay valid. ``drop_storage``: also let go
         of the storage (a failed registration keeps it: the caller's tensor still lies in it)."""
+        with _LIVE_LOCK:
+            self.close_locked(drop_storage=drop_storage)
+
+    def close_locked(self, *, drop_storage: bool = True) -> None:
+        """:meth:`close`, with ``_LIVE_LOCK`` held by the caller (so that no other endpoint starts
+        to export the segment between the caller's look at :attr:`refs` and the close)."""
+        if self.storage is not None and _LIVE.get(self.storage.data_ptr()) is self:
+            del _LIVE[self.storage.data_ptr()]
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -100,11 +117,12 @@ class ShmExport:
         if table is not None and self.handle.slot:  # (a segment still shared may be exported again: marked)
             table.revoke(self.handle.slot, self.name, wait,
                          (("shm", seg.inode), self.handle.offset, self.handle.offset + nbytes) if seg.refs > 1 else None)
-        seg.refs -= 1
-        if seg.refs == 0 and seg.fd >= 0:
-            seg.close()
-            return True
-        return False
+        with _LIVE_LOCK:  # (no other endpoint starts to export it between the count and the close)
+            seg.refs -= 1
+            last = seg.refs == 0 and seg.fd >= 0
+            if last:
+                seg.close_locked()
+        return last
 
 
 def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | None = None) -> ShmExport | None:
@@ -135,12 +153,17 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
     nbytes = buf.spec.nbytes
     if nbytes == 0:
         return None
-    for seg in segments:
-        if seg.fd >= 0 and seg.holds(t):
-            offset = t.data_ptr() - seg.storage.data_ptr()  # type: ignore[union-attr]
-            if table is not None:
-                table.wait_clear(("shm", seg.inode), offset, offset + nbytes, buf.spec.name)
-            seg.refs += 1
+    seg, offset = _segment_of(t, segments)
+    if seg is not None:
+        if table is not None:
+            table.wait_clear(("shm", seg.inode), offset, offset + nbytes, buf.spec.name)
+        with _LIVE_LOCK:
+            alive = seg.fd >= 0 and seg.storage is not None
+            if alive:
+                seg.refs += 1
+        if alive:  # (else its last export closed it meanwhile: the tensor is moved into a new one)
+            if seg not in segments:  # another endpoint's: ours to close too once no export is left
+                segments.append(seg)
             return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
     fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
     try:
@@ -155,8 +178,26 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
         os.close(fd)
         raise
     segments[:] = [s for s in segments if s.fd >= 0]
-    segments.append(seg)
+    segments.append(_indexed(seg))
     return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
+
+
+def _segment_of(t: torch.Tensor, segments: list[Segment]) -> tuple[Segment | None, int]:
+    """The live segment ``t``'s storage is, among ``segments`` (the endpoint's) or any other
+    endpoint's of this process (a tied weight, a view of a registered arena, a tensor registered
+    with two endpoints), and ``t``'s offset in it; or (None, 0)."""
+    with _LIVE_LOCK:
+        for seg in [*segments, _LIVE.get(t.untyped_storage().data_ptr())]:
+            if seg is not None and seg.fd >= 0 and seg.holds(t):
+                return seg, t.data_ptr() - seg.storage.data_ptr()  # type: ignore[union-attr]
+    return None, 0
+
+
+def _indexed(seg: Segment) -> Segment:
+    with _LIVE_LOCK:
+        if seg.storage is not None:
+            _LIVE[seg.storage.data_ptr()] = seg
+    return seg
 
 
 def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Segment, torch.Tensor]:
@@ -169,7 +210,7 @@ def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         t = torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
-        return Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage(), refs=0), t
+        return _indexed(Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage(), refs=0)), t
     except BaseException:
         os.close(fd)
         raise
@@ -267,9 +308,11 @@ class ShmExporter(Exporter):
 
     def forget_unexported(self, tensor: torch.Tensor | None, live: list[torch.Tensor]) -> None:
         for seg in self.segments:
-            if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
+            if ((tensor is None or seg.holds(tensor))
                     and not any(seg.holds(t) for t in live)):  # (a view of it still registered keeps it)
-                seg.close()
+                with _LIVE_LOCK:
+                    if seg.refs == 0 and seg.fd >= 0:  # (no export of any endpoint of this process)
+                        seg.close_locked()
         self.segments[:] = [s for s in self.segments if s.fd >= 0]
 
     def tick(self, bufs: list[LocalBuffer]) -> None:

@@ -1,0 +1,117 @@
+"""One tensor registered with two endpoints of one process (``shm``): both keep reaching it.
+
+Registering a CPU tensor for ``shm`` moves its storage into a memfd segment in place. A tensor
+registered with a second endpoint of the same process (a trainer serving two groups, one
+``torch.distributed._transport`` transport per peer over the same weights) already lies in the
+first endpoint's segment: the second exports that segment too and never moves the tensor again,
+which would leave the first endpoint's export on memory the tensor no longer uses (its peers'
+puts lost, their gets stale). The segment lives until neither endpoint exports it. Real
+processes: a spawned peer puts and gets through both endpoints (blocking endpoints: each runs its
+own event loop thread, as the peer's calls block this one); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, make_tensor, same_bytes
+
+N = 4096
+SPEC = ("float32", [N])
+
+
+def _put(peer: RemoteEndpoint, target: str, seed: int) -> None:
+    peer.call("put", target, {"w": (*SPEC, seed)}, 10.0)
+
+
+def test_a_tensor_registered_with_two_endpoints_is_reached_through_both(store_url, uname):
+    peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
+    try:
+        with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
+                transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
+            w = torch.zeros(N)
+            a.register("w", w)
+            at = w.data_ptr()
+            b.register("w", w)
+            assert w.data_ptr() == at  # not moved again
+            for ep, seed in ((a, 1), (b, 2), (a, 3)):
+                _put(peer, ep.name, seed)
+                assert same_bytes(w, make_tensor("float32", (N,), seed)), ep.name
+            w.copy_(make_tensor("float32", (N,), 4))  # the owner writes; a get through either reads it
+            for ep in (a, b):
+                assert peer.call("get_check", ep.name, {"w": (*SPEC, 4)}, 10.0) == {"w": True}, ep.name
+            assert peer.call("op_planes", "put") == ["shm"] and peer.call("op_planes", "get") == ["shm"]
+
+            a.unregister("w")  # b still exports it: it stays where it is
+            assert w.data_ptr() == at
+            _put(peer, b.name, 5)
+            assert same_bytes(w, make_tensor("float32", (N,), 5))
+            assert "UnknownBufferError" in peer.call("put_error", a.name, {"w": (*SPEC, 6)}, 10.0)
+
+            b.unregister("w")  # the last export: the tensor moves to private memory, keeping its bytes
+            assert w.data_ptr() != at and same_bytes(w, make_tensor("float32", (N,), 5))
+            assert "UnknownBufferError" in peer.call("put_error", b.name, {"w": (*SPEC, 7)}, 10.0)
+            assert same_bytes(w, make_tensor("float32", (N,), 5))
+    finally:
+        peer.stop()
+
+
+def test_closing_one_endpoint_leaves_the_other_s_registration_whole(store_url, uname):
+    """The first endpoint closes (its exports end, its segments close unless another endpoint
+    still exports them): the second still reaches the tensor, in place."""
+    peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
+    try:
+        with transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
+            w = torch.zeros(N)
+            with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a:
+                a.register("w", w)
+                b.register("w", w)
+                _put(peer, a.name, 11)
+                assert same_bytes(w, make_tensor("float32", (N,), 11))
+            at = w.data_ptr()
+            _put(peer, b.name, 12)
+            assert w.data_ptr() == at and same_bytes(w, make_tensor("float32", (N,), 12))
+            assert peer.call("get_check", b.name, {"w": (*SPEC, 12)}, 10.0) == {"w": True}
+    finally:
+        peer.stop()
+
+
+def test_two_threads_registering_and_taking_back_one_tensor_never_break_either_export(store_url, uname):
+    """Two blocking endpoints on two threads register and unregister the same tensors over and
+    over (the segments' counts are shared): after every round, a tensor still registered with
+    either endpoint is reached through it, in place."""
+    peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
+    try:
+        with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
+                transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
+            ws = [torch.zeros(N) for _ in range(4)]
+            errors: list[BaseException] = []
+
+            def churn(ep: transport.BlockingEndpoint, rounds: int) -> None:
+                try:
+                    for _ in range(rounds):
+                        for i, w in enumerate(ws):
+                            ep.register(f"w{i}", w)
+                        for i in range(len(ws)):
+                            ep.unregister(f"w{i}")
+                except BaseException as exc:  # noqa: BLE001 - reported by the test
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=churn, args=(ep, 60)) for ep in (a, b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads) and not errors, errors
+            for i, w in enumerate(ws):  # whatever happened, both can register them again and be reached
+                a.register(f"w{i}", w)
+                b.register(f"w{i}", w)
+            for seed, ep in ((21, a), (22, b)):
+                peer.call("put", ep.name, {f"w{i}": (*SPEC, seed + 10 * i) for i in range(len(ws))}, 10.0)
+                for i, w in enumerate(ws):
+                    assert same_bytes(w, make_tensor("float32", (N,), seed + 10 * i)), (ep.name, i)
+    finally:
+        peer.stop()
