@@ -531,6 +531,38 @@ class TestShm(PlaneCase, TransportContractMixin, LifecycleCases):
         with self.assertRaisesRegex(ValueError, "base tensor"):
             first.register_memory(torch.zeros(16)[4:])
 
+    def test_one_tensor_registered_with_two_transports_is_reached_through_both(self) -> None:
+        """One transport per peer over the same weights: the second registration of a tensor
+        exports the segment it already lies in (it is not moved again, which would cut the first
+        transport's peer off from it); it moves back to private memory with the last one."""
+        first, first_peer = self.make_transport_pair()
+        second, second_peer = self.make_transport_pair()
+        weights = torch.zeros(1024)
+        mems = [first.register_memory(weights), second.register_memory(weights)]
+        at = weights.data_ptr()
+        weights.fill_(1.0)
+        pairs = ((first_peer, mems[0]), (second_peer, mems[1]))
+        for peer, mem in pairs:
+            out = torch.zeros(1024)
+            self.assertEqual(peer.read(peer.register_memory(out).to_mutable_view(), mem.to_remote_buffer()), 0)
+            self.assertEqual(out, torch.ones(1024))
+        for k, (peer, mem) in enumerate(pairs):
+            src = torch.full((1024,), float(k + 2))
+            self.assertEqual(peer.write(peer.register_memory(src).to_view(), mem.to_remote_buffer()), 0)
+            self.assertEqual(weights, src)
+        landed = torch.zeros(1024)
+        remote = first_peer.register_memory(landed).to_remote_buffer()
+        self.assertEqual(first.write(mems[0].to_view(), remote), 0)  # its own writes still read the weights
+        self.assertEqual(landed, weights)
+        first.unregister_memory(mems[0])
+        self.assertEqual(weights.data_ptr(), at)  # the second still exports it, in place
+        src = torch.full((1024,), 9.0)
+        self.assertEqual(second_peer.write(second_peer.register_memory(src).to_view(), mems[1].to_remote_buffer()), 0)
+        self.assertEqual(weights, src)
+        second.unregister_memory(mems[1])
+        self.assertNotEqual(weights.data_ptr(), at)  # the last one: back in private memory, bytes kept
+        self.assertEqual(weights, src)
+
     def test_small_transfers_are_copied_by_the_calling_thread(self) -> None:
         """Once the peer's memory is mapped (a first transfer), a transfer submitted while none is
         pending needs nothing of the loop thread: with the loop stalled, a write and a read return
