@@ -14,6 +14,7 @@ import gc
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -338,6 +339,49 @@ class LifecycleCases:
 
         asyncio.run(run())
 
+    def test_async_close_waits_for_a_transfer_being_submitted(self: Any) -> None:
+        """A read on another thread, past the transport's open check when close_async starts,
+        becomes pending before close_async looks (it takes the operations' lock, as close does):
+        close_async waits for it and the bytes land. Before, close_async did not see it and
+        released everything under it (tcp: the read failed with the endpoint closed; shm: its
+        worker thread's copy raced the destination's unregistration, which copies it out of its
+        segment)."""
+        n = 32 << 20
+        first, second = self.make_transport_pair()
+        dest = first.register_memory(torch.zeros(n, dtype=torch.uint8))
+        theirs = torch.full((n,), 7, dtype=torch.uint8)
+        remote = second.register_memory(theirs).to_remote_buffer()
+        self.assertEqual(first.read(dest.to_mutable_view(0, 4096), remote), 0)  # (the channel, shm's mapping)
+        view = dest.to_mutable_view()
+        inside, go = threading.Event(), threading.Event()
+
+        def size() -> int:  # called under the transport's lock, after its open check
+            inside.set()
+            go.wait(5)
+            return n
+
+        view.size = size
+        out: dict[str, Any] = {}
+
+        def submit() -> None:
+            try:
+                out["work"] = first.read(view, remote, async_op=True)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                out["error"] = exc
+
+        submitter = threading.Thread(target=submit)
+        submitter.start()
+        self.assertTrue(inside.wait(5))
+        threading.Timer(0.3, go.set).start()  # once close_async has begun
+        asyncio.run(first.close_async(timeout=20))
+        submitter.join(5)
+        if "error" in out:  # (refused as closed: allowed, nothing was moved)
+            self.assertIsInstance(out["error"], RuntimeError)
+            return
+        work = out["work"]
+        self.assertTrue(work.is_completed() and work.is_success(), work.exception())
+        self.assertTrue(bool((dest._registration.tensor == 7).all()))
+
     def test_cancellation_retains_buffers(self: Any) -> None:
         tensor = torch.ones(8)
         ref = weakref.ref(tensor)
@@ -371,6 +415,19 @@ class LifecycleCases:
         first.close(timeout=10)
         gc.collect()
         self.assertIsNone(ref())
+
+    def test_a_kept_work_does_not_keep_the_registrations_memory(self: Any) -> None:
+        tensor = torch.ones(8)
+        ref = weakref.ref(tensor)
+        first, second, source, remote = self.registered_pair(tensor)
+        work = first.write(source.to_view(), remote, async_op=True)
+        self.assertTrue(work.wait(timedelta(seconds=10)))
+        first.unregister_memory(source)
+        del source, tensor
+        first.close(timeout=10)
+        gc.collect()
+        self.assertIsNone(ref())  # (the Work, still held, let its buffers go when its transfer ended)
+        self.assertTrue(work.is_success())
 
     def test_concurrent_waiters(self: Any) -> None:
         first, second, source, remote = self.registered_pair()
@@ -693,6 +750,57 @@ def test_new_transport_rank_over_a_store(plane):
     finally:
         for tr in made.values():
             tr.close(timeout=10)
+
+
+def _stoppable_peer(to_test: Any, from_test: Any) -> None:
+    tr = tdt.new_transport(BACKEND, "cpu", plane="tcp", timeout=10)
+    to_test.put(tr.bind())
+    tr.connect(from_test.get(timeout=60))
+    memory = tr.register_memory(torch.zeros(1024))
+    to_test.put(memory.to_remote_buffer().serialize())
+    from_test.get(timeout=120)
+    tr.close(timeout=10)
+
+
+def test_a_transfers_bound_counts_its_turn_behind_earlier_ones():
+    """``transfer_timeout`` bounds a transfer from its submission: three writes queued behind
+    each other to a peer that does not answer (a spawned process, SIGSTOPped) all fail within
+    about one bound, not one bound each in turn (the third after three)."""
+    ctx = multiprocessing.get_context("spawn")
+    to_test, from_test = ctx.Queue(), ctx.Queue()
+    peer = ctx.Process(target=_stoppable_peer, args=(to_test, from_test), daemon=True)
+    peer.start()
+    first = tdt.new_transport(BACKEND, "cpu", plane="tcp", timeout=10, transfer_timeout=1)
+    try:
+        address = to_test.get(timeout=60)
+        from_test.put(first.bind())
+        assert first.connect(address) == 0
+        remote = TransportRLRemoteBuffer.deserialize(to_test.get(timeout=60))
+        source = first.register_memory(torch.ones(1024))
+        assert first.write(source.to_view(), remote) == 0
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            works = [first.write(source.to_view(), remote, async_op=True, timeout=1) for _ in range(3)]
+            errors = []
+            for work in works:
+                try:
+                    work.wait(timedelta(seconds=10))
+                except BaseException as exc:  # noqa: BLE001 - checked below
+                    errors.append(exc)
+            took = time.monotonic() - start
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        assert len(errors) == 3 and all(isinstance(e, transport.TransportTimeoutError) for e in errors), errors
+        assert "never started" in str(errors[2])
+        assert took < 2.5, took  # (one bound each in turn: 3 s)
+        from_test.put("stop")
+    finally:
+        first.close(timeout=10)
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+            peer.join(5)
 
 
 # ---------------------------------------------------------------------------- two processes

@@ -52,8 +52,9 @@ class TransportRL(Transport):
       (a view of another tensor is refused; register its base). Unregistering and closing move
       it back into private memory, in place.
     - ``timeout`` (default 30 s): the default bound of every wait; see below.
-    - ``transfer_timeout`` (default 300 s): how long a transfer may run before its Work fails
-      with :class:`transport.TransportTimeoutError` (at least the timeout it was submitted with).
+    - ``transfer_timeout`` (default 300 s): how long a transfer may take, from its submission
+      (its turn behind earlier transfers included), before its Work fails with
+      :class:`transport.TransportTimeoutError` (at least the timeout it was submitted with).
     - ``name``, ``secret``, ``listen_host``: the endpoint's (``listen_host`` is the address it
       accepts on, 127.0.0.1 by default: set it to reach peers on other hosts over tcp).
 
@@ -323,7 +324,7 @@ class TransportRL(Transport):
                     with self._pending_lock:
                         self._pending[id(work)] = work
                     try:
-                        fut = self._submit(self._transfer(write, peer, ops, bound))
+                        fut = self._submit(self._transfer(write, peer, ops, time.monotonic() + bound))
                     except BaseException:  # (the loop's own thread, or the loop gone): never pending
                         with self._pending_lock:
                             self._pending.pop(id(work), None)
@@ -353,13 +354,18 @@ class TransportRL(Transport):
             work._end_now(None)
         return done
 
-    async def _transfer(self, write: bool, peer: str, ops: dict[str, transport.At], bound: float) -> None:
+    async def _transfer(self, write: bool, peer: str, ops: dict[str, transport.At], end: float) -> None:
         # asyncio.Lock is FIFO and these coroutines start in submission order (run_coroutine_threadsafe)
         async with self._in_order:
+            left = end - time.monotonic()  # (the bound counts from submission: the turn waited included)
+            if left <= 0:
+                raise transport.TransportTimeoutError(
+                    f"the {'write' if write else 'read'} waited for the transfers submitted before it past its "
+                    f"bound (transfer_timeout={self._transfer_timeout} s); it never started")
             if write:
-                await self._ep.put(peer, ops, timeout=bound)
+                await self._ep.put(peer, ops, timeout=left)
             else:
-                await self._ep.get(peer, ops, timeout=bound)
+                await self._ep.get(peer, ops, timeout=left)
 
     def write(self, local_buffer: MemoryView, remote_buffer: RemoteBuffer, *, async_op: bool = False,
               timeout: float | None = None) -> int | Work:
@@ -457,9 +463,8 @@ class TransportRL(Transport):
         if self._closed:
             return
         deadline = time.monotonic() + t
-        self._closing = True
-        with self._pending_lock:
-            pending = list(self._pending.values())
+        # (under the operations' lock, as close() takes it: a transfer past its open check is then pending)
+        pending = await asyncio.to_thread(self._begin_close, t)
         error: BaseException | None = None
         try:
             await wait_all(pending, timeout=max(0.0, deadline - time.monotonic()))

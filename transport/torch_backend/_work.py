@@ -56,6 +56,7 @@ class TransportRLWork(Work):
         on_done = self._on_done
         if on_done is not None:
             on_done(self)
+        self._buffers = None  # (a Work the caller keeps does not keep the registration's memory)
         if self._done is _NOT_YET:
             self._done = _ENDED
         else:
