@@ -76,6 +76,10 @@ class TransportRL(Transport):
 
     Timeouts bound the caller's wait, never the transfer: a write or read whose wait times
     out goes on (its Work keeps its buffers) until it ends or ``transfer_timeout`` passes.
+    A tcp write failed by ``transfer_timeout`` after its bytes were handed to the socket (a peer
+    that stopped reading) is not taken back: until they are out, or the channel is closed, its
+    source may still be read and they may still land in the peer's buffer (the library keeps
+    the memory referenced meanwhile); the peer's buffer is undefined after a failed write.
     Blocking calls (``bind``, ``connect``, ``register_memory``, ``unregister_memory``, the
     synchronous ``write``/``read``, ``close``) wait at most ``timeout`` (``None``: the
     transport's) for the transport's lock and then for the loop, plus 2 s for the loop to
