@@ -115,3 +115,54 @@ def test_two_threads_registering_and_taking_back_one_tensor_never_break_either_e
                     assert same_bytes(w, make_tensor("float32", (N,), seed + 10 * i)), (ep.name, i)
     finally:
         peer.stop()
+
+
+def test_a_registration_racing_the_other_endpoints_last_unregister_keeps_the_tensor(store_url, uname,
+                                                                                      monkeypatch):
+    """Endpoint b lets go of the tensor's segment (its last export) and copies the tensor back
+    into private memory; endpoint a registers the same tensor meanwhile. a's registration waits
+    for that move and then moves the tensor into a segment of its own: a's export is where the
+    tensor is, so a peer's put through a lands in it. (Before, a moved the tensor into its new
+    segment in the middle of b's move out, which then re-pointed it to private memory: a's
+    peers' puts were reported done and lost.) Held deterministically: b's copy out waits."""
+    peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
+    try:
+        with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
+                transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
+            w = torch.zeros(N)
+            b.register("w", w)
+            real = torch.empty_like
+            moving, go = threading.Event(), threading.Event()
+
+            def held_copy_out(t, *args, **kwargs):  # b's move back into private memory, held
+                if t is w:
+                    moving.set()
+                    assert go.wait(10)
+                return real(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch, "empty_like", held_copy_out)
+            out: dict[str, BaseException] = {}
+
+            def run(name: str, fn) -> threading.Thread:
+                def body() -> None:
+                    try:
+                        fn()
+                    except BaseException as exc:  # noqa: BLE001 - reported by the test
+                        out[name] = exc
+                thread = threading.Thread(target=body)
+                thread.start()
+                return thread
+
+            unregistering = run("unregister", lambda: b.unregister("w"))
+            assert moving.wait(10)
+            registering = run("register", lambda: a.register("w", w))
+            threading.Timer(0.3, go.set).start()
+            unregistering.join(20)
+            registering.join(20)
+            assert not unregistering.is_alive() and not registering.is_alive() and not out, out
+            monkeypatch.setattr(torch, "empty_like", real)
+            _put(peer, a.name, 31)
+            assert same_bytes(w, make_tensor("float32", (N,), 31))
+            assert peer.call("get_check", a.name, {"w": (*SPEC, 31)}, 10.0) == {"w": True}
+    finally:
+        peer.stop()

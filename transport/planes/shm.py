@@ -21,7 +21,8 @@ copy runs under their locks too, so a put never lands in a buffer the peer
 took back and registered again at the same place (a view of an arena);
 without (the table full, no OFD locks), a put that raced a re-registration
 has written into the old place: harmless when that memory was the
-unregistered tensor's alone (``unregister`` moves it out of the segment).
+unregistered tensor's alone (``unregister`` moves it out of the segment, unless
+another endpoint of the process still exports it: then the tensor stays there).
 
 Cancellation and timeouts: the copy stops at its next chunk boundary (64 MiB,
 or one bounce buffer when staged) and sends no header, and the call raises only

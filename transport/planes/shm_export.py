@@ -13,6 +13,7 @@ import mmap
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +33,23 @@ log = logging.getLogger(__name__)
 # that lies in one already (registered with another endpoint of this process) is exported from it by
 # the next endpoint too, never moved again (which would leave the first endpoint's export on memory
 # the tensor no longer uses). Segments' ``refs`` count the exports of all endpoints; the lock guards
-# them and this index (endpoints may run on different threads).
+# them and this index (endpoints may run on different threads). ``_MOVES`` is held (outside
+# ``_LIVE_LOCK``) across every move of a tensor into or out of a segment, with the look for a segment
+# before it: an export's last release and its copy back to private memory are one step to another
+# endpoint exporting the same tensor at the same time (which would otherwise move it into a segment
+# of its own while the copy back moved it out again).
 _LIVE: dict[int, Segment] = {}
 _LIVE_LOCK = threading.Lock()
+_MOVES = threading.Lock()
+
+
+def _after_fork() -> None:  # (a forked child's endpoints are its own: nothing shared with the parent's)
+    global _LIVE_LOCK, _MOVES
+    _LIVE.clear()
+    _LIVE_LOCK, _MOVES = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def memfd_probe() -> tuple[bool, str]:
@@ -104,24 +119,31 @@ class ShmExport:
     name: str = ""
     moved_marked: bool = False  # its slot says the owner re-pointed the tensor
 
-    def close(self, wait: bool = True, nbytes: int = 0) -> bool:
+    def close(self, wait: bool = True, nbytes: int = 0, then: Callable[[], None] | None = None) -> bool:
         """Stop exporting: first revoke the export's slot (waiting, if ``wait``, up to
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
         no copy of a peer lands after this returns; the segment's fd closes with its last buffer
         (then True is returned). Existing mappings stay valid. A copy that still held the slot
         past the bound (a frozen peer) may still write the export's ``nbytes``: while the segment
-        is shared that range is marked, and a buffer registered over it waits for the slot
-        (:func:`export_buffer`)."""
+        is shared that range is marked, and a buffer registered over it here waits for the slot
+        (:func:`export_buffer`); another endpoint that exports the same segment does not know
+        of that copy. ``then`` runs once the segment closed (its last export), before any
+        endpoint of this process can export the tensor again (the copy back to private memory)."""
         table, self.table = self.table, None
         seg = self.segment
         if table is not None and self.handle.slot:  # (a segment still shared may be exported again: marked)
+            with _LIVE_LOCK:
+                shared = seg.refs > 1
             table.revoke(self.handle.slot, self.name, wait,
-                         (("shm", seg.inode), self.handle.offset, self.handle.offset + nbytes) if seg.refs > 1 else None)
-        with _LIVE_LOCK:  # (no other endpoint starts to export it between the count and the close)
-            seg.refs -= 1
-            last = seg.refs == 0 and seg.fd >= 0
-            if last:
-                seg.close_locked()
+                         (("shm", seg.inode), self.handle.offset, self.handle.offset + nbytes) if shared else None)
+        with _MOVES:
+            with _LIVE_LOCK:  # (no other endpoint starts to export it between the count and the close)
+                seg.refs -= 1
+                last = seg.refs == 0 and seg.fd >= 0
+                if last:
+                    seg.close_locked()
+            if last and then is not None:
+                then()
         return last
 
 
@@ -154,17 +176,23 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
     if nbytes == 0:
         return None
     seg, offset = _segment_of(t, segments)
-    if seg is not None:
-        if table is not None:
-            table.wait_clear(("shm", seg.inode), offset, offset + nbytes, buf.spec.name)
-        with _LIVE_LOCK:
-            alive = seg.fd >= 0 and seg.storage is not None
-            if alive:
-                seg.refs += 1
-        if alive:  # (else its last export closed it meanwhile: the tensor is moved into a new one)
+    if seg is not None and table is not None:  # (outside _MOVES: it may wait up to REVOKE_WAIT_S)
+        table.wait_clear(("shm", seg.inode), offset, offset + nbytes, buf.spec.name)
+    with _MOVES:
+        seg, offset = _segment_of(t, segments)  # (again: another endpoint may have moved it meanwhile)
+        if seg is not None:
+            with _LIVE_LOCK:  # (an unused one, e.g. ep.new_buffer's, may be closed by another endpoint meanwhile)
+                alive = seg.fd >= 0
+                if alive:
+                    seg.refs += 1
+        if seg is not None and alive:
             if seg not in segments:  # another endpoint's: ours to close too once no export is left
                 segments.append(seg)
             return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
+        return _move_into_new_segment(buf, t, nbytes, segments)
+
+
+def _move_into_new_segment(buf: LocalBuffer, t: torch.Tensor, nbytes: int, segments: list[Segment]) -> ShmExport:
     fd = os.memfd_create(f"transport:{buf.spec.name}"[:200], os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
@@ -285,12 +313,17 @@ class ShmExporter(Exporter):
         copy; the tensor object is re-pointed in place), so a peer with a stale mapping can
         never write into it again."""
         exp = buf.exports.pop("shm", None)
-        if exp is not None and exp.close(wait=not closing, nbytes=buf.spec.nbytes) and detach:
+        if exp is None:
+            return
+
+        def move_out() -> None:  # (the segment's last export: no endpoint of this process exports it now)
             t = buf.tensor
             private = torch.empty_like(t)
             with torch.no_grad():
                 private.copy_(t)
                 t.set_(private.untyped_storage(), 0, t.shape, t.stride())
+
+        exp.close(wait=not closing, nbytes=buf.spec.nbytes, then=move_out if detach else None)
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
@@ -308,11 +341,10 @@ class ShmExporter(Exporter):
 
     def forget_unexported(self, tensor: torch.Tensor | None, live: list[torch.Tensor]) -> None:
         for seg in self.segments:
-            if ((tensor is None or seg.holds(tensor))
-                    and not any(seg.holds(t) for t in live)):  # (a view of it still registered keeps it)
-                with _LIVE_LOCK:
-                    if seg.refs == 0 and seg.fd >= 0:  # (no export of any endpoint of this process)
-                        seg.close_locked()
+            with _LIVE_LOCK:  # (no export of any endpoint of this process; a view of it still registered keeps it)
+                if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
+                        and not any(seg.holds(t) for t in live)):
+                    seg.close_locked()
         self.segments[:] = [s for s in self.segments if s.fd >= 0]
 
     def tick(self, bufs: list[LocalBuffer]) -> None:
