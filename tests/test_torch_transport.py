@@ -429,6 +429,28 @@ class LifecycleCases:
         self.assertIsNone(ref())  # (the Work, still held, let its buffers go when its transfer ended)
         self.assertTrue(work.is_success())
 
+    def test_transfers_into_one_range_land_in_submission_order(self: Any) -> None:
+        """A large write (a worker thread's copy on shm, many segments on tcp) then a small one
+        into the same remote bytes, both async, then a read: the small one's bytes win (it is
+        never reordered ahead of the large one), and the read sees them."""
+        n = 8 << 20
+        first, second = self.make_transport_pair()
+        big = first.register_memory(torch.ones(n, dtype=torch.uint8))
+        small = first.register_memory(torch.full((4096,), 2, dtype=torch.uint8))
+        landed = torch.zeros(n, dtype=torch.uint8)
+        remote = second.register_memory(landed).to_remote_buffer()
+        back = torch.zeros(n, dtype=torch.uint8)
+        readback = first.register_memory(back)
+        for _ in range(5):
+            works = [first.write(big.to_view(), remote, async_op=True),
+                     first.write(small.to_view(), remote, async_op=True),
+                     first.read(readback.to_mutable_view(), remote, async_op=True)]
+            for work in works:
+                self.assertTrue(work.wait(timedelta(seconds=20)))
+            self.assertTrue(bool((landed[:4096] == 2).all()) and bool((landed[4096:] == 1).all()))
+            self.assertEqual(back, landed)
+            landed.zero_()
+
     def test_concurrent_waiters(self: Any) -> None:
         first, second, source, remote = self.registered_pair()
         with stalled(first):
