@@ -16,6 +16,8 @@ What must hold, with real processes and shared memory:
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -83,6 +85,33 @@ async def test_put_now_and_get_now_need_no_event_loop(store_url, uname):
             assert _ops(ep, tgt.name)[before:] == [("put", "shm", "done"), ("get", "shm", "done"),
                                                    ("get", "shm", "done"), ("put", "shm", "done")]
             assert not tgt.call("target_ops"), "one-sided ops sent the target headers"
+    finally:
+        tgt.kill()
+
+
+async def test_put_now_and_get_now_need_nothing_of_a_frozen_target(store_url, uname):
+    """The target process is SIGSTOPped: put_now and get_now from another thread (this loop
+    blocked too) still return True at once, with the bytes moved: one-sided, they wait for
+    neither the peer nor the loop. The target finds the put's bytes once it runs again."""
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",))
+    try:
+        tgt.call("register", "w", "float32", (4096,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=10) as ep:
+            await ep.put(tgt.name, {"w": make_tensor("float32", (4096,), 1)})  # (maps its segment)
+            os.kill(tgt.proc.pid, signal.SIGSTOP)
+            try:
+                for seed in (2, 3, 4):
+                    start = time.monotonic()
+                    assert _in_thread(lambda s=seed: ep.put_now(tgt.name, {"w": make_tensor("float32", (4096,), s)}),
+                                      limit=5.0)
+                    out = torch.zeros(4096)
+                    assert _in_thread(lambda o=out: ep.get_now(tgt.name, {"w": o}), limit=5.0)
+                    assert same_bytes(out, make_tensor("float32", (4096,), seed))
+                    assert time.monotonic() - start < 2.0  # (nothing waited on the frozen peer)
+            finally:
+                os.kill(tgt.proc.pid, signal.SIGCONT)
+            assert tgt.call("check", "w", 4)
+            assert _ops(ep, tgt.name)[-6:] == [("put", "shm", "done"), ("get", "shm", "done")] * 3
     finally:
         tgt.kill()
 
