@@ -614,6 +614,40 @@ async def test_direct_mode_abort_or_close_while_begin_waits_never_keeps_the_lock
             pass
 
 
+@pytest.mark.parametrize("mode", ["staged", "swap", "direct", "shared"])
+async def test_a_begin_whose_plan_hash_differs_is_refused_and_nothing_moves(store_url, uname, mode):
+    """README: "both sides check a hash of the plan at every push". A publisher (here a raw
+    endpoint) whose Begin carries another plan's hash is answered with a "plan" refusal; the
+    Pull and Commit it sends after that change nothing: the version stays, the weights stay
+    byte for byte. A real push then goes through."""
+    msgs = rl_sync.messages
+    w0 = torch.arange(4096, dtype=torch.float32)
+    spec = {"w": w0.clone()}
+    async with trainer(store_url, uname) as ep, transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, spec, mode=mode, commit_timeout=2.0)
+        _, digest = sub.plan(1 << 20)
+        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+        wrong = ("0" if digest[0] != "0" else "1") + digest[1:]
+        await ep.notify(gep.name, msgs.encode(msgs.Begin(1, 1, wrong, 1 << 20)))
+        reply = msgs.decode((await ep.next_notification(timeout=5)).payload)
+        assert isinstance(reply, msgs.Reply) and reply.stage == "begin" and reply.error_kind == "plan", reply
+        assert "plan hash" in (reply.error or "")
+        await ep.notify(gep.name, msgs.encode(msgs.Pull(1, 0, ep.name, "src", 0)))
+        await ep.notify(gep.name, msgs.encode(msgs.Commit(1, 1)))
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError, transport.TransportTimeoutError):
+            while True:  # whatever it answers (or not) within half a second
+                msgs.decode((await ep.next_notification(timeout=0.5)).payload)
+        async with sub.hold(timeout=2.0) as v:
+            assert v == 0 and same_bytes(spec["w"], w0) and not sub.torn
+        pub = rl_sync.WeightPublisher(ep, [gep.name])
+        want = torch.full((4096,), 3.0)
+        report = await pub.push({"w": want}, 2)
+        assert report.ok, report.summary()
+        async with sub.hold(timeout=2.0) as v:
+            assert v == 2 and torch.equal(spec["w"], want)
+        sub.close()
+
+
 async def test_direct_mode_waits_longer_for_the_first_pull(store_url, uname):
     """The publisher sends pulls only once every subscriber has begun (others may wait for their
     readers), so before the first Pull a direct push gets twice commit_timeout."""
