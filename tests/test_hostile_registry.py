@@ -129,14 +129,16 @@ async def test_a_tcp_get_served_while_the_target_unregisters_never_returns_bytes
 
 # ---------------------------------------------------------------------------- shm one-sided, target killed
 @pytest.mark.timeout(40)
+@pytest.mark.parametrize("op", ["put", "get"])
 @pytest.mark.parametrize("size", ["4KiB", "8MiB", "4KiB-unseen"])
-async def test_a_one_sided_put_to_a_killed_and_reaped_target_is_not_reported_done(store_url, uname, size):
+async def test_a_one_sided_op_with_a_killed_and_reaped_target_is_not_reported_done(store_url, uname, size, op):
     """The target is SIGKILLed and reaped (its process no longer exists) before the put is even
     called. An shm put then has nowhere to land: it must fail typed (PeerLostError), not return
     as done. (4 KiB: the one-sided fast path on the event loop; 8 MiB: on a worker thread.)
     "unseen": the channel's reader thread is kept from handling the EOF until the put returned
     (the test holds the channel's lock, which breaking it takes), as a loaded host does by chance
-    (the CI once got a 4 KiB put reported done so): the put must find out by itself."""
+    (the CI once got a 4 KiB put reported done so): the put must find out by itself. A get
+    likewise: it must not return bytes read from the memory of a process that no longer exists."""
     n = 512 if size.startswith("4KiB") else 1 << 20
     rounds, holes = 3, []
     async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=5) as ep:
@@ -153,13 +155,16 @@ async def test_a_one_sided_put_to_a_killed_and_reaped_target_is_not_reported_don
                     tgt.proc.join(10)
                     wait_gone(tgt.pid)
                     try:
-                        await ep.put(tgt.name, {"w": torch.full((n,), 2, dtype=torch.int64)}, timeout=1)
-                        holes.append((r, "put done into a process that no longer exists"))
+                        if op == "put":
+                            await ep.put(tgt.name, {"w": torch.full((n,), 2, dtype=torch.int64)}, timeout=1)
+                        else:
+                            await ep.get(tgt.name, {"w": torch.zeros(n, dtype=torch.int64)}, timeout=1)
+                        holes.append((r, f"{op} done with a process that no longer exists"))
                     except transport.TransportError as exc:
                         assert isinstance(exc, (transport.PeerLostError, transport.PeerNotFoundError) + _TYPED), exc
             finally:
                 tgt.kill()
-    print(f"\n  {size}: {len(holes)}/{rounds} puts into a dead target reported done: {holes}")
+    print(f"\n  {size}: {len(holes)}/{rounds} {op}s with a dead target reported done: {holes}")
     assert not holes, holes
 
 
