@@ -63,6 +63,36 @@ async def test_sigstop_times_out_at_the_deadline_and_dumps(store_url, uname, pla
         frozen.kill()
 
 
+async def test_a_peer_killed_mid_op_dumps_the_flight_recorder_with_the_op_failed(store_url, uname, tmp_path):
+    """README: the flight recorder dumps "on peer loss". A tcp put of 64 MiB is in flight to a
+    frozen peer, which is then SIGKILLed: the put fails PeerLostError, and a dump appears in
+    the endpoint's dump_dir, saying the peer was lost, with that put failed in it."""
+    n = 16 << 20
+    victim = RemoteEndpoint(uname("victim"), store=store_url, planes=("tcp",))
+    try:
+        victim.call("register", "w", "float32", (n,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("tcp",), timeout=30,
+                                      dump_dir=tmp_path) as ep:
+            await ep.connect(victim.name)
+            victim.signal(signal.SIGSTOP)
+            put = asyncio.ensure_future(ep.put(victim.name, {"w": make_tensor("float32", (n,), 5)}))
+            await asyncio.sleep(0.5)
+            assert not put.done()
+            victim.signal(signal.SIGKILL)
+            with pytest.raises(transport.PeerLostError):
+                await asyncio.wait_for(put, 20)
+            deadline = time.monotonic() + 10
+            while not (dumps := sorted(tmp_path.glob("fr-*.json"))):
+                assert time.monotonic() < deadline, "no flight recorder dump on peer loss"
+                await asyncio.sleep(0.05)
+            doc = json.loads(dumps[0].read_text())
+            assert doc["reason"].startswith("peer lost") and victim.name in doc["reason"], doc["reason"]
+            lost = [r for r in doc["records"] if r["kind"] == "put" and r["peer"] == victim.name]
+            assert lost and lost[-1]["state"] == "failed", lost[-1:]
+    finally:
+        victim.kill()
+
+
 async def test_frozen_peer_is_declared_lost_by_heartbeats(store_url, uname):
     frozen = RemoteEndpoint(uname("frozen"), store=store_url)
     try:
