@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import signal
+import threading
 import time
 
 import pytest
@@ -259,6 +260,70 @@ async def test_idle_connections_do_not_starve_the_endpoint(store_url, uname):
         finally:
             for s in idle:
                 s.close()
+
+
+async def test_a_peer_gets_through_while_an_attacker_keeps_refilling_every_handshake_slot(store_url, uname):
+    """README: someone who can reach only the endpoint's port "can keep up to 64 handshakes busy
+    for at most 10 s each, which delays peers but does not lock them out". An attacker thread keeps
+    90 connections open that never introduce themselves, and opens a new one the moment one it
+    held is closed (evicted after 10 s; one refused over the cap, a few ms later): a real peer's
+    put still lands, after one or a few eviction rounds (its dials race the attacker's refills at
+    each; 10-20 s measured on the 2-core VM)."""
+    import selectors
+    import socket as _socket
+
+    async with transport.Endpoint(uname("tgt"), store=store_url, timeout=30) as tgt:
+        tgt.register("w", make_tensor("float32", (8,), 0))
+        stop, filled = threading.Event(), threading.Event()
+        opened = [0]
+
+        def attacker() -> None:
+            sel = selectors.DefaultSelector()
+            live = 0
+            try:
+                while not stop.is_set():
+                    while live < 90 and not stop.is_set():
+                        try:
+                            s = _socket.create_connection(tgt.address, timeout=1)
+                        except OSError:
+                            break
+                        s.setblocking(False)
+                        sel.register(s, selectors.EVENT_READ, time.monotonic())
+                        live += 1
+                        opened[0] += 1
+                    filled.set()
+                    for key, _ in sel.select(0.02):
+                        try:
+                            data = key.fileobj.recv(65536)
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            data = b""
+                        if not data:  # closed by the endpoint: refill at once (evicted), or soon (refused
+                            sel.unregister(key.fileobj)  # over the cap: it held no slot; paced to spare the CPUs)
+                            key.fileobj.close()
+                            live -= 1
+                            if time.monotonic() - key.data < 1.0:
+                                time.sleep(0.005)
+            finally:
+                for key in list(sel.get_map().values()):
+                    key.fileobj.close()
+                sel.close()
+
+        thread = threading.Thread(target=attacker, daemon=True)
+        thread.start()
+        try:
+            assert await asyncio.to_thread(filled.wait, 10)
+            async with transport.Endpoint(uname("ini"), store=store_url, timeout=70) as ini:
+                start = time.monotonic()
+                await ini.put(tgt.name, {"w": make_tensor("float32", (8,), 1)}, timeout=70)
+                took = time.monotonic() - start
+            assert bool((tgt._registry.get("w").tensor == make_tensor("float32", (8,), 1)).all())
+            print(f"\n  the put got through after {took:.1f} s; the attacker opened {opened[0]} connections")
+            assert took < 70, took
+        finally:
+            stop.set()
+            thread.join(10)
 
 
 async def test_simultaneous_dials_leave_each_side_on_one_open_channel(store_url, uname):
