@@ -311,6 +311,54 @@ async def test_a_late_one_sided_copy_never_lands_in_a_buffer_registered_later_at
 
 
 @pytest.mark.timeout(60)
+async def test_a_buffer_registered_over_a_copy_still_frozen_past_the_bound_is_refused(store_url, uname):
+    """As above, but the initiator's copy sleeps past both bounds (the take-back's and the new
+    registration's): ``register("y")`` at x's old place waits the bound for that copy to let go,
+    then fails with BufferMismatchError, registering nothing; once the copy has let go, the same
+    registration succeeds and the late copy never reaches ``y``."""
+    import fcntl
+
+    from tests._remote import RemoteEndpoint
+    from transport.planes.shm_slots import REVOKE_WAIT_S, _lock
+
+    n = 1 << 16
+    sleep = 3 * REVOKE_WAIT_S + 1.0  # past the take-back's wait and the registration's
+    ini = RemoteEndpoint(uname("ini"), store=store_url, timeout=30, planes=("shm",))
+    try:
+        async with transport.Endpoint(uname("tgt"), store=store_url, timeout=30, planes=("shm",)) as tgt:
+            arena = tgt.new_buffer("arena", (2 * n,), torch.int64)
+            tgt.register("x", arena[:n])
+            await asyncio.to_thread(ini.call, "connect", tgt.name)
+            ini.call("slow_shm_copies", sleep)
+            ini.start("put_error", tgt.name, {"x": ("int64", (n,), 7)}, 30)
+            exp = tgt._registry.get("x").exports["shm"]
+            fd = tgt.exporter("shm").slot_table.made.fd
+            end = time.monotonic() + 20
+            while _lock(fd, fcntl.F_WRLCK, exp.handle.slot):  # until its copy holds the slot
+                _lock(fd, fcntl.F_UNLCK, exp.handle.slot)
+                assert time.monotonic() < end, "the initiator's copy never locked the slot"
+                await asyncio.sleep(0.005)
+            locked_at = time.monotonic()
+            tgt.unregister("x")  # waits the bound, then takes it back anyway
+            t0 = time.monotonic()
+            with pytest.raises(transport.BufferMismatchError, match="still ran"):
+                tgt.register("y", arena[:n])
+            took = time.monotonic() - t0
+            assert REVOKE_WAIT_S - 0.1 <= took < REVOKE_WAIT_S + 1.5, took
+            assert "y" not in tgt.buffers
+            assert time.monotonic() - locked_at < sleep, "the copy ended before the test could look"
+            err = await asyncio.to_thread(ini.result, 30)  # the copy let go: its put failed
+            assert err.startswith(("StaleBufferError", "UnknownBufferError")), err
+            y = arena[:n]
+            tgt.register("y", y)
+            y.fill_(-5)
+            await asyncio.sleep(0.3)
+            assert int((y != -5).sum()) == 0
+    finally:
+        ini.kill()
+
+
+@pytest.mark.timeout(60)
 async def test_a_notified_shm_put_never_lands_in_a_buffer_registered_later_at_the_old_place(store_url, uname):
     """The same layout without any stall: the initiator (a process) puts into ``x`` (a view of an
     arena) with a notification, in a loop (the header path: copy, then the header names the
