@@ -1,19 +1,15 @@
 """Generator side: receive buffers, serve pushes, apply commits atomically.
 
-A :class:`WeightSubscriber` registers its staging arenas and its manifest on
-the endpoint and then serves pushes on the endpoint's event loop, with no
-call from the application: it answers the publisher's ``Begin``, pulls each
-bucket into its staging arena when told to (a one-sided ``get`` from the
-bucket's source), and on ``Commit`` copies staging into the live weights
-while holding the writer side of a readers-writer lock. Readers
-(:meth:`WeightSubscriber.hold`) therefore never see two versions at once, and
-a push that fails or is cancelled before its commit leaves the live weights
-untouched. ``mode="direct"`` trades that last property for memory: the live
-weights are the arena, written while readers are held off for the whole push,
-and a push that fails after its first byte leaves them *torn*: :meth:`hold`
-then waits for the next successful commit. ``mode="shared"`` registers no
-arenas at all: it is sent no pulls, and its commit re-points the live weights
-into the publisher's bank that holds the version (:mod:`rl_sync.banks`).
+A :class:`WeightSubscriber` registers its staging arenas and its manifest on the endpoint and then serves
+pushes on the endpoint's event loop, with no call from the application: it answers the publisher's
+``Begin``, pulls each bucket into its staging arena when told to (a one-sided ``get`` from the bucket's
+source), and on ``Commit`` copies staging into the live weights while holding the writer side of a
+readers-writer lock. Readers (:meth:`WeightSubscriber.hold`) therefore never see two versions at once, and a
+push that fails or is cancelled before its commit leaves the live weights untouched. ``mode="direct"``
+trades that last property for memory: the live weights are the arena, written while readers are held off for
+the whole push, and a push that fails after its first byte leaves them *torn*: :meth:`hold` then waits for
+the next successful commit. ``mode="shared"`` registers no arenas at all: it is sent no pulls, and its
+commit re-points the live weights into the publisher's bank that holds the version (:mod:`rl_sync.banks`).
 """
 
 from __future__ import annotations
@@ -219,15 +215,26 @@ class WeightSubscriber(Holding):
         self._closed = True
         with self._version_cond:  # blocking holders waiting for torn weights to heal: they now raise
             self._version_cond.notify_all()
-        self.endpoint.on_notification(None, prefix=m.TO_SUBSCRIBER)
+        self.endpoint.on_notification(self._refuse_closed, prefix=m.TO_SUBSCRIBER)  # (later Begins: a prompt no)
+        pending = {(p.publisher, p.push_id) for p in (self._push, *self._starting) if p is not None}
         for push in (self._push, *self._starting):
             if push is not None:
                 self._drop(push, "the subscriber was closed")
+        # their publishers are told (else each waits for its push's deadline), those of Begins not yet started too
+        for peer, push_id in sorted(pending | set(self._beginning)) if self.endpoint.is_open else ():
+            self._reply(peer, m.Reply(push_id, "dropped", -1, "the subscriber was closed", "other", self._version))
+        self._beginning.clear()
         for t in list(self._tasks):
             t.cancel()
         self._strategy.close()  # shared: the weights move out of the publisher's bank, then it is let go
         if self.endpoint.is_open:
             self._unregister()
+
+    def _refuse_closed(self, note: transport.Notification) -> None:
+        with contextlib.suppress(ValueError, msgspec.DecodeError):
+            if isinstance(msg := m.decode(note.payload), m.Begin) and self.endpoint.is_open:
+                self._reply(note.peer, m.Reply(msg.push_id, "begin", -1, "the subscriber was closed", "other",
+                                               self._version))
 
     def _unregister(self) -> None:
         for name in self._names:
