@@ -17,12 +17,11 @@ sends the header naming the export ids it wrote as the "done" message; a get
 copies out, then sends one naming those it read. The target checks that they
 are still the buffers' (else it answers ``stale``: the endpoint refreshes its
 copy of the peer's registry and retries once) and acknowledges. With slots the
-copy runs under their locks too, so a put never lands in a buffer the peer
-took back and registered again at the same place (a view of an arena);
-without (the table full, no OFD locks), a put that raced a re-registration
-has written into the old place: harmless when that memory was the
-unregistered tensor's alone (``unregister`` moves it out of the segment, unless
-another endpoint of the process still exports it: then the tensor stays there).
+copy runs under their locks too, so a put never lands in a buffer the peer took back and registered
+again at the same place (a view of an arena); without (the table full, no OFD locks), a put that raced a
+re-registration has written into the old place: harmless when that memory was the unregistered tensor's
+alone (``unregister`` moves it out of the segment, unless another endpoint of the process still exports
+it: then the tensor stays there).
 
 Cancellation and timeouts: the copy stops at its next chunk boundary (64 MiB,
 or one bounce buffer when staged) and sends no header, and the call raises only
