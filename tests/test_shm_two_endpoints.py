@@ -12,7 +12,10 @@ own event loop thread, as the peer's calls block this one); every wait is bounde
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -27,36 +30,43 @@ def _put(peer: RemoteEndpoint, target: str, seed: int) -> None:
     peer.call("put", target, {"w": (*SPEC, seed)}, 10.0)
 
 
-def test_a_tensor_registered_with_two_endpoints_is_reached_through_both(store_url, uname):
+@contextlib.contextmanager
+def _peer_and_two_endpoints(store_url: str, uname: Any) -> Iterator[tuple[RemoteEndpoint, Any, Any]]:
+    """A spawned peer, and two blocking endpoints of this process: ``a`` and ``b``."""
     peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
     try:
         with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
                 transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
-            w = torch.zeros(N)
-            a.register("w", w)
-            at = w.data_ptr()
-            b.register("w", w)
-            assert w.data_ptr() == at  # not moved again
-            for ep, seed in ((a, 1), (b, 2), (a, 3)):
-                _put(peer, ep.name, seed)
-                assert same_bytes(w, make_tensor("float32", (N,), seed)), ep.name
-            w.copy_(make_tensor("float32", (N,), 4))  # the owner writes; a get through either reads it
-            for ep in (a, b):
-                assert peer.call("get_check", ep.name, {"w": (*SPEC, 4)}, 10.0) == {"w": True}, ep.name
-            assert peer.call("op_planes", "put") == ["shm"] and peer.call("op_planes", "get") == ["shm"]
-
-            a.unregister("w")  # b still exports it: it stays where it is
-            assert w.data_ptr() == at
-            _put(peer, b.name, 5)
-            assert same_bytes(w, make_tensor("float32", (N,), 5))
-            assert "UnknownBufferError" in peer.call("put_error", a.name, {"w": (*SPEC, 6)}, 10.0)
-
-            b.unregister("w")  # the last export: the tensor moves to private memory, keeping its bytes
-            assert w.data_ptr() != at and same_bytes(w, make_tensor("float32", (N,), 5))
-            assert "UnknownBufferError" in peer.call("put_error", b.name, {"w": (*SPEC, 7)}, 10.0)
-            assert same_bytes(w, make_tensor("float32", (N,), 5))
+            yield peer, a, b
     finally:
         peer.stop()
+
+
+def test_a_tensor_registered_with_two_endpoints_is_reached_through_both(store_url, uname):
+    with _peer_and_two_endpoints(store_url, uname) as (peer, a, b):
+        w = torch.zeros(N)
+        a.register("w", w)
+        at = w.data_ptr()
+        b.register("w", w)
+        assert w.data_ptr() == at  # not moved again
+        for ep, seed in ((a, 1), (b, 2), (a, 3)):
+            _put(peer, ep.name, seed)
+            assert same_bytes(w, make_tensor("float32", (N,), seed)), ep.name
+        w.copy_(make_tensor("float32", (N,), 4))  # the owner writes; a get through either reads it
+        for ep in (a, b):
+            assert peer.call("get_check", ep.name, {"w": (*SPEC, 4)}, 10.0) == {"w": True}, ep.name
+        assert peer.call("op_planes", "put") == ["shm"] and peer.call("op_planes", "get") == ["shm"]
+
+        a.unregister("w")  # b still exports it: it stays where it is
+        assert w.data_ptr() == at
+        _put(peer, b.name, 5)
+        assert same_bytes(w, make_tensor("float32", (N,), 5))
+        assert "UnknownBufferError" in peer.call("put_error", a.name, {"w": (*SPEC, 6)}, 10.0)
+
+        b.unregister("w")  # the last export: the tensor moves to private memory, keeping its bytes
+        assert w.data_ptr() != at and same_bytes(w, make_tensor("float32", (N,), 5))
+        assert "UnknownBufferError" in peer.call("put_error", b.name, {"w": (*SPEC, 7)}, 10.0)
+        assert same_bytes(w, make_tensor("float32", (N,), 5))
 
 
 def test_closing_one_endpoint_leaves_the_other_s_registration_whole(store_url, uname):
@@ -83,38 +93,33 @@ def test_two_threads_registering_and_taking_back_one_tensor_never_break_either_e
     """Two blocking endpoints on two threads register and unregister the same tensors over and
     over (the segments' counts are shared): after every round, a tensor still registered with
     either endpoint is reached through it, in place."""
-    peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
-    try:
-        with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
-                transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
-            ws = [torch.zeros(N) for _ in range(4)]
-            errors: list[BaseException] = []
+    with _peer_and_two_endpoints(store_url, uname) as (peer, a, b):
+        ws = [torch.zeros(N) for _ in range(4)]
+        errors: list[BaseException] = []
 
-            def churn(ep: transport.BlockingEndpoint, rounds: int) -> None:
-                try:
-                    for _ in range(rounds):
-                        for i, w in enumerate(ws):
-                            ep.register(f"w{i}", w)
-                        for i in range(len(ws)):
-                            ep.unregister(f"w{i}")
-                except BaseException as exc:  # noqa: BLE001 - reported by the test
-                    errors.append(exc)
+        def churn(ep: transport.BlockingEndpoint, rounds: int) -> None:
+            try:
+                for _ in range(rounds):
+                    for i, w in enumerate(ws):
+                        ep.register(f"w{i}", w)
+                    for i in range(len(ws)):
+                        ep.unregister(f"w{i}")
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
 
-            threads = [threading.Thread(target=churn, args=(ep, 60)) for ep in (a, b)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            assert not any(t.is_alive() for t in threads) and not errors, errors
-            for i, w in enumerate(ws):  # whatever happened, both can register them again and be reached
-                a.register(f"w{i}", w)
-                b.register(f"w{i}", w)
-            for seed, ep in ((21, a), (22, b)):
-                peer.call("put", ep.name, {f"w{i}": (*SPEC, seed + 10 * i) for i in range(len(ws))}, 10.0)
-                for i, w in enumerate(ws):
-                    assert same_bytes(w, make_tensor("float32", (N,), seed + 10 * i)), (ep.name, i)
-    finally:
-        peer.stop()
+        threads = [threading.Thread(target=churn, args=(ep, 60)) for ep in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        for i, w in enumerate(ws):  # whatever happened, both can register them again and be reached
+            a.register(f"w{i}", w)
+            b.register(f"w{i}", w)
+        for seed, ep in ((21, a), (22, b)):
+            peer.call("put", ep.name, {f"w{i}": (*SPEC, seed + 10 * i) for i in range(len(ws))}, 10.0)
+            for i, w in enumerate(ws):
+                assert same_bytes(w, make_tensor("float32", (N,), seed + 10 * i)), (ep.name, i)
 
 
 def test_a_registration_racing_the_other_endpoints_last_unregister_keeps_the_tensor(store_url, uname,
@@ -125,44 +130,39 @@ def test_a_registration_racing_the_other_endpoints_last_unregister_keeps_the_ten
     tensor is, so a peer's put through a lands in it. (Before, a moved the tensor into its new
     segment in the middle of b's move out, which then re-pointed it to private memory: a's
     peers' puts were reported done and lost.) Held deterministically: b's copy out waits."""
-    peer = RemoteEndpoint(uname("peer"), store=store_url, timeout=10)
-    try:
-        with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
-                transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
-            w = torch.zeros(N)
-            b.register("w", w)
-            real = torch.empty_like
-            moving, go = threading.Event(), threading.Event()
+    with _peer_and_two_endpoints(store_url, uname) as (peer, a, b):
+        w = torch.zeros(N)
+        b.register("w", w)
+        real = torch.empty_like
+        moving, go = threading.Event(), threading.Event()
 
-            def held_copy_out(t, *args, **kwargs):  # b's move back into private memory, held
-                if t is w:
-                    moving.set()
-                    assert go.wait(10)
-                return real(t, *args, **kwargs)
+        def held_copy_out(t, *args, **kwargs):  # b's move back into private memory, held
+            if t is w:
+                moving.set()
+                assert go.wait(10)
+            return real(t, *args, **kwargs)
 
-            monkeypatch.setattr(torch, "empty_like", held_copy_out)
-            out: dict[str, BaseException] = {}
+        monkeypatch.setattr(torch, "empty_like", held_copy_out)
+        out: dict[str, BaseException] = {}
 
-            def run(name: str, fn) -> threading.Thread:
-                def body() -> None:
-                    try:
-                        fn()
-                    except BaseException as exc:  # noqa: BLE001 - reported by the test
-                        out[name] = exc
-                thread = threading.Thread(target=body)
-                thread.start()
-                return thread
+        def run(name: str, fn) -> threading.Thread:
+            def body() -> None:
+                try:
+                    fn()
+                except BaseException as exc:  # noqa: BLE001 - reported by the test
+                    out[name] = exc
+            thread = threading.Thread(target=body)
+            thread.start()
+            return thread
 
-            unregistering = run("unregister", lambda: b.unregister("w"))
-            assert moving.wait(10)
-            registering = run("register", lambda: a.register("w", w))
-            threading.Timer(0.3, go.set).start()
-            unregistering.join(20)
-            registering.join(20)
-            assert not unregistering.is_alive() and not registering.is_alive() and not out, out
-            monkeypatch.setattr(torch, "empty_like", real)
-            _put(peer, a.name, 31)
-            assert same_bytes(w, make_tensor("float32", (N,), 31))
-            assert peer.call("get_check", a.name, {"w": (*SPEC, 31)}, 10.0) == {"w": True}
-    finally:
-        peer.stop()
+        unregistering = run("unregister", lambda: b.unregister("w"))
+        assert moving.wait(10)
+        registering = run("register", lambda: a.register("w", w))
+        threading.Timer(0.3, go.set).start()
+        unregistering.join(20)
+        registering.join(20)
+        assert not unregistering.is_alive() and not registering.is_alive() and not out, out
+        monkeypatch.setattr(torch, "empty_like", real)
+        _put(peer, a.name, 31)
+        assert same_bytes(w, make_tensor("float32", (N,), 31))
+        assert peer.call("get_check", a.name, {"w": (*SPEC, 31)}, 10.0) == {"w": True}
