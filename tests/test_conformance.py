@@ -408,15 +408,22 @@ def delays(duration: float) -> list[float]:
     return [0.0005, 0.001, 0.002] + [duration * f for f in (0.05, 0.15, 0.3, 0.5, 0.7, 0.9)]
 
 
+STOP_BOUND_S = 10.0  # README: a stopped op's waits "are bounded (seconds; staged: the staging stall bound)"
+
+
 async def stopped(op: Any, mode: str, delay: float) -> bool:
     """Run ``op(timeout)``, stopped after ``delay`` (cancelled by ``wait_for``) or by its own
-    ``timeout=``; True if it raised, False if it completed first."""
+    ``timeout=``; True if it raised, False if it completed first. One that raised did so within
+    :data:`STOP_BOUND_S` of being stopped (its copies stopped or finished, its bytes drained)."""
+    t0 = time.monotonic()
     try:
         if mode == "wait_for":
             await asyncio.wait_for(op(None), delay)
         else:
             await op(delay)
     except (TimeoutError, transport.TransportTimeoutError):
+        late = time.monotonic() - t0 - delay
+        assert late < STOP_BOUND_S, f"the op raised {late:.1f} s after it was stopped ({mode}, {delay * 1e3:.2f} ms)"
         return True
     return False
 
