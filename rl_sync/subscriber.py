@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -215,12 +216,12 @@ class WeightSubscriber(Holding):
         self._closed = True
         with self._version_cond:  # blocking holders waiting for torn weights to heal: they now raise
             self._version_cond.notify_all()
-        self.endpoint.on_notification(self._refuse_closed, prefix=m.TO_SUBSCRIBER)  # (later Begins: a prompt no)
-        pending = {(p.publisher, p.push_id) for p in (self._push, *self._starting) if p is not None}
-        for push in (self._push, *self._starting):
-            if push is not None:
-                self._drop(push, "the subscriber was closed")
-        # their publishers are told (else each waits for its push's deadline), those of Begins not yet started too
+        refuse = weakref.WeakMethod(self._refuse_closed)  # later Begins: a prompt no (the route keeps no subscriber)
+        self.endpoint.on_notification(lambda note: (f := refuse()) is not None and f(note), prefix=m.TO_SUBSCRIBER)
+        pending = {(p.publisher, p.push_id) for p in (self._push, *self._starting) if p is not None and not p.applying}
+        for push in [p for p in (self._push, *self._starting) if p is not None]:
+            self._drop(push, "the subscriber was closed")
+        # their publishers (and those of Begins not started) are told; a commit changing the weights answers itself
         for peer, push_id in sorted(pending | set(self._beginning)) if self.endpoint.is_open else ():
             self._reply(peer, m.Reply(push_id, "dropped", -1, "the subscriber was closed", "other", self._version))
         self._beginning.clear()

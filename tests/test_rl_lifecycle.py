@@ -6,11 +6,14 @@ commits. A hostile pass wrote them; each failed at 0d617dd (3 to 6 runs of 3 to 
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import threading
 import time
+import weakref
 
 import pytest
+import torch
 
 import rl_sync
 import rl_sync.push_run
@@ -144,6 +147,9 @@ async def test_closing_a_subscriber_during_its_commit_never_leaves_its_version_a
             await asyncio.sleep(0.5)
             v, same = gen.call("sub_check_stamp", timeout=60)
             assert same, f"reports version {v}, holds other bytes ({report.summary()})"
+            # the publisher's report says what the subscriber holds (its commit's copy, run to its end when
+            # close() came, answers for itself: no "dropped" ahead of it)
+            assert report.results[gen.name].ok == (v == 2), (v, report.summary())
     finally:
         gen.kill()
 
@@ -190,6 +196,7 @@ async def test_closing_a_subscriber_at_points_of_its_commit_leaves_one_version_w
                     assert v in (1, 2, "torn") and same, f"{delay * 1e3:.0f} ms: version {v}, other bytes ({report.summary()})"
                     # a subscriber closed before it committed tells the publisher (before: the push's deadline)
                     assert report.ok or "the subscriber was closed" in report.summary(), report.summary()
+                    assert report.ok == (v == 2), (v, report.summary())
                     assert took < 6.0, (took, report.summary())
                     # and a later push to the closed subscriber fails at once (its manifest is gone)
                     start = time.monotonic()
@@ -200,6 +207,18 @@ async def test_closing_a_subscriber_at_points_of_its_commit_leaves_one_version_w
                     pub.close()
     finally:
         gen.kill()
+
+
+async def test_a_closed_subscriber_is_not_kept_alive_by_its_endpoint(store_url, uname):
+    """close() leaves a handler on the endpoint that refuses later Begins; it must not keep the
+    subscriber (and its arenas, a model's worth of memory) alive once the application drops it."""
+    async with transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, {"w": torch.zeros(1 << 16)}, mode="staged")
+        ref = weakref.ref(sub)
+        sub.close()
+        del sub
+        gc.collect()
+        assert ref() is None, gc.get_referrers(ref())
 
 
 @pytest.mark.timeout(120)

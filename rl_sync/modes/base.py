@@ -28,8 +28,8 @@ __all__ = ["CommitMode", "Push", "Subscriber", "readers_late"]
 
 
 class Push:
-    __slots__ = ("bank", "buckets", "by_bucket", "done", "dropped", "locked", "moving", "progress", "publisher",
-                 "pulled", "pulls", "push_id", "routes", "unchecked", "version")
+    __slots__ = ("applying", "bank", "buckets", "by_bucket", "done", "dropped", "locked", "moving", "progress",
+                 "publisher", "pulled", "pulls", "push_id", "routes", "unchecked", "version")
 
     def __init__(self, publisher: str, push_id: int, version: int, buckets: list[Bucket], bank: int) -> None:
         self.bank = bank
@@ -42,6 +42,7 @@ class Push:
         self.moving = False  # direct mode: its Begin is moving the weights into the arenas (the lock stays held)
         self.unchecked = False  # direct mode: Begin came during a move, the model's tensors are checked under the lock
         self.dropped = False  # aborted, superseded or given up: it never commits
+        self.applying = False  # its commit changes the live weights now, and answers even if cancelled (staged)
         self.progress = time.monotonic()  # direct mode: when it last moved (the watchdog's clock)
         self.pulled = False  # a Pull of it arrived
         self.pulls: set[asyncio.Task[Any]] = set()  # its pulls still running

@@ -67,6 +67,7 @@ class StagedMode(CommitMode):
             sub._lock.release_write()
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, why, kind, sub._version))
             return
+        push.applying = self.changed_under_cancel  # (close() leaves its answer to this commit)
         try:
             try:
                 await self._change(push)
