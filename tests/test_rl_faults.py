@@ -210,13 +210,20 @@ async def test_a_subscriber_frozen_while_it_alone_holds_both_slots_holds_up_only
     answer Begin 0.5 s late, as with their loops busy): its two slot pulls have no answered pull of
     the same bucket to be compared with. Once the others wait for a slot, it is stalled after 4x the
     push's median pull (before: after ``stall_timeout``, 5 s, past the push's 3 s deadline), and
-    they commit well within the deadline; it fails at the deadline and keeps its version."""
+    they commit well within the deadline; it fails at the deadline and keeps its version. All the
+    while (slots taken back and reused, the victim's buckets repaired) the trainer's send slots
+    stay two of ``bucket_bytes`` at most (README: "through two send slots on the trainer")."""
     gens = _Gens(store_url, uname, "staged")
     trap = _Trap()
+    peak = [0]
     try:
         async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep:
+            def observer(ev: rl_sync.PushEvent) -> None:
+                trap(ev)
+                peak[0] = max(peak[0], sum(spec.nbytes for name, spec in ep.buffers.items() if "/slot" in name))
+
             pub = rl_sync.WeightPublisher(ep, [g.name for g in gens.gens], dtype="auto", bucket_bytes=BUCKET,
-                                          fanout="direct", observer=trap)
+                                          fanout="direct", observer=observer)
             version, bound = await warm_up(pub)
             late = 0.5
             for i in (0, 2):
@@ -238,6 +245,7 @@ async def test_a_subscriber_frozen_while_it_alone_holds_both_slots_holds_up_only
             _check_all(gens.gens, {version - 1, version})
             assert victim.call("sub_version") == version - 1
             await next_push_reaches_everyone(pub, gens.gens, version)
+            assert 0 < peak[0] <= 2 * BUCKET, (peak[0], BUCKET)
     finally:
         gens.close()
 
