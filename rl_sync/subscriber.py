@@ -364,11 +364,11 @@ class WeightSubscriber(Holding):
             return
         push = Push(peer, msg.push_id, msg.version, buckets, 0)
         push.unchecked = moving
-        # a later Begin supersedes what has not committed; from here on this one can be aborted or
-        # superseded in turn (it is in _starting) through every wait below
-        for old in (self._push, *self._starting):
-            if old is not None:  # (its publisher is told: another publisher's push would wait for its deadline)
-                self._drop(old, f"superseded by push {msg.push_id} of {peer}")
+        # a later Begin supersedes what has not committed (its publisher is told, else it waits for its deadline; a
+        # commit whose copy runs commits, answering itself); this one can then be aborted or superseded in turn
+        for old in [p for p in (self._push, *self._starting) if p is not None]:
+            self._drop(old, f"superseded by push {msg.push_id} of {peer}")
+            if not old.applying:
                 self._reply(old.publisher, m.Reply(old.push_id, "dropped", -1, f"superseded by push {msg.push_id} "
                                                    f"of {peer}", "other", self._version))
         self._starting.add(push)

@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import re
 import signal
+import threading
 import time
 import types
 
@@ -645,6 +646,90 @@ async def test_a_begin_whose_plan_hash_differs_is_refused_and_nothing_moves(stor
         assert report.ok, report.summary()
         async with sub.hold(timeout=2.0) as v:
             assert v == 2 and torch.equal(spec["w"], want)
+        sub.close()
+
+
+async def test_a_begin_during_a_staged_commits_copy_leaves_that_commit_answered_as_committed(store_url, uname):
+    """Publisher 1's push is committing (the staged copy into the live weights runs, held for
+    0.5 s) when publisher 2's Begin comes. The copy is uncancellable and commits: publisher 1 is
+    answered "committed" and never "dropped" (before, it was told "dropped" first and failed that
+    entry although the subscriber then held its version)."""
+    msgs = rl_sync.messages
+    spec = {"w": torch.zeros(4096)}
+    async with trainer(store_url, uname) as ep, trainer(store_url, uname) as ep2, \
+            transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, spec, mode="staged", commit_timeout=5.0)
+        buckets, digest = sub.plan(1 << 20)
+        assert len(buckets) == 1
+        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+        real_apply, copying = sub._strategy._apply, threading.Event()
+
+        def slow_apply(bank: int) -> None:  # (the copier thread)
+            copying.set()
+            time.sleep(0.5)
+            real_apply(bank)
+
+        sub._strategy._apply = slow_apply
+
+        async def answer(on: transport.Endpoint) -> rl_sync.messages.Reply:
+            return msgs.decode((await on.next_notification(timeout=5)).payload)
+
+        await ep.notify(gep.name, msgs.encode(msgs.Begin(1, 1, digest, 1 << 20)))
+        assert (await answer(ep)).stage == "begin"
+        await ep.notify(gep.name, msgs.encode(msgs.Pull(1, 0, ep.name, "src", 0)))
+        pulled = await answer(ep)
+        assert pulled.stage == "pull" and pulled.error is None, pulled
+        await ep.notify(gep.name, msgs.encode(msgs.Commit(1, 1)))
+        assert await asyncio.to_thread(copying.wait, 5)
+        await ep2.notify(gep.name, msgs.encode(msgs.Begin(1, 2, digest, 1 << 20)))  # publisher 2, mid-copy
+        first = await answer(ep)
+        assert first.stage == "commit" and first.error is None, first
+        assert sub.version == 1 and bool((spec["w"].view(torch.uint8) == 7).all())
+        assert (await answer(ep2)).stage == "begin"  # (publisher 2's push goes on)
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError, transport.TransportTimeoutError):
+            late = msgs.decode((await ep.next_notification(timeout=0.5)).payload)
+            raise AssertionError(f"publisher 1 was answered again: {late}")
+        sub.close()
+
+
+async def test_a_swap_commit_superseded_while_it_waits_for_readers_moves_nothing(store_url, uname):
+    """swap's first commit waits for the GPU work readers queued (here a stand-in wait of 0.5 s:
+    this machine has no GPU). A Begin of another publisher's push supersedes it meanwhile: its
+    publisher is told "dropped", and the commit, once the wait ends, re-points nothing (before, it
+    re-pointed the weights and set the version of the push its publisher had been told was dropped)."""
+    msgs = rl_sync.messages
+    w0 = torch.arange(4096, dtype=torch.float32)
+    spec = {"w": w0.clone()}
+    async with trainer(store_url, uname) as ep, trainer(store_url, uname) as ep2, \
+            transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, spec, mode="swap", commit_timeout=5.0)
+        _, digest = sub.plan(1 << 20)
+        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+        waiting = asyncio.Event()
+
+        async def reads_queued(timeout: float) -> bool:  # (ReaderMarks.wait with GPU work pending)
+            waiting.set()
+            await asyncio.sleep(0.5)
+            return True
+
+        async def answer(on: transport.Endpoint) -> rl_sync.messages.Reply:
+            return msgs.decode((await on.next_notification(timeout=5)).payload)
+
+        await ep.notify(gep.name, msgs.encode(msgs.Begin(1, 1, digest, 1 << 20)))
+        assert (await answer(ep)).stage == "begin"
+        await ep.notify(gep.name, msgs.encode(msgs.Pull(1, 0, ep.name, "src", 0)))
+        assert (await answer(ep)).error is None
+        sub._readers.wait = reads_queued
+        await ep.notify(gep.name, msgs.encode(msgs.Commit(1, 1)))
+        await asyncio.wait_for(waiting.wait(), 5)
+        await ep2.notify(gep.name, msgs.encode(msgs.Begin(1, 2, digest, 1 << 20)))
+        dropped = await answer(ep)
+        assert dropped.stage == "dropped", dropped
+        await asyncio.sleep(1.0)  # the commit's wait is over
+        assert sub.version == 0 and same_bytes(spec["w"], w0)
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError, transport.TransportTimeoutError):
+            late = msgs.decode((await ep.next_notification(timeout=0.3)).payload)
+            assert late.stage != "commit" or late.error is not None, f"the dropped push committed: {late}"
         sub.close()
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import messages as m
 from ..device import foreach_copy
+from ..errors import PushAbortedError
 from ..weights import uncancellable
 from .base import CommitMode, Push, Subscriber, readers_late
 
@@ -78,6 +79,8 @@ class StagedMode(CommitMode):
                         sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, sub._version))
                 raise
             self._set_version(push.version)
+        except PushAbortedError:  # (swap: dropped before anything moved; its publisher was told)
+            return
         except Exception as exc:
             log.exception("subscriber %s: commit of version %d failed", sub.endpoint.name, push.version)
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, f"{type(exc).__name__}: {exc}", "other",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import messages as m
-from ..errors import CommitTimeoutError
+from ..errors import CommitTimeoutError, PushAbortedError
 from .base import Push, readers_late
 from .staged import StagedMode
 
@@ -37,4 +37,6 @@ class SwapMode(StagedMode):
         if sub._live_bank is None and not await sub._readers.wait(sub.commit_timeout):
             # (the first re-point lets the model's own memory go: GPU reads of it may be queued)
             raise CommitTimeoutError(readers_late(sub.commit_timeout))
+        if push.dropped:  # superseded, aborted or closed while it waited for those reads: nothing moves
+            raise PushAbortedError("the push was dropped while its commit waited for the readers' GPU work")
         sub._repoint(push.bank)  # microseconds: no need to leave the loop
