@@ -467,6 +467,7 @@ class TransportRL(Transport):
         if self._closed:
             return
         deadline = time.monotonic() + t
+        self._closing = True  # (new operations are refused from here, even if this is cancelled right away)
         # (under the operations' lock, as close() takes it: a transfer past its open check is then pending)
         pending = await asyncio.to_thread(self._begin_close, t)
         error: BaseException | None = None
