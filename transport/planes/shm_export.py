@@ -124,18 +124,19 @@ class ShmExport:
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
         no copy of a peer lands after this returns; the segment's fd closes with its last buffer
         (then True is returned). Existing mappings stay valid. A copy that still held the slot
-        past the bound (a frozen peer) may still write the export's ``nbytes``: while the segment
-        is shared that range is marked, and a buffer registered over it here waits for the slot
+        past the bound (a frozen peer) may still write the export's ``nbytes``: that range is marked
+        (the segment stays open while another export shares it), and a buffer registered over it here waits for the slot
         (:func:`export_buffer`); another endpoint that exports the same segment does not know
         of that copy. ``then`` runs once the segment closed (its last export), before any
         endpoint of this process can export the tensor again (the copy back to private memory)."""
         table, self.table = self.table, None
         seg = self.segment
-        if table is not None and self.handle.slot:  # (a segment still shared may be exported again: marked)
-            with _LIVE_LOCK:
-                shared = seg.refs > 1
-            table.revoke(self.handle.slot, self.name, wait,
-                         (("shm", seg.inode), self.handle.offset, self.handle.offset + nbytes) if shared else None)
+        if table is not None and self.handle.slot:
+            # always marked: whether another endpoint exports the segment (so that it stays open and
+            # may be exported here again) can change until the count below, and a frozen copy keeps
+            # the segment's file, hence its inode, alive: a mark never matches other memory
+            table.revoke(self.handle.slot, self.name, wait, (("shm", seg.inode), self.handle.offset,
+                                                            self.handle.offset + nbytes))
         with _MOVES:
             with _LIVE_LOCK:  # (no other endpoint starts to export it between the count and the close)
                 seg.refs -= 1
@@ -335,9 +336,10 @@ class ShmExporter(Exporter):
         return tensor
 
     def new_buffer_failed(self, tensor: torch.Tensor) -> None:
-        for seg in [s for s in self.segments if s.refs == 0 and s.holds(tensor)]:
-            self.segments.remove(seg)
-            seg.close(drop_storage=False)  # (a failed registration may have closed it already)
+        with _LIVE_LOCK:  # (no other endpoint starts to export it between the look and the close)
+            for seg in [s for s in self.segments if s.refs == 0 and s.holds(tensor)]:
+                self.segments.remove(seg)
+                seg.close_locked(drop_storage=False)  # (a failed registration may have closed it already)
 
     def forget_unexported(self, tensor: torch.Tensor | None, live: list[torch.Tensor]) -> None:
         for seg in self.segments:
