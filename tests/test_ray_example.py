@@ -48,11 +48,13 @@ def _tagged(tag: str) -> list[int]:
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 120,
-         on_line: Callable[[str, dict[str, int], str], None] | None = None) -> tuple[int, str, str, dict]:
+         on_line: Callable[[str, dict[str, int], str], None] | None = None,
+         terminate_at: Callable[[str], bool] | None = None) -> tuple[int, str, str, dict]:
     """Run the example; return (exit code, stdout, stderr, summary). Asserts that nothing it started is left.
 
     ``on_line(line, pids, tag)`` sees each stdout line as it comes (``pids``: the actors' pids by name, from the
-    example's ``pids:`` line); what it raises is re-raised once the run is cleaned up."""
+    example's ``pids:`` line); what it raises is re-raised once the run is cleaned up. The example is sent
+    SIGTERM (as a job scheduler stops it) at the first line for which ``terminate_at(line)`` is true."""
     tag = uuid.uuid4().hex
     temp_dir = tempfile.mkdtemp(prefix="rayrl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     env = dict(os.environ, **{TAG: tag, "TRANSPORT_FR_DIR": str(tmp_path / "fr")})
@@ -82,6 +84,9 @@ def _run(tmp_path: Path, *args: str, timeout: float = 120,
             lines.append(line)
             if line.startswith("pids: "):
                 pids.update((n, int(p)) for n, p in (e.split() for e in line.removeprefix("pids: ").split(", ")))
+            if terminate_at is not None and terminate_at(line):
+                terminate_at = None
+                proc.send_signal(signal.SIGTERM)
             if on_line is not None and not failure:
                 try:
                     on_line(line, pids, tag)
@@ -152,6 +157,17 @@ def test_a_killed_generator_does_not_hold_up_the_others(tmp_path):
     for v in range(kill_at + 3, steps + 2):  # afterwards the trainer has dropped it
         assert pushes[v]["ok"] and sorted(pushes[v]["results"]) == alive, out
     assert s["verified"] == alive and s["final_version"] == steps + 1, out
+
+
+def test_sigterm_mid_run_exits_non_zero_and_leaves_no_process(tmp_path):
+    """A job scheduler (Slurm, a Ray job stop) ends the example with SIGTERM mid-run: it must say so, exit non-zero
+    and take Ray down with it (``_run`` checks that no process of the run is left: raylet, GCS, workers)."""
+    t0 = time.monotonic()
+    rc, out, err, s = _run(tmp_path, "--generators", "2", "--steps", "500",
+                           terminate_at=lambda line: line.split()[:1] == ["2"])
+    assert rc != 0 and "FAILED: signal SIGTERM" in err, out + err
+    assert "verified:" not in out, out  # (stopped early: not a run to its end)
+    assert time.monotonic() - t0 < 100, out + err
 
 
 # ---------------------------------------------------------------------------- generators that die or freeze by themselves
