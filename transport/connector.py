@@ -98,6 +98,7 @@ class Connector:
         # open channel at once (open_channel), it queues behind them, so it cannot overtake them
         self._waiting: dict[str, int] = {}
         self._opened: dict[str, asyncio.Event] = {}  # peer -> set when a channel to it is routed (adopt, closed)
+        self._dials: set[asyncio.Future[Channel]] = set()  # dials in progress (close() stops them)
         self._handshaking = 0
         self._holder_ids = itertools.count(1)
         self.unix_name = ""  # the abstract name of the Unix-socket listener ("" none)
@@ -147,7 +148,13 @@ class Connector:
         if listener is None:  # (open() failed, or close() cut it short, before this task first ran)
             return
         while True:
-            sock, addr = await ep.loop.sock_accept(listener)
+            try:
+                sock, addr = await ep.loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ...) or a
+                # connection aborted before it was taken: the endpoint goes on accepting once it can
+                log.warning("endpoint %r: accepting a connection failed: %s; accepting again in 0.1 s", ep.name, exc)
+                await asyncio.sleep(0.1)
+                continue
             ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr, unix))
 
     async def _accept_one(self, sock: socket.socket, addr: Any, unix: bool = False) -> None:
@@ -230,6 +237,7 @@ class Connector:
                 raise TransportTimeoutError(f"connecting to {peer!r}: the connect already in progress did not "
                                             "finish before this op's deadline", Phase.CONNECT) from None
             try:
+                ep._check_open()  # (close() may have run while we waited for the dial before ours)
                 ch = self.channels.get(peer)
                 if ch is not None and ch.is_open:
                     return ch
@@ -255,14 +263,23 @@ class Connector:
         a channel the peer opened meanwhile."""
         ev = self._opened.setdefault(peer, asyncio.Event())
         dial = asyncio.ensure_future(self._dial(peer, deadline))
+        self._dials.add(dial)
         opened = asyncio.ensure_future(ev.wait())
         try:
             await asyncio.wait((dial, opened), return_when=asyncio.FIRST_COMPLETED)
             ch = self.channels.get(peer)
             if not dial.done() and ch is not None and ch.is_open:
                 return ch
-            return await dial
+            try:
+                return await dial
+            except (asyncio.CancelledError, TransportError):
+                task = asyncio.current_task()
+                if self.ep._state != "open" and not (task is not None and task.cancelling()):
+                    raise EndpointClosedError(f"endpoint {self.ep.name!r} closed while connecting to {peer!r}") \
+                        from None
+                raise
         finally:
+            self._dials.discard(dial)
             opened.cancel()
             if not dial.done():
                 dial.cancel()
@@ -276,7 +293,7 @@ class Connector:
             if rec is None:
                 rec = await ep._rdv.lookup(peer, deadline, skip_incarnations=frozenset(skip))
             channel_id = f"{ep.name}#{ep.incarnation:x}->{peer}#{rec.incarnation:x}/{secrets.token_hex(3)}"
-            sock = await self._connect_unix(peer, rec, deadline)
+            sock = await local_socket.connect_record(peer, rec, deadline)
             if sock is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setblocking(False)
@@ -307,49 +324,6 @@ class Connector:
                     ep._exports.forget(pending)
                 else:  # it may have had our Hello and adopted its side: as a channel closed without a Bye
                     ep._exports.closed(pending, orderly=False)
-
-    async def _connect_unix(self, peer: str, rec: Any, deadline: float) -> socket.socket | None:
-        """A connected socket to ``rec``'s Unix-socket listener, if it has one, is on this host,
-        takes the connection and is the process the record names (:mod:`transport.local_socket`);
-        None: dial TCP (logged when a Unix socket was there to try). A full backlog is retried
-        until ``deadline``."""
-        name = rec.unix
-        if not name or not local_socket.enabled():
-            return None
-        if not same_host(local_host(), rec.hostinfo)[0]:
-            return None
-        if len(name) > 100 or "\0" in name:
-            log.warning("endpoint %r publishes an invalid Unix socket name %r; dialling TCP", peer, name)
-            return None
-        delay = 0.002
-        while True:
-            try:
-                sock = local_socket.connect(name)
-                break
-            except BlockingIOError:  # the listener's backlog is full (its loop is busy accepting): again, shortly
-                if time.monotonic() + delay >= deadline:
-                    log.info("endpoint %r: its Unix socket's backlog stayed full until the deadline; dialling TCP",
-                             peer)
-                    return None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            except OSError as exc:
-                log.info("endpoint %r is on this host, but its Unix socket refused (%s: another network namespace, "
-                         "or gone); dialling TCP at %s:%d", peer, exc, rec.host, rec.port)
-                return None
-        want = rec.hostinfo.pid
-        try:
-            got = local_socket.peer_pid(sock)
-        except OSError as exc:
-            got, why = -1, str(exc)
-        else:
-            why = f"pid {got}"
-        if want and got != want:
-            sock.close()
-            log.warning("endpoint %r: the process listening on its Unix socket %r is not the endpoint's (%s, the "
-                        "record says pid %d); dialling TCP at %s:%d", peer, name, why, want, rec.host, rec.port)
-            return None
-        return sock
 
     async def _dial_once(self, sock: socket.socket, peer: str, rec: Any, channel_id: str, pending: str,
                          deadline: float, skip: set[int]) -> Channel:
@@ -391,12 +365,21 @@ class Connector:
             sock.close()
             skip.add(rec.incarnation)
             raise _Retry
+        if ep._state in ("closing", "closed"):  # (close() stops dials; this one's handshake ended first)
+            sock.close()
+            raise EndpointClosedError(f"endpoint {ep.name!r} closed while connecting to {peer!r}")
         try:
             ch = self.adopt(sock, remote, channel_id, hello.epoch, dialer=True, offered=hello.planes)
         except PlaneUnavailableError:
             sock.close()
             raise
         return self.channels.get(peer) or ch
+
+    def stop_dials(self) -> None:
+        """close() began: the dials in progress stop (their ops raise :class:`EndpointClosedError`);
+        none adopts a channel any more."""
+        for dial in list(self._dials):
+            dial.cancel()
 
     def closed(self, ch: Channel) -> None:
         """``ch`` broke or closed (event loop): it carries no more ops; another open channel to the

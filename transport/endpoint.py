@@ -61,8 +61,7 @@ class Endpoint(Operations):
             to use ``MASTER_ADDR``/``MASTER_PORT`` (as set by ``torchrun``).
         host_store: serve the TCPStore from this process (port 0 picks a free
             port; read it back from :attr:`store_url`).
-        timeout: default deadline, in seconds, of every operation that takes
-            ``timeout=None``.
+        timeout: default deadline, in seconds, of every operation that takes ``timeout=None``.
         planes: allowed data planes, in any order, e.g. ``("tcp",)``: at
             least one CPU plane (``shm``, ``tcp``), plus ``cuda_ipc`` to let
             same-host peers copy straight into and out of this endpoint's
@@ -265,7 +264,7 @@ class Endpoint(Operations):
         return self._state == "open"
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Close every channel (pending ops fail with :class:`EndpointClosedError`),
+        """Close every channel (pending ops, and ops still connecting, fail with :class:`EndpointClosedError`),
         withdraw from the store and release exported memory. Idempotent; bounded by ``timeout``.
         Registered tensors stay valid. Called while :meth:`open` is still running
         in another task, it cancels that open, which then raises :class:`EndpointClosedError`
@@ -291,6 +290,7 @@ class Endpoint(Operations):
 
     async def _close(self, timeout: float) -> None:
         self._inbox.close()  # (next_notification waiters raise EndpointClosedError now)
+        self._connector.stop_dials()  # (so do ops connecting: no channel is adopted any more)
         if self._dump_signal is not None:
             self.loop.remove_signal_handler(self._dump_signal)
         if self._record is not None:
@@ -479,7 +479,7 @@ class Endpoint(Operations):
 
     async def next_notification(self, timeout: float | None = None) -> Notification:
         """Wait for the next :class:`Notification`. Raises :class:`TransportTimeoutError` at the deadline,
-        :class:`EndpointClosedError` if the endpoint is not open."""
+        :class:`EndpointClosedError` if the endpoint is not open, ``ValueError`` for a negative or NaN timeout."""
         self._check_open()
         return await self._inbox.next(self.timeout if timeout is None else timeout)
 

@@ -189,7 +189,10 @@ class Inbox:
     async def next(self, timeout: float) -> Notification:
         """The next queued notification; :class:`TransportTimeoutError` after ``timeout`` s,
         :class:`EndpointClosedError` once the endpoint closes (a waiter is woken at once).
-        Cancelled or timed out, it takes nothing: every notification stays queued for the next."""
+        Cancelled or timed out, it takes nothing: every notification stays queued for the next.
+        ``ValueError`` for a negative or NaN ``timeout`` (0: only what is queued already)."""
+        if not timeout >= 0:  # (NaN too: its timer would never fire)
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
         deadline = time.monotonic() + timeout
         while not self._notes:
             if self._closed:

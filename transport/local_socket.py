@@ -20,13 +20,21 @@ before; ``bench/bench_transport.py`` uses it to measure the ``tcp`` plane over T
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import secrets
 import socket
 import struct
 import sys
+import time
+from typing import Any
 
-__all__ = ["connect", "enabled", "family_name", "is_unix", "listen", "peer_pid", "proof_address", "unix_address"]
+from .hostinfo import local_host, same_host
+
+__all__ = ["connect", "connect_record", "enabled", "family_name", "is_unix", "listen", "peer_pid", "proof_address", "unix_address"]
+
+log = logging.getLogger("transport.endpoint")
 
 _PREFIX = "transport-rl/"
 
@@ -99,3 +107,47 @@ def is_unix(sock: socket.socket) -> bool:
 def family_name(sock: socket.socket) -> str:
     """``"unix"`` or ``"tcp"``: the kind of socket a channel runs on."""
     return "unix" if is_unix(sock) else "tcp"
+
+
+async def connect_record(peer: str, rec: Any, deadline: float) -> socket.socket | None:
+    """A connected socket to ``rec``'s Unix-socket listener, if it has one, is on this host,
+    takes the connection and is the process the record names (the dialer's first try);
+    None: dial TCP (logged when a Unix socket was there to try). A full backlog is retried
+    until ``deadline``."""
+    name = rec.unix
+    if not name or not enabled():
+        return None
+    if not same_host(local_host(), rec.hostinfo)[0]:
+        return None
+    if len(name) > 100 or "\0" in name:
+        log.warning("endpoint %r publishes an invalid Unix socket name %r; dialling TCP", peer, name)
+        return None
+    delay = 0.002
+    while True:
+        try:
+            sock = connect(name)
+            break
+        except BlockingIOError:  # the listener's backlog is full (its loop is busy accepting): again, shortly
+            if time.monotonic() + delay >= deadline:
+                log.info("endpoint %r: its Unix socket's backlog stayed full until the deadline; dialling TCP",
+                         peer)
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        except OSError as exc:
+            log.info("endpoint %r is on this host, but its Unix socket refused (%s: another network namespace, "
+                     "or gone); dialling TCP at %s:%d", peer, exc, rec.host, rec.port)
+            return None
+    want = rec.hostinfo.pid
+    try:
+        got = peer_pid(sock)
+    except OSError as exc:
+        got, why = -1, str(exc)
+    else:
+        why = f"pid {got}"
+    if want and got != want:
+        sock.close()
+        log.warning("endpoint %r: the process listening on its Unix socket %r is not the endpoint's (%s, the "
+                    "record says pid %d); dialling TCP at %s:%d", peer, name, why, want, rec.host, rec.port)
+        return None
+    return sock

@@ -309,11 +309,22 @@ class Rendezvous:
                          deadline=deadline)
 
     async def withdraw(self, record: EndpointRecord, deadline: float) -> None:
-        """Remove ``record`` if the store still holds it (not a newer incarnation's)."""
+        """Remove ``record`` if the store still holds it, never a newer incarnation's record published
+        meanwhile: one ``compare_set`` to an empty value (read as no record), atomic in the store; a
+        store without ``compare_set`` (a custom one) is asked, then the key deleted."""
+        key, mine = _PREFIX + record.name, _rec_encoder.encode(record)
+
+        def _withdraw(store: Any) -> None:
+            try:
+                store.compare_set(key, mine, b"")
+                return
+            except (NotImplementedError, AttributeError):
+                pass
+            if store.check([key]) and store.get(key) == mine:
+                store.delete_key(key)
+
         try:
-            cur = await self.lookup_now(record.name, deadline)
-            if cur is not None and cur.incarnation == record.incarnation:
-                await self._call(lambda st, k: st.delete_key(k), _PREFIX + record.name, deadline=deadline)
+            await self._call(_withdraw, deadline=deadline)
         except Exception as exc:  # the store may be gone already at shutdown
             log.debug("could not withdraw %s from the store: %s", record.name, exc)
 
@@ -332,7 +343,7 @@ class Rendezvous:
         except Exception as exc:  # DistStoreError & co: the store is unusable
             raise TransportTimeoutError(f"the rendezvous store failed: {exc}", Phase.CONNECT) from exc
         try:
-            return None if raw is None else _rec_decoder.decode(raw)
+            return None if not raw else _rec_decoder.decode(raw)  # (empty: withdrawn)
         except Exception as exc:  # DecodeError, RecursionError (deep nesting), ...: whoever wrote it
             raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: "
                                     f"{type(exc).__name__}: {exc}") from None

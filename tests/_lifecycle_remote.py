@@ -1,0 +1,29 @@
+"""The few commands tests/test_connection_lifecycle.py needs in its spawned endpoints (tests._remote's
+``commands=`` protocol: same pipe, every wait bounded)."""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+from tests._remote import NOT_MINE
+
+
+async def handle(ep: Any, state: dict[str, Any], cmd: str, a: tuple[Any, ...]) -> Any:
+    if cmd == "exhaust_fds":  # lower the descriptor limit to `limit` and take every free descriptor
+        (limit,) = a
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        hoard = state.setdefault("hoard", [])
+        while True:
+            try:
+                hoard.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                return len(hoard)
+    if cmd == "release_fds":
+        for fd in state.pop("hoard", []):
+            os.close(fd)
+        return None
+    if cmd == "peer_names":  # the peers this endpoint has an open channel with
+        return sorted(ep.peers)
+    return NOT_MINE

@@ -1,0 +1,188 @@
+"""An endpoint's connections at the edges of its life: a connect in flight when ``close()`` runs, an
+accept that fails for want of descriptors, a record withdrawn while a new incarnation publishes.
+
+Real processes (tests._remote), real sockets, a real TCPStore; every wait bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import HashStore, Store
+
+import transport
+from tests._remote import RemoteEndpoint
+from transport.errors import EndpointClosedError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _transport_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("transport-") and t.name != "transport-store"}
+
+
+async def test_ops_connecting_when_close_runs_fail_endpoint_closed_and_no_channel_is_adopted(store_url, uname):
+    """A's put dials B, whose process is stopped: the handshake waits for it. A closes meanwhile: the put, a
+    second op queued behind that dial and one looking up a peer that never appears all fail with
+    EndpointClosedError at once (not at their deadlines, not as timeouts or store errors); once B runs
+    again, the dial's handshake can finish, but nothing is adopted: A holds no channel and no channel
+    thread, B keeps no channel to A, and the put's bytes never landed."""
+    b = RemoteEndpoint(uname("b"), store=store_url, timeout=30, commands="tests._lifecycle_remote")
+    try:
+        b.call("register", "x", "uint8", [1024])
+        before = _transport_threads()
+        a = transport.Endpoint(uname("a"), store=store_url, timeout=30)
+        await a.open()
+        b.signal(signal.SIGSTOP)
+        put = asyncio.ensure_future(a.put(b.name, {"x": torch.full((1024,), 7, dtype=torch.uint8)}, timeout=20))
+        queued = asyncio.ensure_future(a.notify(b.name, b"behind the dial", timeout=20))
+        missing = asyncio.ensure_future(a.connect(uname("nobody"), timeout=20))
+        await asyncio.sleep(0.5)
+        assert not put.done() and not queued.done() and not missing.done()
+        t0 = time.monotonic()
+        await asyncio.wait_for(a.close(), 10)
+        done, _ = await asyncio.wait({put, queued, missing}, timeout=5)
+        took = time.monotonic() - t0
+        b.signal(signal.SIGCONT)
+        assert done == {put, queued, missing}, f"ops still pending {took:.1f} s after close()"
+        for op in (put, queued, missing):
+            assert isinstance(op.exception(), EndpointClosedError), repr(op.exception())
+        await asyncio.sleep(1.0)  # (B answers the handshake it was sent now: A must not adopt it)
+        assert not a._connector.all and not a._connector.channels
+        assert _transport_threads() <= before, _transport_threads() - before
+        end = time.monotonic() + 10
+        while b.call("peer_names") and time.monotonic() < end:  # B sees the connection hang up
+            await asyncio.sleep(0.1)
+        assert b.call("peer_names") == []
+        assert b.call("is_poisoned", "x"), "the put's bytes landed although it failed"
+    finally:
+        b.stop()
+
+
+async def test_an_accept_failing_for_want_of_descriptors_does_not_stop_the_endpoint_accepting(store_url, uname):
+    """B runs out of file descriptors (every one taken, a dial to it pending): its accept fails with EMFILE.
+    Once it has descriptors again, the pending dial and later ones are accepted: the endpoint never stops
+    accepting for good (it did: its accept loop ended at the first such error, and every later dial waited
+    out its deadline in the handshake)."""
+    b = RemoteEndpoint(uname("b"), store=store_url, timeout=30, commands="tests._lifecycle_remote")
+    try:
+        b.call("register", "x", "uint8", [64])
+        async with transport.Endpoint(uname("a"), store=store_url, timeout=30) as a:
+            assert b.call("exhaust_fds", 512) > 0
+            pending = asyncio.ensure_future(a.connect(b.name, timeout=30))
+            done, _ = await asyncio.wait({pending}, timeout=1.5)  # its accept fails: no descriptor for it
+            assert not done, "connected although the target had no free descriptor"
+            b.call("release_fds")
+            await asyncio.wait_for(pending, 10)
+            await a.put(b.name, {"x": torch.full((64,), 3, dtype=torch.uint8)}, timeout=10)
+            assert b.call("all_equal", "x", 0, 64, 3)
+        async with transport.Endpoint(uname("c"), store=store_url, timeout=30) as c:  # a new peer, later
+            await c.connect(b.name, timeout=10)
+    finally:
+        b.stop()
+
+
+class _SlowStore(Store):  # type: ignore[misc]
+    """A real HashStore reached as over a slow link: each call takes ``delay`` s before it acts (as a store on
+    another host answers). ``then`` (key, value, at): sets that value ``at`` s after the first call that
+    names the key once armed (a new incarnation publishing while the old one closes)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.inner, self.delay = HashStore(), delay
+        self.armed: tuple[str, bytes, float] | None = None
+        self.timers: list[threading.Timer] = []
+
+    def _slow(self, key: str) -> None:
+        if self.armed is not None and self.armed[0] == key:
+            k, v, at = self.armed
+            self.armed = None
+            timer = threading.Timer(at, self.inner.set, (k, v))
+            timer.start()
+            self.timers.append(timer)
+        time.sleep(self.delay)
+
+    def set(self, key: str, value: Any) -> None:
+        self._slow(key)
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._slow(key)
+        return self.inner.get(key)  # type: ignore[no-any-return]
+
+    def check(self, keys: list[str]) -> bool:
+        self._slow(keys[0])
+        return self.inner.check(keys)  # type: ignore[no-any-return]
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._slow(key)
+        return self.inner.compare_set(key, expected, desired)  # type: ignore[no-any-return]
+
+    def delete_key(self, key: str) -> bool:
+        self._slow(key)
+        return self.inner.delete_key(key)  # type: ignore[no-any-return]
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)  # type: ignore[no-any-return]
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def set_timeout(self, timeout: Any) -> None:
+        self.inner.set_timeout(timeout)
+
+
+async def test_close_never_withdraws_the_record_a_new_incarnation_published_meanwhile(uname):
+    """The old incarnation of ``b`` closes while its replacement publishes: over a store whose calls take
+    0.2 s, the new record lands 0.5 s into the old one's withdrawal (it looked its own record up, then
+    deleted the key: the new record went with it, and the replacement was open but unreachable by name).
+    The new incarnation stays reachable, by a peer that dials it afterwards."""
+    store = _SlowStore(0.2)
+    name = uname("b")
+    key = f"transport/v1/endpoint/{name}"
+    new = transport.Endpoint(name, store=store, timeout=30)
+    await new.open()
+    old = None
+    try:
+        new_record = store.inner.get(key)
+        old = transport.Endpoint(name, store=store, timeout=30)
+        await old.open()  # (published last: the store names the old one, as before the restart)
+        store.armed = (key, new_record, 0.5)
+        await asyncio.wait_for(old.close(), 15)
+        for timer in store.timers:
+            timer.join(5)
+        assert store.inner.check([key]) and store.inner.get(key) == new_record, "the new incarnation's record is gone"
+        async with transport.Endpoint(uname("a"), store=store, timeout=30) as a:
+            peer = await a.connect(name, timeout=10)
+            assert peer.incarnation == new.incarnation
+    finally:
+        if old is not None:
+            await old.close()
+        await new.close()
+
+
+async def test_a_withdrawn_record_reads_as_none_and_the_name_can_be_published_again(store_url, uname):
+    name = uname("b")
+    async with transport.Endpoint(name, store=store_url, timeout=10):
+        pass
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=10) as a:
+        with pytest.raises(transport.PeerNotFoundError):
+            await a.connect(name, timeout=0.5)
+        async with transport.Endpoint(name, store=store_url, timeout=10) as again:
+            assert (await a.connect(name, timeout=10)).incarnation == again.incarnation
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0])
+async def test_next_notification_refuses_a_nan_or_negative_timeout(store_url, uname, bad):
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=10) as a:
+        with pytest.raises(ValueError):
+            await asyncio.wait_for(a.next_notification(timeout=bad), 5)
+        with pytest.raises(transport.TransportTimeoutError):  # (0: only what is queued already)
+            await asyncio.wait_for(a.next_notification(timeout=0), 5)
