@@ -186,3 +186,59 @@ async def test_next_notification_refuses_a_nan_or_negative_timeout(store_url, un
             await asyncio.wait_for(a.next_notification(timeout=bad), 5)
         with pytest.raises(transport.TransportTimeoutError):  # (0: only what is queued already)
             await asyncio.wait_for(a.next_notification(timeout=0), 5)
+
+
+async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_its_replacement(store_url, uname):
+    """B1 is paused (SIGSTOP: a long GC, swapping) and replaced: B2 opens under the same name and talks to A.
+    When B1 runs again and dials A, A refuses it (the store names B2, with which A has a channel); it
+    took the name back: A dropped B2's channel as "restarted" and put into the stale B1, reported done."""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
+        a.register("y", torch.zeros(16, dtype=torch.uint8))
+        spec = {"y": ("uint8", [16], 1)}
+        b1 = RemoteEndpoint(name, store=store_url, timeout=20)
+        b2 = None
+        try:
+            b1.call("register", "x", "uint8", [16])
+            await asyncio.to_thread(b1.call, "put", a.name, spec, 10)  # (A's loop must run meanwhile)
+            b1.signal(signal.SIGSTOP)
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20)
+            b2.call("register", "x", "uint8", [16])
+            await asyncio.to_thread(b2.call, "put", a.name, spec, 10)
+            assert a.peer(name).incarnation == b2.incarnation
+            b1.signal(signal.SIGCONT)
+            with pytest.raises(Exception):  # noqa: B017 - (whatever it sees: it never reaches A)
+                await asyncio.to_thread(b1.call, "put", a.name, spec, 3, timeout=30)
+            assert a.peer(name).incarnation == b2.incarnation, "the stale incarnation took the name back"
+            await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+            assert b2.call("all_equal", "x", 0, 16, 9)
+            assert b1.call("is_poisoned", "x")
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+async def test_a_dial_to_a_frozen_incarnation_moves_to_its_replacement_once_published(store_url, uname):
+    """A dials B1, which is frozen: its handshake is not answered. B2 is published under the same name a
+    moment later: the dial gives B1 up within about a second and connects to B2 (it waited out the op's
+    whole deadline, then failed)."""
+    name = uname("b")
+    b1 = RemoteEndpoint(name, store=store_url, timeout=20)
+    b2 = None
+    try:
+        b1.signal(signal.SIGSTOP)
+        async with transport.Endpoint(uname("a"), store=store_url, timeout=30) as a:
+            t0 = time.monotonic()
+            dial = asyncio.ensure_future(a.connect(name, timeout=30))
+            await asyncio.sleep(0.3)
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20)
+            published = time.monotonic() - t0
+            peer = await asyncio.wait_for(dial, 25)
+            took = time.monotonic() - t0
+            assert peer.incarnation == b2.incarnation
+            assert took < published + 5, (published, took)
+    finally:
+        b1.kill()
+        if b2 is not None:
+            b2.kill()

@@ -43,6 +43,7 @@ from .errors import (
 )
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
+from .incarnations import Replaced, handshake_unless_replaced, replaced_by
 from .planes import PlaneOffers, choose_cpu_plane
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
@@ -189,6 +190,10 @@ class Connector:
             if ep._state != "open":
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")
+            if (current := await replaced_by(ep, self.channels.get(remote.name), remote, end)) is not None:
+                raise TransportError(f"{remote.name!r} incarnation {remote.incarnation:#x} was replaced: the store "
+                                     f"names incarnation {current:#x}, with which a channel is open (a process that "
+                                     "was paused past its replacement's start?); refused")
             sock.setblocking(True)
             self.adopt(sock, remote, remote.channel_id or f"{remote.name}->{ep.name}", hello.epoch, dialer=False,
                         offered=hello.planes)
@@ -317,7 +322,7 @@ class Connector:
                 ch = await self._dial_once(sock, peer, rec, channel_id, pending, deadline, skip)
                 adopted = True
                 return ch
-            except _Retry:
+            except (_Retry, Replaced):
                 continue
             finally:
                 if adopted:
@@ -336,9 +341,10 @@ class Connector:
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             assert ep._secret is not None
             unix = local_socket.is_unix(sock)
-            remote = await handshake(sock, hello, deadline, dialer=True,
-                                     secret=ep._book.secret_for(peer) or ep._secret,
-                                     address=local_socket.proof_address(rec.unix) if unix else (rec.host, rec.port))
+            remote = await handshake_unless_replaced(
+                ep, handshake(sock, hello, deadline, dialer=True, secret=ep._book.secret_for(peer) or ep._secret,
+                          address=local_socket.proof_address(rec.unix) if unix else (rec.host, rec.port)),
+                peer, rec, skip)
             sock.setblocking(True)
         except TimeoutError:
             sock.close()
@@ -391,7 +397,7 @@ class Connector:
         if self.channels.get(ch.peer_name) is ch:
             del self.channels[ch.peer_name]
             for other in self.all:
-                if other.peer_name == ch.peer_name and other.is_open:
+                if other.peer_name == ch.peer_name and other.is_open and other.incarnation == ch.incarnation:
                     self.channels[ch.peer_name] = other
                     self._routed(ch.peer_name)
                     break
