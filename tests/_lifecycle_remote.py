@@ -7,6 +7,8 @@ import os
 import resource
 from typing import Any
 
+import torch
+
 from tests._remote import NOT_MINE
 
 
@@ -23,6 +25,17 @@ async def handle(ep: Any, state: dict[str, Any], cmd: str, a: tuple[Any, ...]) -
     if cmd == "release_fds":
         for fd in state.pop("hoard", []):
             os.close(fd)
+        return None
+    if cmd == "address_record":
+        return ep.address_record()
+    if cmd == "add_peer":
+        return ep.add_peer(a[0])
+    if cmd == "put_error":  # put `value` into `peer`'s `name` (uint8, n): None, or the error it raised, as text
+        peer, name, n, value, timeout = a
+        try:
+            await ep.put(peer, {name: torch.full((n,), value, dtype=torch.uint8)}, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            return f"{type(exc).__name__}: {exc}"
         return None
     if cmd == "peer_names":  # the peers this endpoint has an open channel with
         return sorted(ep.peers)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed import HashStore, Store
+from torch.distributed import HashStore, Store, TCPStore
 
 import transport
 from tests._remote import RemoteEndpoint
@@ -196,7 +196,7 @@ async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_
     async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
         a.register("y", torch.zeros(16, dtype=torch.uint8))
         spec = {"y": ("uint8", [16], 1)}
-        b1 = RemoteEndpoint(name, store=store_url, timeout=20)
+        b1 = RemoteEndpoint(name, store=store_url, timeout=20, commands="tests._lifecycle_remote")
         b2 = None
         try:
             b1.call("register", "x", "uint8", [16])
@@ -207,8 +207,8 @@ async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_
             await asyncio.to_thread(b2.call, "put", a.name, spec, 10)
             assert a.peer(name).incarnation == b2.incarnation
             b1.signal(signal.SIGCONT)
-            with pytest.raises(Exception):  # noqa: B017 - (whatever it sees: it never reaches A)
-                await asyncio.to_thread(b1.call, "put", a.name, spec, 3, timeout=30)
+            err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0, timeout=30)
+            assert err is not None and "PeerLostError" in err and "replaced" in err, err  # (told why)
             assert a.peer(name).incarnation == b2.incarnation, "the stale incarnation took the name back"
             await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
             assert b2.call("all_equal", "x", 0, 16, 9)
@@ -242,3 +242,74 @@ async def test_a_dial_to_a_frozen_incarnation_moves_to_its_replacement_once_publ
         b1.kill()
         if b2 is not None:
             b2.kill()
+
+
+async def test_a_peer_known_from_its_address_record_that_restarts_is_reached_again(uname):
+    """No store in common (each endpoint on a store of its own, peers added from address records): B1 is
+    paused (its host silent) and B restarts as B2, which dials A with A's record. A takes B2 as B's restart
+    (no store names who holds the name: the newer connection wins, as before)."""
+    own = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(3)]
+    urls = [f"tcp://127.0.0.1:{st.port}" for st in own]
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=urls[0], timeout=20) as a:
+        a.register("y", torch.zeros(16, dtype=torch.uint8))
+        b1 = RemoteEndpoint(name, store=urls[1], timeout=20, commands="tests._lifecycle_remote")
+        b2 = None
+        try:
+            a.add_peer(b1.call("address_record"))
+            b1.call("add_peer", a.address_record())
+            assert await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 1, 10.0) is None
+            b1.signal(signal.SIGSTOP)
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=urls[2], timeout=20,
+                                         commands="tests._lifecycle_remote")
+            b2.call("add_peer", a.address_record())
+            assert await asyncio.to_thread(b2.call, "put_error", a.name, "y", 16, 2, 10.0) is None
+            assert a.peer(name).incarnation == b2.incarnation
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+class _NoCompareSet(Store):  # type: ignore[misc]
+    """A custom store (a dict) that, like many, does not implement compare_set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d: dict[str, bytes] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.d[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key: str) -> bytes:
+        return self.d[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.d for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.d.pop(key, None) is not None
+
+    def add(self, key: str, value: int) -> int:
+        n = int(self.d.get(key, b"0")) + value
+        self.d[key] = str(n).encode()
+        return n
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        pass
+
+    def set_timeout(self, timeout: Any) -> None:
+        pass
+
+
+async def test_a_store_without_compare_set_still_gets_a_secret_and_has_the_record_withdrawn(uname, monkeypatch):
+    monkeypatch.delenv("TRANSPORT_SECRET", raising=False)
+    store = _NoCompareSet()
+    with pytest.raises(RuntimeError):
+        store.compare_set("k", "", "v")  # (what such a store raises: not NotImplementedError)
+    name = uname("b")
+    ep = transport.Endpoint(name, store=store, timeout=10)
+    await ep.open()
+    assert f"transport/v1/endpoint/{name}" in store.d
+    await ep.close()
+    assert f"transport/v1/endpoint/{name}" not in store.d

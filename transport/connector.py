@@ -19,6 +19,7 @@ timeout for it to end, rather than being refused); at most
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import secrets
@@ -43,7 +44,7 @@ from .errors import (
 )
 from .handshake import handshake, hang_up
 from .hostinfo import local_host, same_host
-from .incarnations import Replaced, handshake_unless_replaced, replaced_by
+from .incarnations import Replaced, handshake_unless_replaced, refuse_replaced, replaced_by
 from .planes import PlaneOffers, choose_cpu_plane
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
@@ -100,6 +101,8 @@ class Connector:
         self._waiting: dict[str, int] = {}
         self._opened: dict[str, asyncio.Event] = {}  # peer -> set when a channel to it is routed (adopt, closed)
         self._dials: set[asyncio.Future[Channel]] = set()  # dials in progress (close() stops them)
+        self._accept_warned = -1e9
+        self._refused: set[tuple[str, int]] = set()  # stale incarnations refused (logged once each)
         self._handshaking = 0
         self._holder_ids = itertools.count(1)
         self.unix_name = ""  # the abstract name of the Unix-socket listener ("" none)
@@ -153,7 +156,13 @@ class Connector:
                 sock, addr = await ep.loop.sock_accept(listener)
             except OSError as exc:  # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ...) or a
                 # connection aborted before it was taken: the endpoint goes on accepting once it can
-                log.warning("endpoint %r: accepting a connection failed: %s; accepting again in 0.1 s", ep.name, exc)
+                if exc.errno in (errno.EBADF, errno.ENOTSOCK, errno.EINVAL):  # (the listener itself is gone)
+                    log.error("endpoint %r: its listener failed (%s); it accepts no more connections", ep.name, exc)
+                    return
+                now = time.monotonic()
+                if now - self._accept_warned >= 10.0:  # (at most one warning per 10 s: EMFILE lasts)
+                    self._accept_warned = now
+                    log.warning("endpoint %r: accepting a connection failed: %s; retrying every 0.1 s", ep.name, exc)
                 await asyncio.sleep(0.1)
                 continue
             ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr, unix))
@@ -187,13 +196,14 @@ class Connector:
             end = time.monotonic() + ep.timeout
             while ep._state == "opening" and time.monotonic() < end:  # (our record is published before open()
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
-            if ep._state != "open":
+            current = await replaced_by(ep, self.channels.get(remote.name), remote,
+                                        min(end, time.monotonic() + _ACCEPT_HANDSHAKE_S))
+            if ep._state != "open":  # (after every await: close() may have begun meanwhile)
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")
-            if (current := await replaced_by(ep, self.channels.get(remote.name), remote, end)) is not None:
-                raise TransportError(f"{remote.name!r} incarnation {remote.incarnation:#x} was replaced: the store "
-                                     f"names incarnation {current:#x}, with which a channel is open (a process that "
-                                     "was paused past its replacement's start?); refused")
+            if current is not None:
+                await refuse_replaced(sock, remote, current, self._refused)
+                return
             sock.setblocking(True)
             self.adopt(sock, remote, remote.channel_id or f"{remote.name}->{ep.name}", hello.epoch, dialer=False,
                         offered=hello.planes)
@@ -315,6 +325,9 @@ class Connector:
                              peer, rec.incarnation, rec.host, rec.port, exc)
                     skip.add(rec.incarnation)
                     continue
+                except BaseException:  # (the dial cancelled: its op's caller, or close())
+                    sock.close()
+                    raise
                 _no_delay(sock)
             pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
             adopted = False
@@ -344,7 +357,7 @@ class Connector:
             remote = await handshake_unless_replaced(
                 ep, handshake(sock, hello, deadline, dialer=True, secret=ep._book.secret_for(peer) or ep._secret,
                           address=local_socket.proof_address(rec.unix) if unix else (rec.host, rec.port)),
-                peer, rec, skip)
+                peer, rec, skip, deadline)
             sock.setblocking(True)
         except TimeoutError:
             sock.close()

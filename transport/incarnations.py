@@ -1,16 +1,20 @@
 """Which incarnation of a peer's name a channel should reach, when two are alive at once.
 
-A peer's name is taken by its newest incarnation: the one whose record the rendezvous store (or
-the endpoint's address book) names. Two cases need a look there, both bounded:
+A peer's name is taken by its newest incarnation: the one whose record the rendezvous store names.
+Two cases need a look there, both bounded:
 
 - a dial whose handshake the dialled incarnation does not answer (frozen, or gone without closing
   its socket) looks again every :data:`RECHECK_S`; once the store names another incarnation, the
   dial gives this one up (:class:`Replaced`) and dials the new one, instead of waiting out the
   op's deadline (:func:`handshake_unless_replaced`);
 - a connection from an incarnation other than the one we have an open channel with is taken as
-  the peer's restart only if the store does not name the one we have: a process that was paused
-  past its replacement's start, come back, must not take the name back (:func:`replaced_by`). A
-  restarted peer publishes its record before it dials anyone, so the store names it by then.
+  the peer's restart unless the store names the one we have: then it is a process that was paused
+  past its replacement's start, come back, and must not take the name back (:func:`replaced_by`);
+  it is told why (a ``Bye`` naming its replacement: its ops fail :class:`PeerLostError` saying
+  so) and hung up on (:func:`refuse_replaced`). A restarted peer publishes its record before it
+  dials anyone, so the store names it by then. Peers known only from their address records
+  (``Endpoint.add_peer``, no shared store) are not checked: the newer connection wins, as a
+  record added later may name it.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import socket
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from .wire import Hello
+from .handshake import hang_up
+from .wire import Bye, Hello, encode_frame
 
-__all__ = ["RECHECK_S", "Replaced", "handshake_unless_replaced", "replaced_by"]
+__all__ = ["RECHECK_S", "Replaced", "handshake_unless_replaced", "refuse_replaced", "replaced_by"]
 
 log = logging.getLogger("transport.endpoint")
 
@@ -47,47 +52,66 @@ class _Channel(Protocol):
     def is_open(self) -> bool: ...
 
 
-async def _named(ep: _Owner, name: str, deadline: float) -> Any:
-    """The record that names ``name`` now: the address book's, else the store's (None: none)."""
-    return ep._book.lookup(name, set()) or await ep._rdv.lookup_now(name, deadline)
-
-
 async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float) -> int | None:
     """The incarnation that replaced ``remote`` (a peer that dialled us), or None: ``have`` (our
-    channel to its name) is open to another incarnation, and that one is named (store or address
-    book). A store that cannot be asked leaves it as before: the newer connection wins."""
+    channel to its name) is open to another incarnation, and the store names that one. A peer
+    from the address book, or a store that cannot be asked, leaves it as before: the newer
+    connection wins."""
     if have is None or not have.is_open or have.incarnation == remote.incarnation:
         return None
+    if ep._book.lookup(remote.name, set()) is not None:
+        return None
     try:
-        cur = await _named(ep, remote.name, deadline)
+        cur = await ep._rdv.lookup_now(remote.name, deadline)
     except Exception:
         return None
     return have.incarnation if cur is not None and cur.incarnation == have.incarnation else None
 
 
+async def refuse_replaced(sock: socket.socket, remote: Hello, current: int, refused: set[tuple[str, int]]) -> None:
+    """Tell ``remote``'s (stale) incarnation that ``current`` holds its name, and hang up. Logged
+    once per incarnation in ``refused`` (a stale process retrying does not flood the log)."""
+    why = (f"refused: incarnation {remote.incarnation:#x} of {remote.name!r} was replaced by incarnation "
+           f"{current:#x} (the store names it; this process was paused past its replacement's start?)")
+    if (remote.name, remote.incarnation) not in refused:
+        if len(refused) > 1024:
+            refused.clear()
+        refused.add((remote.name, remote.incarnation))
+        log.warning("connection from %r %s", remote.name, why)
+    with contextlib.suppress(OSError):
+        await asyncio.get_running_loop().sock_sendall(sock, encode_frame(Bye(why)))
+    await hang_up(sock)
+
+
 async def handshake_unless_replaced(ep: _Owner, hs: Coroutine[Any, Any, Hello], peer: str, rec: Any,
-                                    skip: set[int]) -> Hello:
+                                    skip: set[int], deadline: float) -> Hello:
     """``hs``'s result (a dial's handshake with ``peer``'s incarnation ``rec``); but every
-    :data:`RECHECK_S` it has not ended, a peer found in the store is looked up again: once the
-    store names another incarnation, ``rec``'s is added to ``skip`` and :class:`Replaced` raised
-    (``hs`` cancelled). A peer from the address book is not looked for (its record is given)."""
+    :data:`RECHECK_S` it has not ended, a peer found in the store is looked up again (the look-up
+    bounded by ``deadline``, the dial's, and raced with the handshake): once the store names
+    another incarnation, ``rec``'s is added to ``skip`` and :class:`Replaced` raised (``hs``
+    cancelled). A peer from the address book is not looked for (its record is given)."""
     task = asyncio.ensure_future(hs)
+    look: asyncio.Future[Any] | None = None
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=RECHECK_S)
-            if done:
+            waits: set[asyncio.Future[Any]] = {task} if look is None else {task, look}
+            done, _ = await asyncio.wait(waits, timeout=RECHECK_S if look is None else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
                 return task.result()
-            if ep._book.lookup(peer, set()) is not None:
+            if look is None:
+                if ep._book.lookup(peer, set()) is None:
+                    look = asyncio.ensure_future(ep._rdv.lookup_now(peer, deadline))
                 continue
-            cur = None
-            with contextlib.suppress(Exception):  # (the store slow or gone: the handshake's own deadline holds)
-                cur = await ep._rdv.lookup_now(peer, time.monotonic() + RECHECK_S)
+            cur = None if look.cancelled() or look.exception() is not None else look.result()
+            look = None
             if cur is not None and cur.incarnation != rec.incarnation:
-                log.info("endpoint %r: incarnation %#x has not answered our handshake in %.0f s and the store names "
-                         "a new one (%#x): dialling that", peer, rec.incarnation, RECHECK_S, cur.incarnation)
+                log.info("endpoint %r: incarnation %#x has not answered our handshake and the store names a new one "
+                         "(%#x): dialling that", peer, rec.incarnation, cur.incarnation)
                 skip.add(rec.incarnation)
                 raise Replaced(f"{peer!r} incarnation {rec.incarnation:#x} was replaced by {cur.incarnation:#x}")
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for fut in (task, look):
+            if fut is not None and not fut.done():
+                fut.cancel()
+                await asyncio.gather(fut, return_exceptions=True)

@@ -52,6 +52,9 @@ __all__ = ["EndpointRecord", "Rendezvous", "StoreClient", "parse_store_url", "sh
 log = logging.getLogger(__name__)
 
 _PREFIX = "transport/v1/endpoint/"
+# what a Store without compare_set raises for it: a Python subclass of torch's Store that does not define
+# it raises RuntimeError ("Not implemented"), some others NotImplementedError or AttributeError
+_NO_COMPARE_SET = (NotImplementedError, AttributeError, RuntimeError)
 
 
 class StoreClient:
@@ -259,7 +262,7 @@ class Rendezvous:
         drawn = auth.new_secret()
         try:
             got = store.compare_set(auth.STORE_KEY, "", drawn)  # atomic: the first endpoint's draw wins
-        except (NotImplementedError, AttributeError):  # a Store without compare_set (a custom one)
+        except _NO_COMPARE_SET:  # a Store without compare_set (a custom one; a store that failed fails again below)
             if not store.check([auth.STORE_KEY]):
                 store.set(auth.STORE_KEY, drawn)
             got = store.get(auth.STORE_KEY)
@@ -318,7 +321,7 @@ class Rendezvous:
             try:
                 store.compare_set(key, mine, b"")
                 return
-            except (NotImplementedError, AttributeError):
+            except _NO_COMPARE_SET:  # (a store that failed fails again below)
                 pass
             if store.check([key]) and store.get(key) == mine:
                 store.delete_key(key)
