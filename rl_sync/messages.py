@@ -8,7 +8,9 @@ reading its own notifications (one process may even be both). One push, seen fro
     Begin ──────────────▶  subscriber checks version and plan hash
           ◀──────────────  Reply(stage="begin")
     Pull(bucket k) ─────▶  subscriber gets bucket k from its source into its staging arena (from a
-                           send slot, a relay's arena, or, served live, the trainer's own tensors)
+                           send slot, a relay's arena, or, served live, the trainer's own tensors);
+                           from a relay, it then reads the relay's stamp of that bank: unless it is
+                           still the one the relay's Begin answer gave, the bytes are refused
           ◀──────────────  Reply(stage="pull", bucket=k)        (repeated for every bucket)
     Pull(bucket k, attempt a+1) ─▶  supersedes attempt a of bucket k: the subscriber cancels that
                            pull (its get leaves nothing behind), then pulls again; only the newest
@@ -49,6 +51,10 @@ class Pull(msgspec.Struct, tag="pull", array_like=True):
     # served live (the publisher's ``live``): no buffer/offset, but one buffer of the source per piece of
     # the bucket, in the bucket's piece order, each holding that piece's entry (read at the piece's offset)
     live: tuple[str, ...] = ()
+    # from a relay (``source`` is a subscriber): the stamp its Begin answer gave for the bank it fills
+    # (``stamp_at``); the bytes count only if the relay's stamp of that bank still says so after the read
+    stamp: int = 0
+    stamp_at: int = 0
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
@@ -82,12 +88,13 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     stage: str  # "begin" | "pull" | "commit" | "dropped"
     bucket: int = -1
     error: str | None = None
-    error_kind: str | None = None  # "stale" | "plan" | "other"
+    error_kind: str | None = None  # "stale" | "plan" | "timeout" | "relay" (a relay no longer holds the push) | "other"
     version: int = 0  # the subscriber's committed version after this step
     bank: int = 0  # begin: the arena bank this push fills (relays read it from there)
     attempt: int = 0  # pull: the attempt of the Pull it answers (replies to superseded attempts are ignored)
     plane: str = ""  # pull: the transport plane the bucket's bytes took (transport.Endpoint.route)
     route: str = ""  # ... and why
+    stamp: int = 0  # begin: the stamp this push wrote for that bank (rl_sync.relay_stamp; relays' dependents check it)
 
 
 Message = Begin | Pull | Commit | Abort | Reply

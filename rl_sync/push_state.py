@@ -78,6 +78,8 @@ class Target:
         # channel shows as another channel (or none) to the subscriber, which the watchdog takes as losing it
         self.channel: str | None = None
         self.bank = 0  # the subscriber's arena bank this push fills
+        self.stamp = 0  # ... and the stamp it wrote for that bank (its dependents check their relay pulls against it)
+        self.unrelayable: str | None = None  # why its arena can no longer serve this push to its dependents
         self.have: set[int] = set()
         self.inflight: dict[int, Pull] = {}  # bucket -> its outstanding pull (the newest attempt)
         self.attempts = itertools.count(1)

@@ -103,12 +103,15 @@ class PushTracker:
             return statistics.median(group.took)
         return self.pub._pull_medians.get(group.digest)
 
-    def _pull(self, t: Target, k: int, source: str | None, buffer: str, offset: int, slot: int | None,
+    def _pull(self, t: Target, k: int, source: Target | None, buffer: str, offset: int, slot: int | None,
               live: tuple[str, ...] = ()) -> None:
+        """Tell ``t`` to pull bucket ``k`` from ``source`` (a relay, with its stamp to check; None: the publisher)."""
         t.orphaned.discard(k)
-        p = t.inflight[k] = Pull(next(t.attempts), source, slot, time.monotonic())
-        self.emit(t, "pull_sent", k, source)
-        self._send(t, m.Pull(self.push_id, k, source or self.ep.name, buffer, offset, p.attempt, live))
+        name = source.name if source is not None else None
+        p = t.inflight[k] = Pull(next(t.attempts), name, slot, time.monotonic())
+        self.emit(t, "pull_sent", k, name)
+        stamp, at = (source.stamp, source.bank) if source is not None else (0, 0)
+        self._send(t, m.Pull(self.push_id, k, name or self.ep.name, buffer, offset, p.attempt, live, stamp, at))
 
     def _stall(self, t: Target, why: str) -> None:
         """Take every slot back from ``t``: its slot pulls are superseded (repaired once it answers)."""
@@ -143,23 +146,52 @@ class PushTracker:
         self.emit(d, "resourced", detail=why)
         self.changed.set()
 
+    def _unusable(self, src: Target) -> str | None:
+        """Why relay ``src`` cannot serve its dependents now (None: it can). Once committed it is
+        free to take another push, make a new subscriber or restart: its arena serves on only while
+        its channel is the one it committed over (and its dependents check its stamp after each read)."""
+        if src.error is not None or src.stalled:
+            return "stalled" if src.stalled else "failed"
+        if src.unrelayable is not None:
+            return src.unrelayable
+        if src.committed:
+            p = self.ep.peer(src.name)
+            if p is None or p.incarnation != src.layout.incarnation:
+                return "committed, and its channel is gone since"
+        return None
+
     def _check_source(self, d: Target) -> None:
-        """Once the main pass runs, a begun subscriber whose relay has not begun (or is stalled, or
-        failed) pulls from the publisher instead: a relay late to begin never holds it up."""
+        """Once the main pass runs, a begun subscriber whose relay has not begun (or is stalled,
+        failed, or can no longer serve this push) pulls from the publisher instead: a relay late to
+        begin never holds it up."""
         src = self.targets.get(d.source) if d.source is not None else None
-        if src is not None and d.alive and d.begun and (not src.begun or src.stalled or src.error is not None):
+        if src is not None and d.alive and d.begun and (not src.begun or (why := self._unusable(src)) is not None):
             self._resource(d, f"its relay {src.name} has not begun" if not src.begun else f"its relay {src.name} "
-                              f"is {'stalled' if src.stalled else 'failed'}")
+                              f"is {why}")
 
     def _feed(self, d: Target) -> None:
         """Tell ``d`` (begun, relaying from a live source) to pull what its source already holds."""
         src = self.targets.get(d.source) if d.source is not None else None
-        if src is None or not d.alive or not d.begun or src.error is not None or src.stalled:
+        if src is None or not d.alive or not d.begun:
+            return
+        if self._unusable(src) is not None:
+            self._check_source(d)
             return
         for k in sorted(src.have):
             if k not in d.have and k not in d.inflight:
                 b = d.layout.buckets[k]
-                self._pull(d, k, src.name, arena_name(src.bank, b.arena), b.offset, None)
+                self._pull(d, k, src, arena_name(src.bank, b.arena), b.offset, None)
+
+    def _unrelay(self, src: Target, why: str) -> None:
+        """A dependent found that ``src``'s arena no longer holds this push (its stamp changed):
+        none of its dependents pulls from it any more."""
+        if src.unrelayable is None:
+            src.unrelayable = f"no longer holding this push ({why})"
+            log.warning("push %d (version %d): relay %s no longer holds this push: %s; its dependents pull from the "
+                        "publisher", self.push_id, self.version, src.name, why)
+        for d in src.dependents:
+            if d.alive and d.source == src.name:
+                self._resource(d, f"its relay {src.name} no longer holds this push")
 
     def on_reply(self, t: Target, r: m.Reply) -> None:
         now = time.monotonic()
@@ -177,7 +209,7 @@ class PushTracker:
                 return
             if r.error is None:
                 t.begun = True
-                t.bank = r.bank
+                t.bank, t.stamp = r.bank, r.stamp
                 self.emit(t, "begun")
                 g = t.group
                 if g is not None and g.served and not t.shared:  # began after the main pass started
@@ -218,6 +250,8 @@ class PushTracker:
                 log.info("push %d: %s could not pull bucket %d from relay %s (%s); it will come from the publisher",
                          self.push_id, t.name, r.bucket, p.source, r.error)
                 t.orphaned.add(r.bucket)
+                if r.error_kind == "relay" and (src := self.targets.get(p.source)) is not None:
+                    self._unrelay(src, r.error or "its stamp changed")
             else:
                 self.fail(t, SubscriberRejectedError(f"{t.name} failed to pull bucket {r.bucket}: {r.error}"))
         elif r.stage == "dropped":  # another push (another publisher's) superseded this one there

@@ -46,6 +46,7 @@ from .plan import (
     plan_hash,
 )
 from .posting import InOrder, post_in_order
+from .relay_stamp import STAMP_BUFFER, Stamps, check_relay, pull_ranges
 from .rwlock import RWLock
 from .weights import live_tensors, repoint, shared_memory
 
@@ -180,10 +181,14 @@ class WeightSubscriber(Holding):
         self._order = InOrder(endpoint)  # replies to each publisher in order (_reply)
         self._closed = False
         self._names: list[str] = []
+        self._stamps: Stamps | None = None  # each bank's stamp: relays' dependents check their bytes (not shared)
         manifest_bytes = encode_manifest(self.manifest)
         self._manifest_tensor = torch.frombuffer(bytearray(manifest_bytes), dtype=torch.uint8)
         try:
             self._strategy.make_banks()  # (shared: none, the publisher's banks are mapped at commit)
+            if not self._strategy.shared:
+                self._stamps = Stamps(endpoint, self._strategy.nbanks)
+                self._names.append(STAMP_BUFFER)
             endpoint.register(MANIFEST_BUFFER, self._manifest_tensor)
             self._names.append(MANIFEST_BUFFER)
         except BaseException:
@@ -225,6 +230,8 @@ class WeightSubscriber(Holding):
         for peer, push_id in sorted(pending | set(self._beginning)) if self.endpoint.is_open else ():
             self._reply(peer, m.Reply(push_id, "dropped", -1, "the subscriber was closed", "other", self._version))
         self._beginning.clear()
+        if self._stamps is not None:  # (first: no bank holds a push for the relays' dependents any more)
+            self._stamps.clear()
         for t in list(self._tasks):
             t.cancel()
         self._strategy.close()  # shared: the weights move out of the publisher's bank, then it is let go
@@ -397,13 +404,14 @@ class WeightSubscriber(Holding):
         if not await self._strategy.begin(push):  # direct: the writer lock; swap: readers' GPU work (answered)
             return
         push.bank = 0 if self._live_bank is None or len(self._banks) != 2 else 1 - self._live_bank
+        # a new stamp for the bank before any byte of this push lands there (relays' dependents: rl_sync.relay_stamp)
+        stamp = self._stamps.renew(push.bank) if self._stamps is not None else 0
         if self._push is not None:  # (cannot be: every Begin drops it; kept as a guard)
             self._drop(self._push, f"superseded by push {push_id} of {peer}")
         self._push = push
         if self._strategy.shared and self._beginning.get((peer, push_id)) is not None:
             return  # its Commit came right behind it and is served next: that answer says it began (one message)
-        self._reply(peer, m.Reply(push_id, "begin", -1, None, None, self._version, push.bank))
-
+        self._reply(peer, m.Reply(push_id, "begin", -1, None, None, self._version, push.bank, stamp=stamp))
 
     def _drop(self, push: Push, why: str) -> None:
         """Forget ``push`` (aborted, superseded, stalled): cancel its pulls (the next Begin waits for
@@ -433,15 +441,22 @@ class WeightSubscriber(Holding):
                 return
             self._torn = True  # from here on, the live weights may hold bytes of an uncommitted version
         try:
-            where = self._where(b, dest, msg)
+            where = pull_ranges(b, dest, msg)
         except ValueError as exc:
             self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, str(exc), "plan", attempt=msg.attempt))
             return
+        push.done.discard(msg.bucket)  # (its bytes are being replaced)
         try:
             route = push.routes.get(msg.source)
             if route is None:  # which plane its bytes take, and why: for the push report (once per source)
                 route = push.routes[msg.source] = await self.endpoint.route(msg.source, where)
             await self.endpoint.get(msg.source, where)
+            # from a relay: its bytes count only if its stamp of the bank, read after them, is still this push's
+            stale = await check_relay(self.endpoint, msg) if msg.source != push.publisher else None
+            if stale is not None:
+                self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, stale, "relay",
+                                                    attempt=msg.attempt))
+                return
         except Exception as exc:
             self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, f"{type(exc).__name__}: {exc}", "other",
                                                 attempt=msg.attempt))
@@ -451,21 +466,6 @@ class WeightSubscriber(Holding):
         push.done.add(msg.bucket)
         self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, attempt=msg.attempt, plane=route.plane,
                                             route=route.reason))
-
-    @staticmethod
-    def _where(b: Bucket, dest: torch.Tensor, msg: m.Pull) -> dict[str, Any]:
-        """What a Pull reads into ``dest`` (bucket ``b``'s bytes in the arena): one range of the
-        source's buffer, or, served live, each piece from the source's tensor of its entry."""
-        if not msg.live:
-            return {msg.buffer: transport.At(dest, msg.offset)}
-        if len(msg.live) != len(b.pieces) or len(set(msg.live)) != len(msg.live):
-            raise ValueError(f"the pull names {len(msg.live)} live buffers for the {len(b.pieces)} pieces of "
-                             f"bucket {b.index}")
-        where: dict[str, Any] = {}
-        for name, p in zip(msg.live, b.pieces, strict=True):
-            view = p.entry.view_in(dest, p.start, p.stop, origin=b.offset, flat=True)
-            where[name] = transport.At(view, p.start // view.element_size())
-        return where
 
     def _repoint(self, bank: int, arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,
                  entries: Sequence[Any] | None = None) -> None:

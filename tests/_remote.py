@@ -241,7 +241,8 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
                 bufs[bname] = torch.zeros_like(t)
                 ep.register(bname, bufs[bname])
             return took
-        if cmd == "slow_shm_copies":  # every shm copy of this endpoint sleeps `seconds` before it starts
+        if cmd == "slow_shm_copies":  # every shm copy of this endpoint sleeps `seconds` before it starts (`args[1]`:
+            # small ones too, which run_here otherwise copies at once)
             from transport.planes.shm import ShmPlane
 
             seconds = args[0]
@@ -252,6 +253,8 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
                 return real_copy(self, *a, **k)
 
             ShmPlane._copy_one = slow_copy  # type: ignore[method-assign]
+            if len(args) > 1 and args[1]:  # small copies too (else done on the loop by run_here, not slowed)
+                ShmPlane.run_here = lambda self, kind, pairs: False  # type: ignore[method-assign]
             return None
         if cmd == "split_shm_copies":  # every shm copy into a peer writes half, sleeps `seconds`, writes the rest
             from transport.planes.shm import ShmPlane
