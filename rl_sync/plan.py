@@ -26,11 +26,15 @@ import hashlib
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
 
+import transport
+
 from .errors import PlanMismatchError
+from .messages import Pull
 
 __all__ = [
     "ARENA_PREFIX",
@@ -50,6 +54,7 @@ __all__ = [
     "host_key",
     "make_buckets",
     "plan_hash",
+    "pull_where",
     "sent_dtype",
 ]
 
@@ -336,3 +341,18 @@ def host_key() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def pull_where(b: Bucket, dest: torch.Tensor, msg: Pull) -> dict[str, Any]:
+    """What a Pull reads into ``dest`` (bucket ``b``'s bytes in the subscriber's arena): one range
+    of the source's buffer, or, served live, each piece from the source's tensor of its entry."""
+    if not msg.live:
+        return {msg.buffer: transport.At(dest, msg.offset)}
+    if len(msg.live) != len(b.pieces) or len(set(msg.live)) != len(msg.live):
+        raise ValueError(f"the pull names {len(msg.live)} live buffers for the {len(b.pieces)} pieces of "
+                         f"bucket {b.index}")
+    where: dict[str, Any] = {}
+    for name, p in zip(msg.live, b.pieces, strict=True):
+        view = p.entry.view_in(dest, p.start, p.stop, origin=b.offset, flat=True)
+        where[name] = transport.At(view, p.start // view.element_size())
+    return where

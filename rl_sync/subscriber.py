@@ -44,6 +44,7 @@ from .plan import (
     host_key,
     make_buckets,
     plan_hash,
+    pull_where,
 )
 from .posting import InOrder, post_in_order
 from .rwlock import RWLock
@@ -406,11 +407,13 @@ class WeightSubscriber(Holding):
 
 
     def _drop(self, push: Push, why: str) -> None:
-        """Forget ``push`` (aborted, superseded, stalled): cancel its pulls (the next Begin waits for
-        them to be over, so that none writes late); direct mode: let readers back in."""
+        """Forget ``push`` (aborted, superseded, stalled, closed): cancel its pulls (the next Begin waits
+        for them to be over, so that none writes late); a commit (direct: a Begin) of it still waiting
+        for the writer lock leaves the queue at once; direct mode: let readers back in."""
         push.dropped = True
         if self._push is push:
             self._push = None
+        self._lock.wake()  # (its waiting commit stops keeping new readers out: acquire_write_async(abandoned=))
         for task in list(push.pulls):
             task.cancel()
             self._draining.add(task)
@@ -433,7 +436,7 @@ class WeightSubscriber(Holding):
                 return
             self._torn = True  # from here on, the live weights may hold bytes of an uncommitted version
         try:
-            where = self._where(b, dest, msg)
+            where = pull_where(b, dest, msg)
         except ValueError as exc:
             self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, str(exc), "plan", attempt=msg.attempt))
             return
@@ -451,21 +454,6 @@ class WeightSubscriber(Holding):
         push.done.add(msg.bucket)
         self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, attempt=msg.attempt, plane=route.plane,
                                             route=route.reason))
-
-    @staticmethod
-    def _where(b: Bucket, dest: torch.Tensor, msg: m.Pull) -> dict[str, Any]:
-        """What a Pull reads into ``dest`` (bucket ``b``'s bytes in the arena): one range of the
-        source's buffer, or, served live, each piece from the source's tensor of its entry."""
-        if not msg.live:
-            return {msg.buffer: transport.At(dest, msg.offset)}
-        if len(msg.live) != len(b.pieces) or len(set(msg.live)) != len(msg.live):
-            raise ValueError(f"the pull names {len(msg.live)} live buffers for the {len(b.pieces)} pieces of "
-                             f"bucket {b.index}")
-        where: dict[str, Any] = {}
-        for name, p in zip(msg.live, b.pieces, strict=True):
-            view = p.entry.view_in(dest, p.start, p.stop, origin=b.offset, flat=True)
-            where[name] = transport.At(view, p.start // view.element_size())
-        return where
 
     def _repoint(self, bank: int, arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,
                  entries: Sequence[Any] | None = None) -> None:
