@@ -8,6 +8,8 @@ The asyncio side waits on a future of its own loop, woken (thread-safely)
 whenever the lock changes hands: it never parks on a worker thread, so any
 number of tasks queued behind a commit cannot take the loop's default
 executor from the copies that commit (and the pulls' shm copies) run on.
+A waiting writer whose commit can no longer apply (``abandoned``) leaves
+the queue as soon as :meth:`RWLock.wake` is called, letting readers in.
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ class RWLock:
         if idle and hook is not None:
             hook()
 
+    def wake(self) -> None:
+        """Wake every task waiting in an ``acquire_*_async`` to check again (a writer's
+        ``abandoned`` turned true: it leaves the queue). Any thread."""
+        with self._cond:
+            self._wake()
+
     def _wake(self) -> None:
         """With ``_cond`` held: wake every task waiting in an ``acquire_*_async`` (it checks again)."""
         waiters, self._waiters = self._waiters, []
@@ -111,9 +119,11 @@ class RWLock:
             except RuntimeError:  # (its loop is closed: nobody waits there any more)
                 pass
 
-    async def _wait_async(self, take: Callable[[], bool], timeout: float | None, writer: bool) -> bool:
+    async def _wait_async(self, take: Callable[[], bool], timeout: float | None, writer: bool,
+                          abandoned: Callable[[], bool] | None = None) -> bool:
         """Take the lock with ``take()`` (under ``_cond``; True: had) as soon as it can, waiting on
-        this loop (no thread) up to ``timeout``; a cancelled wait holds nothing."""
+        this loop (no thread) up to ``timeout``, or until ``abandoned()`` (checked at every wake-up);
+        a cancelled, timed-out or abandoned wait holds nothing."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = False
@@ -123,6 +133,8 @@ class RWLock:
                     if writer and not waiting:
                         self._writers_waiting += 1  # (new readers queue behind this writer from now on)
                         waiting = True
+                    if abandoned is not None and abandoned():
+                        return False
                     if take():
                         return True
                     left = None if deadline is None else deadline - time.monotonic()
@@ -163,10 +175,16 @@ class RWLock:
             return True
         return await self._wait_async(self._take_read, timeout, writer=False)
 
-    async def acquire_write_async(self, timeout: float | None = None) -> bool:
+    async def acquire_write_async(self, timeout: float | None = None,
+                                  abandoned: Callable[[], bool] | None = None) -> bool:
+        """Take the write lock, waiting up to ``timeout``; False at the timeout, or at once when
+        ``abandoned()`` is true (checked first and whenever :meth:`wake` or a change of hands wakes
+        the wait): a writer that can no longer use the lock stops keeping new readers out."""
+        if abandoned is not None and abandoned():
+            return False
         if self.try_acquire_write():  # (no reader: the usual commit waits for nothing)
             return True
-        return await self._wait_async(self._take_write_waiting, timeout, writer=True)
+        return await self._wait_async(self._take_write_waiting, timeout, writer=True, abandoned=abandoned)
 
     @property
     def readers(self) -> int:

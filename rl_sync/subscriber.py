@@ -414,11 +414,12 @@ class WeightSubscriber(Holding):
         self._reply(peer, m.Reply(push_id, "begin", -1, None, None, self._version, push.bank, stamp=stamp))
 
     def _drop(self, push: Push, why: str) -> None:
-        """Forget ``push`` (aborted, superseded, stalled): cancel its pulls (the next Begin waits for
-        them to be over, so that none writes late); direct mode: let readers back in."""
+        """Forget ``push`` (aborted, superseded, stalled, closed): cancel its pulls (the next Begin waits for them to
+        end: none writes late); its commit (direct: Begin) waiting for the writer lock leaves the queue; direct: readers in."""
         push.dropped = True
         if self._push is push:
             self._push = None
+        self._lock.wake()  # (its waiting commit stops keeping new readers out: acquire_write_async(abandoned=))
         for task in list(push.pulls):
             task.cancel()
             self._draining.add(task)
@@ -452,8 +453,7 @@ class WeightSubscriber(Holding):
                 route = push.routes[msg.source] = await self.endpoint.route(msg.source, where)
             await self.endpoint.get(msg.source, where)
             # from a relay: its bytes count only if its stamp of the bank, read after them, is still this push's
-            stale = await check_relay(self.endpoint, msg) if msg.source != push.publisher else None
-            if stale is not None:
+            if (stale := await check_relay(self.endpoint, msg) if msg.source != push.publisher else None) is not None:
                 self._reply(push.publisher, m.Reply(push.push_id, "pull", msg.bucket, stale, "relay",
                                                     attempt=msg.attempt))
                 return

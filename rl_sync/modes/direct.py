@@ -46,13 +46,17 @@ class DirectMode(CommitMode):
     async def begin(self, push: Push) -> bool:
         """Take the writer lock for the whole push (direct mode); False (and a reply) if not had.
 
-        While it waits for readers to leave, an Abort of it, or a later Begin, drops it (it is in
-        ``_starting``), and it then gives the lock back as soon as it gets it."""
+        While it waits for readers to leave, an Abort of it, a later Begin, or close() drops it (it is
+        in ``_starting``): it then leaves the lock's queue at once, so new readers stop waiting behind it."""
         sub = self.sub
         moves = self._moves
-        got = await sub._lock.acquire_write_async(sub.commit_timeout)
+        got = await sub._lock.acquire_write_async(sub.commit_timeout, abandoned=lambda: push.dropped)
         if not got:
-            if not push.dropped:
+            if push.dropped:
+                if not sub._closed:
+                    sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, "the push was aborted", "other",
+                                                       sub._version))
+            else:
                 if self._moving or self._moves != moves:  # (the lock was held by an earlier push's move, not readers)
                     why = (f"an earlier push was moving the weights into the arenas (direct mode's first push moves "
                            f"them once) for more than {sub.commit_timeout} s")

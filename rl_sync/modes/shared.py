@@ -42,7 +42,8 @@ class SharedMode(CommitMode):
         self._mapped: dict[tuple[str, int, tuple[str, ...]], tuple[transport.Route | None, list[torch.Tensor]]] = {}
 
     async def commit(self, push: Push, msg: m.Commit) -> None:
-        """Shared mode: map the publisher's bank, lock it shared, then (readers held off) re-point."""
+        """Shared mode: map the publisher's bank; then, readers held off, lock it shared (checking its
+        stamp) and re-point."""
         sub = self.sub
 
         def refuse(why: str, kind: str = "other") -> None:
@@ -63,39 +64,48 @@ class SharedMode(CommitMode):
                 refuse(f"the publisher's bank is on {', '.join(away)} as mapped here and the model on {sub.device}: "
                        "mode='shared' needs the trainer's weights on the generator's GPU (use another mode)", "plan")
                 return
-            lease: BankLease | None = BankLease(msg.lock, push.version, push.push_id)
-        except Exception as exc:  # (transport, stale bank, lock file, a view that does not fit): refused, answered
+        except Exception as exc:  # (transport, a view that does not fit): refused, answered
             refuse(f"cannot use the publisher's bank {msg.bank}: {type(exc).__name__}: {exc}")
             return
+        # no lease on the bank while it waits for readers: one that waits in vain (its push aborted or superseded:
+        # it then leaves the lock's queue at once) must not keep the publisher from rewriting the bank
+        if not await sub._lock.acquire_write_async(sub.commit_timeout, abandoned=lambda: sub._push is not push):
+            if sub._push is not push:
+                if not sub._closed:
+                    refuse("the push was aborted")
+                return
+            refuse(f"readers held the weights for more than {sub.commit_timeout} s", "timeout")
+            return
+        lease: BankLease | None = None
         try:
-            if not await sub._lock.acquire_write_async(sub.commit_timeout):
-                refuse(f"readers held the weights for more than {sub.commit_timeout} s", "timeout")
+            if sub._push is not push or sub._closed:  # aborted, superseded or closed meanwhile
+                refuse("the push was aborted")
+                return
+            if (why := sub._changed()) is not None:  # (a tensor of another dtype would read the bank as it)
+                refuse(why, "plan")
+                return
+            try:  # the bank is checked now, with the lock had: a bank rewritten while it waited is refused
+                lease = BankLease(msg.lock, push.version, push.push_id)
+            except Exception as exc:  # (a stale bank, a lock file that cannot be opened)
+                refuse(f"cannot use the publisher's bank {msg.bank}: {type(exc).__name__}: {exc}")
                 return
             try:
-                if sub._push is not push or sub._closed:  # aborted, superseded or closed meanwhile
-                    refuse("the push was aborted")
-                    return
-                if (why := sub._changed()) is not None:  # (a tensor of another dtype would read the bank as it)
-                    refuse(why, "plan")
-                    return
-                try:
-                    sub._repoint(msg.bank, arenas)
-                except Exception as exc:  # nothing moved (every place is checked first)
-                    refuse(f"the bank does not fit the layout: {type(exc).__name__}: {exc}", "plan")
-                    return
-                old, self._lease, lease = self._lease, lease, None
-                if old is not None:  # the weights left that bank: the publisher may rewrite it once read
-                    self._let_go_after_reads(old)
-                with sub._version_cond:
-                    sub._version = push.version
-                    sub._version_cond.notify_all()
-            finally:
-                sub._lock.release_write()
-                if sub._push is push:
-                    sub._push = None
+                sub._repoint(msg.bank, arenas)
+            except Exception as exc:  # nothing moved (every place is checked first)
+                refuse(f"the bank does not fit the layout: {type(exc).__name__}: {exc}", "plan")
+                return
+            old, self._lease, lease = self._lease, lease, None
+            if old is not None:  # the weights left that bank: the publisher may rewrite it once read
+                self._let_go_after_reads(old)
+            with sub._version_cond:
+                sub._version = push.version
+                sub._version_cond.notify_all()
         finally:
             if lease is not None:  # not adopted: let the publisher have that bank back
                 lease.release()
+            sub._lock.release_write()
+            if sub._push is push:
+                sub._push = None
         log.debug("subscriber %s: committed version %d (shared bank %d)", sub.endpoint.name, push.version, msg.bank)
         sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, None, None, sub._version,
                                            plane=route.plane if route else "", route=route.reason if route else ""))

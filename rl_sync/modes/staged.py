@@ -38,15 +38,17 @@ class StagedMode(CommitMode):
 
     async def commit(self, push: Push, msg: m.Commit) -> None:
         sub = self.sub
-        if not await sub._lock.acquire_write_async(sub.commit_timeout):
+        # aborted, superseded or closed while it waits for the readers: it leaves the queue at once (_drop wakes
+        # it), so new readers no longer wait behind a commit that can never apply
+        if not await sub._lock.acquire_write_async(sub.commit_timeout, abandoned=lambda: sub._push is not push):
+            if sub._push is not push:
+                if not sub._closed:
+                    sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
+                                                       sub._version))
+                return
             sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1,
                                                f"readers held the weights for more than {sub.commit_timeout} s",
                                                "timeout", sub._version))
-            return
-        if sub._push is not push:  # aborted (or superseded) while waiting for the readers: apply nothing
-            sub._lock.release_write()
-            sub._reply(push.publisher, m.Reply(push.push_id, "commit", -1, "the push was aborted", "other",
-                                               sub._version))
             return
         try:
             ready = await self._readers_left()
