@@ -30,10 +30,11 @@ async def handle(ep: Any, state: dict[str, Any], cmd: str, a: tuple[Any, ...]) -
         return ep.address_record()
     if cmd == "add_peer":
         return ep.add_peer(a[0])
-    if cmd == "put_error":  # put `value` into `peer`'s `name` (uint8, n): None, or the error it raised, as text
-        peer, name, n, value, timeout = a
+    if cmd == "put_error":  # put `value` into `peer`'s `name` (uint8, n; notified: a message to the peer's
+        peer, name, n, value, timeout, *notify = a  # endpoint, never one-sided): None, or its error, as text
         try:
-            await ep.put(peer, {name: torch.full((n,), value, dtype=torch.uint8)}, timeout=timeout)
+            await ep.put(peer, {name: torch.full((n,), value, dtype=torch.uint8)}, timeout=timeout,
+                         notify=notify[0] if notify else None)
         except Exception as exc:  # noqa: BLE001 - the test reads it
             return f"{type(exc).__name__}: {exc}"
         return None

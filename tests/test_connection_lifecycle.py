@@ -207,7 +207,11 @@ async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_
             await asyncio.to_thread(b2.call, "put", a.name, spec, 10)
             assert a.peer(name).incarnation == b2.incarnation
             b1.signal(signal.SIGCONT)
-            err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0, timeout=30)
+            end = time.monotonic() + 15  # (B1 finds its channel to A closed: A dropped it for B2)
+            while a.name in await asyncio.to_thread(b1.call, "peer_names") and time.monotonic() < end:
+                await asyncio.sleep(0.1)
+            # a notified put (a message: a one-sided shm put of B1's needs none, and A does not stop those)
+            err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0, b"stale", timeout=30)
             assert err is not None and "PeerLostError" in err and "replaced" in err, err  # (told why)
             assert a.peer(name).incarnation == b2.incarnation, "the stale incarnation took the name back"
             await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
