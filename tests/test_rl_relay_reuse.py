@@ -52,6 +52,13 @@ def _held(g: RemoteEndpoint) -> tuple[int, bool]:
     return v, exact
 
 
+def _holds_exactly_v2(report: rl_sync.PushReport, dep: RemoteEndpoint) -> None:
+    """The dependent's entry is ok and it holds exactly version 2's bytes."""
+    v, exact = _held(dep)
+    assert exact, f"{dep.name} reports version {v} but does not hold exactly its bytes: {report.summary()}"
+    assert report.results[dep.name].ok and v == 2, report.summary()
+
+
 async def _next_push_reaches_both(pub: rl_sync.WeightPublisher, gens: list[RemoteEndpoint], version: int) -> None:
     report = await asyncio.wait_for(pub.push(seeded(SPEC, version), version, timeout=TIMEOUT), TIMEOUT + 10)
     assert report.ok, report.summary()
@@ -102,10 +109,7 @@ async def test_a_late_dependent_never_commits_what_its_reused_relay_holds_now(st
             finally:
                 gens[1].signal(signal.SIGCONT)
             report = await asyncio.wait_for(push, TIMEOUT + 10)
-            dep = report.results[names[1]]
-            v, exact = _held(gens[1])
-            assert exact, f"{names[1]} reports version {v} but does not hold exactly its bytes: {report.summary()}"
-            assert dep.ok and v == 2, report.summary()
+            _holds_exactly_v2(report, gens[1])
             relay_v, relay_exact = _held(gens[0])
             assert relay_exact and relay_v == {"recreate": 0, "second_pub": 3, "restart": 0}[variant], relay_v
             await _next_push_reaches_both(pub, gens, 4)
@@ -161,9 +165,7 @@ async def test_a_relay_pull_in_flight_while_the_relay_takes_another_push_is_refu
             finally:
                 os.kill(gens[1].proc.pid, signal.SIGCONT)
             report = await asyncio.wait_for(push, TIMEOUT + 10)
-            v, exact = _held(gens[1])
-            assert exact, f"{names[1]} reports version {v} but does not hold exactly its bytes: {report.summary()}"
-            assert report.results[names[1]].ok and v == 2, report.summary()
+            _holds_exactly_v2(report, gens[1])
             assert _held(gens[0]) == (3, True)
             await _next_push_reaches_both(pub, gens, 4)
             pub.close()
