@@ -401,8 +401,8 @@ class WeightSubscriber(Holding):
                                       f"version {push.version} is not newer than the committed {self._version}",
                                       "other" if push.dropped else "stale", self._version))
             return
-        if not await self._strategy.begin(push):  # direct: the writer lock; swap: readers' GPU work (answered)
-            return
+        if not await self._strategy.begin(push) or push.dropped:  # (direct: the writer lock; swap: readers' GPU work;
+            return  # dropped meanwhile: its publisher was told, and a newer push may be current: it must stay so)
         push.bank = 0 if self._live_bank is None or len(self._banks) != 2 else 1 - self._live_bank
         # a new stamp for the bank before any byte of this push lands there (relays' dependents: rl_sync.relay_stamp)
         stamp = self._stamps.renew(push.bank) if self._stamps is not None else 0

@@ -9,12 +9,14 @@ tensors through the pipe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from tests._remote import backing, dtype_of, make_tensor, poisoned, same_bytes
+from tests._remote import RemoteEndpoint, backing, dtype_of, make_tensor, poisoned, same_bytes
 from transport.errors import TransportTimeoutError
 
 
@@ -204,3 +206,24 @@ def blocking_generator(name: str, store_url: str, spec: dict[str, tuple[str, tup
             sub.close()
     except BaseException as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+@contextlib.contextmanager
+def generators(store_url: str, uname: Any, n: int, spec: dict, *, planes: tuple[str, ...] | None = None,
+               heartbeat_timeout: float = 10.0, ipc_engine: Any = None,
+               **sub_kwargs: Any) -> Iterator[list[RemoteEndpoint]]:
+    """``n`` spawned generator endpoints, each with a WeightSubscriber of layout ``spec`` (``sub_kwargs``
+    its arguments: mode, commit_timeout, ...); killed on the way out."""
+    kw: dict[str, Any] = {"store": store_url, "timeout": 20, "heartbeat_timeout": heartbeat_timeout}
+    if planes:
+        kw["planes"] = planes
+    if ipc_engine is not None:
+        kw["engines"] = {"cuda_ipc": ipc_engine}
+    gens = [RemoteEndpoint(uname(f"gen{i}"), **kw) for i in range(n)]
+    try:
+        for g in gens:
+            g.call("sub_create", spec, sub_kwargs)
+        yield gens
+    finally:
+        for g in gens:
+            g.kill()

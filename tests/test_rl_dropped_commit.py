@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import glob
 import os
 import time
@@ -21,7 +22,7 @@ import torch
 
 import rl_sync
 import transport
-from tests._remote import RemoteEndpoint
+from tests._rl_remote import generators as rl_generators
 from tests._rl_remote import seeded
 
 # the subscriber's layout (bfloat16 where the trainer has float32: the publisher casts)
@@ -30,16 +31,7 @@ TRAIN = {n: ("float32" if dt == "bfloat16" else dt, sh) for n, (dt, sh) in GEN.i
 MODES = ["staged", "swap", "direct", "shared"]
 
 
-@contextlib.contextmanager
-def generators(store_url, uname, n, **sub_kwargs):
-    gens = [RemoteEndpoint(uname(f"gen{i}"), store=store_url, timeout=20, heartbeat_timeout=10.0) for i in range(n)]
-    try:
-        for g in gens:
-            g.call("sub_create", GEN, sub_kwargs)
-        yield gens
-    finally:
-        for g in gens:
-            g.kill()
+generators = functools.partial(rl_generators, spec=GEN)
 
 
 def trainer(store_url, uname):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import multiprocessing as mp
 import re
 import signal
@@ -21,6 +22,7 @@ from rl_sync.fanout import assign_sources
 from rl_sync.plan import build_manifest, check_sources, make_buckets, plan_hash
 from tests._remote import RemoteEndpoint, backing, same_bytes
 from tests._rl_remote import blocking_generator, seeded, stamped
+from tests._rl_remote import generators as rl_generators
 from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 # the subscriber's layout: several dtypes, a 0-d and an empty tensor, one tensor larger than a bucket
@@ -37,21 +39,7 @@ TRAIN = {n: ("float32" if dt == "bfloat16" else dt, sh) for n, (dt, sh) in GEN.i
 BUCKET = 16 << 10  # several buckets per push, and embed.weight (37.5 KiB) is split across three
 
 
-@contextlib.contextmanager
-def generators(store_url, uname, n, spec=GEN, *, planes=None, heartbeat_timeout=10.0, ipc_engine=None, **sub_kwargs):
-    kw = {"store": store_url, "timeout": 20, "heartbeat_timeout": heartbeat_timeout}
-    if planes:
-        kw["planes"] = planes
-    if ipc_engine is not None:
-        kw["engines"] = {"cuda_ipc": ipc_engine}
-    gens = [RemoteEndpoint(uname(f"gen{i}"), **kw) for i in range(n)]
-    try:
-        for g in gens:
-            g.call("sub_create", spec, sub_kwargs)
-        yield gens
-    finally:
-        for g in gens:
-            g.kill()
+generators = functools.partial(rl_generators, spec=GEN)
 
 
 def trainer(store_url, uname, **kw):
@@ -730,6 +718,45 @@ async def test_a_swap_commit_superseded_while_it_waits_for_readers_moves_nothing
         with contextlib.suppress(asyncio.TimeoutError, TimeoutError, transport.TransportTimeoutError):
             late = msgs.decode((await ep.next_notification(timeout=0.3)).payload)
             assert late.stage != "commit" or late.error is not None, f"the dropped push committed: {late}"
+        sub.close()
+
+
+async def test_a_swap_begin_superseded_while_it_waits_for_readers_leaves_the_newer_push_current(store_url, uname):
+    """swap's Begin waits for the GPU work readers queued (a stand-in wait: no GPU here), 0.6 s for the
+    first Begin, 0.1 s for a second publisher's Begin that supersedes it meanwhile. The second push is
+    begun and stays the current one: its pulls are served and its bank's stamp stays the one it was
+    given (before, the first Begin, once its wait ended, re-stamped the bank, made itself current
+    again, answered its publisher "begin" after "dropped", and the second push's pulls were refused)."""
+    msgs = rl_sync.messages
+    async with trainer(store_url, uname) as ep_a, trainer(store_url, uname) as ep_b, \
+            transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, {"w": torch.zeros(4096)}, mode="swap", commit_timeout=10.0)
+        _, digest = sub.plan(1 << 20)
+        ep_b.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+        waits: list[float] = [0.6, 0.1]
+
+        async def reads_queued(timeout: float) -> bool:  # (ReaderMarks.wait with GPU work pending)
+            await asyncio.sleep(waits.pop(0) if waits else 0.0)
+            return True
+
+        async def answer(on: transport.Endpoint, timeout: float = 5) -> rl_sync.messages.Reply:
+            return msgs.decode((await on.next_notification(timeout=timeout)).payload)
+
+        sub._readers.wait = reads_queued
+        await ep_a.notify(gep.name, msgs.encode(msgs.Begin(1, 1, digest, 1 << 20)))
+        await asyncio.sleep(0.1)
+        await ep_b.notify(gep.name, msgs.encode(msgs.Begin(7, 1, digest, 1 << 20)))
+        assert (await answer(ep_a)).stage == "dropped"
+        begun = await answer(ep_b)
+        assert begun.stage == "begin" and begun.error is None, begun
+        await asyncio.sleep(1.0)  # the first Begin's wait is over
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError, transport.TransportTimeoutError):
+            late = await answer(ep_a, 0.3)
+            raise AssertionError(f"the dropped push was answered again: {late}")
+        assert int(sub._stamps.tensor[begun.bank]) == begun.stamp, "the bank was re-stamped by the dropped push"
+        await ep_b.notify(gep.name, msgs.encode(msgs.Pull(7, 0, ep_b.name, "src", 0)))
+        pulled = await answer(ep_b)
+        assert pulled.stage == "pull" and pulled.error is None, pulled
         sub.close()
 
 
