@@ -92,7 +92,7 @@ async def test_a_begin_that_comes_while_the_first_move_re_points_the_weights_is_
                 pub = rl_sync.WeightPublisher(ep, [gen.name], bucket_bytes=1 << 20)
                 await ep.connect(gen.name)
                 await pub.push(w1, 1, timeout=0.02)  # (given up at once, or done: the next push must succeed)
-                report = await pub.push(w2, 2, timeout=30)
+                report = await pub.push(w2, 2, timeout=5)
                 assert report.ok, report.summary()
                 pub.close()
                 assert gen.call("sub_check_held", MANY, timeout=60) in ([2, True], (2, True))
@@ -148,8 +148,12 @@ async def test_closing_a_subscriber_during_its_commit_never_leaves_its_version_a
             v, same = gen.call("sub_check_stamp", timeout=60)
             assert same, f"reports version {v}, holds other bytes ({report.summary()})"
             # the publisher's report says what the subscriber holds (its commit's copy, run to its end when
-            # close() came, answers for itself: no "dropped" ahead of it)
-            assert report.results[gen.name].ok == (v == 2), (v, report.summary())
+            # close() came, answers for itself: no "dropped" ahead of it); on a loaded machine close() (which
+            # copies 1 GiB of arenas back to private memory) may delay that answer past the push's deadline:
+            # then the entry fails for want of an answer, never as dropped
+            r = report.results[gen.name]
+            assert r.ok == (v == 2) or (v == 2 and isinstance(r.error, (rl_sync.CommitTimeoutError,
+                                                                        transport.PeerLostError))), (v, report.summary())
     finally:
         gen.kill()
 
