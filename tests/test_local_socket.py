@@ -109,6 +109,46 @@ async def test_a_closed_endpoint_stops_listening_on_its_unix_socket():
     await asyncio.sleep(0)
 
 
+async def test_an_accepted_connection_whose_handler_close_cancelled_before_it_ran_is_closed():
+    """close() cancels every task of the endpoint; a connection accepted just before has a handler
+    task that may not have run its first step, so its own clean-up never runs (seen in CI as an
+    'unclosed socket' ResourceWarning). Here that handler is cancelled at its creation: the accepted
+    socket must still be closed, never left to the GC."""
+    import gc
+    import socket
+    import warnings
+
+    from transport.local_socket import unix_address
+
+    b = transport.Endpoint("b", store=HashStore(), timeout=10)
+    await b.open()
+    spawn, handlers = b._spawn, []
+
+    def spawn_then_cancel(coro):
+        task = spawn(coro)
+        if coro.__qualname__.endswith("_accept_one"):
+            task.cancel()
+            handlers.append(task)
+        return task
+
+    b._spawn = spawn_then_cancel
+    rec, _ = decode_address(b.address_record())
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            probe.connect(unix_address(rec.unix))
+            probe.setblocking(False)  # the endpoint's side is closed (bounded: 10 s)
+            assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(probe, 1), 10) == b""
+            assert len(handlers) == 1 and handlers[0].cancelled()
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+    finally:
+        probe.close()
+        b._spawn = spawn
+        await b.close()
+
+
 async def test_a_peer_that_closes_while_we_send_is_closed_orderly_not_lost(store_url, uname, caplog):
     """A peer says Bye and closes its socket while this side keeps posting: a post that meets the
     closed socket (EPIPE on a Unix socket, at once) must not turn the peer's orderly close into a

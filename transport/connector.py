@@ -42,7 +42,7 @@ from .errors import (
     TransportError,
     TransportTimeoutError,
 )
-from .handshake import handshake, hang_up
+from .handshake import close_if_cancelled, handshake, hang_up
 from .hostinfo import local_host, same_host
 from .incarnations import Replaced, handshake_unless_replaced, refuse_replaced, replaced_by
 from .planes import PlaneOffers, choose_cpu_plane
@@ -80,7 +80,7 @@ class Owner(CoreProtocol, Protocol):
 
     def wire_registry(self) -> tuple[int, list[Any]]: ...
     def _check_open(self) -> None: ...
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
 
 
 class _Retry(Exception):
@@ -165,7 +165,8 @@ class Connector:
                     log.warning("endpoint %r: accepting a connection failed: %s; retrying every 0.1 s", ep.name, exc)
                 await asyncio.sleep(0.1)
                 continue
-            ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr, unix))
+            task = ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr, unix))
+            task.add_done_callback(close_if_cancelled(sock))  # (close() may cancel it before its first step)
 
     async def _accept_one(self, sock: socket.socket, addr: Any, unix: bool = False) -> None:
         ep = self.ep

@@ -317,10 +317,10 @@ class Endpoint(Operations):
         self._exports.close()  # (live same-host peers may keep some memory until they exit)
         self._rdv.close()
 
-    def _spawn(self, coro: Any) -> None:
-        task = self.loop.create_task(coro)
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        (task := self.loop.create_task(coro)).add_done_callback(self._tasks.discard)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ registry
     def register(self, name: str, tensor: torch.Tensor) -> BufferSpec:

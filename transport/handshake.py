@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -38,7 +39,7 @@ from .wire import (
     frame_length,
 )
 
-__all__ = ["check_hello", "hang_up", "handshake", "specs_from_wire"]
+__all__ = ["check_hello", "close_if_cancelled", "hang_up", "handshake", "specs_from_wire"]
 
 _INT64_MAX = (1 << 63) - 1
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")  # devices a peer's buffer may be on
@@ -160,6 +161,19 @@ async def _refuse(loop: asyncio.AbstractEventLoop, sock: socket.socket, reason: 
             await loop.sock_sendall(sock, encode_frame(Bye(reason)))
     except (OSError, TimeoutError):
         pass
+
+
+def close_if_cancelled(sock: socket.socket) -> Callable[[asyncio.Task[Any]], None]:
+    """A done-callback for the task that handles an accepted ``sock``: it closes ``sock`` if that task
+    was cancelled. A task cancelled before its first step never runs its body, so its own clean-up
+    cannot; one cancelled later never adopted ``sock`` (adopting is its last step, with no await
+    after it), so closing it again is harmless."""
+
+    def done(task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            sock.close()
+
+    return done
 
 
 async def hang_up(sock: socket.socket, bound: float = 1.0) -> None:
