@@ -245,9 +245,9 @@ class WeightSubscriber(Holding):
                                                self._version))
 
     def _unregister(self) -> None:
-        for name in self._names:
+        for name in self._names:  # (no copy back: the live tensors keep their arena's segment, no peer writes it)
             with contextlib.suppress(transport.TransportError):
-                self.endpoint.unregister(name)
+                self.endpoint.unregister(name, copy_back=False)
         self._names.clear()
 
     # ------------------------------------------------------------------ serving
@@ -469,8 +469,7 @@ class WeightSubscriber(Holding):
 
     def _repoint(self, bank: int, arenas: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,
                  entries: Sequence[Any] | None = None) -> None:
-        """Point every live tensor (or those of ``entries``) into ``arenas`` (default: bank ``bank``
-        of this subscriber's own)."""
+        """Point every live tensor (or those of ``entries``) into ``arenas`` (default: our bank ``bank``)."""
         arenas = self._banks[bank] if arenas is None else arenas
         if entries is None:  # (the whole manifest: its places are kept per arena geometry)
             repoint(self._live, self.manifest.entries, arenas, self._places)

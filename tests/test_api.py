@@ -82,6 +82,27 @@ async def test_new_buffer_is_registered_zeros_and_discard_skips_the_copy_back(pa
         await a.put(b.name, {"fresh": data})
 
 
+async def test_unregister_without_copy_back_leaves_the_tensor_where_it_is(pair):
+    """``copy_back=False``: the buffer leaves the registry (peers' ops on it fail) but its tensor is
+    not copied into private memory: same address, same bytes; registered again, peers reach it."""
+    a, b = pair
+    t = b.new_buffer("kept", (1 << 16,), torch.float32)
+    data = torch.randn(1 << 16)
+    await a.put(b.name, {"kept": data})
+    ptr = t.data_ptr()
+    b.unregister("kept", copy_back=False)
+    assert "kept" not in b.buffers and t.data_ptr() == ptr and torch.equal(t, data)
+    with pytest.raises(transport.UnknownBufferError):
+        await a.put(b.name, {"kept": data})
+    b.register("kept", t)  # (its segment was let go of: registering exports it again)
+    await a.put(b.name, {"kept": data * 2})
+    assert torch.equal(t, data * 2)
+    b.unregister("kept")  # the default copies it back into private memory
+    if "shm" in b.planes:
+        assert t.data_ptr() != ptr and "memfd" not in backing(t.data_ptr())[0]
+    assert torch.equal(t, data * 2)
+
+
 async def test_new_buffer_segments_are_closed_without_an_open(store_url, uname):
     """Made before the endpoint opens, a buffer's segment waits for its export at open; unregistered
     or closed before that, the segment is closed (nothing leaks, and a failed registration says why)."""

@@ -148,8 +148,8 @@ async def test_closing_a_subscriber_during_its_commit_never_leaves_its_version_a
             v, same = gen.call("sub_check_stamp", timeout=60)
             assert same, f"reports version {v}, holds other bytes ({report.summary()})"
             # the publisher's report says what the subscriber holds (its commit's copy, run to its end when
-            # close() came, answers for itself: no "dropped" ahead of it); on a loaded machine close() (which
-            # copies 1 GiB of arenas back to private memory) may delay that answer past the push's deadline:
+            # close() came, answers for itself: no "dropped" ahead of it); on a loaded machine the commit's
+            # 1 GiB copy may bring that answer past the push's deadline (close() no longer copies the arenas back):
             # then the entry fails for want of an answer, never as dropped
             r = report.results[gen.name]
             assert r.ok == (v == 2) or (v == 2 and isinstance(r.error, (rl_sync.CommitTimeoutError,
@@ -340,3 +340,35 @@ async def test_a_publisher_dropped_without_close_is_freed_and_so_is_its_closed_e
         for _ in range(3):
             gc.collect()
         assert ep_gone() is None, "a closed endpoint whose publishers were dropped must be freed"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["staged", "swap", "direct"])
+async def test_closing_a_subscriber_lets_its_arenas_go_without_copying_them_back(store_url, uname, mode):
+    """close() unregisters the subscriber's arenas without copying them back into private memory
+    (Endpoint.unregister(copy_back=False)): the live tensors are views of their arena's segment and
+    keep it either way, and no peer writes into a subscriber's arenas, so the copy (1 GiB: seconds of
+    a blocked event loop on a loaded machine) bought nothing. The arenas stay where they were, are no
+    longer registered, and the live weights still hold the last version whole."""
+    spec = {f"layers.{i}.weight": ("float32", (256, 1024)) for i in range(4)}  # 4 MiB
+    model = stamped(spec, 0)
+    async with trainer(store_url, uname) as ep, transport.Endpoint(uname("gen"), store=store_url, timeout=20) as gep:
+        sub = rl_sync.WeightSubscriber(gep, model, mode=mode, arena_bytes=2 << 20)
+        pub = rl_sync.WeightPublisher(ep, [gep.name])
+        try:
+            for v in (1, 2):
+                report = await pub.push(stamped(spec, v), v, timeout=30)
+                assert report.ok, report.summary()
+            arenas = [(rl_sync.plan.arena_name(b, i), t, t.data_ptr())
+                      for b, bank in enumerate(sub._banks) for i, t in enumerate(bank)]
+            assert arenas and all(name in gep.buffers for name, _, _ in arenas)
+            sub.close()
+            assert not [name for name, _, _ in arenas if name in gep.buffers]
+            assert [name for name, t, ptr in arenas if t.data_ptr() != ptr] == []  # (not copied back)
+            assert all(bool((t == 2).all()) for t in model.values())
+            report = await pub.push(stamped(spec, 3), 3, timeout=10)  # a closed subscriber refuses at once
+            assert not report.ok and "closed" in str(report.results[gep.name].error), report.summary()
+            assert all(bool((t == 2).all()) for t in model.values())
+        finally:
+            pub.close()
+            sub.close()

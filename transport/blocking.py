@@ -188,9 +188,9 @@ class BlockingEndpoint:
         """See :meth:`Endpoint.new_buffer`."""
         return self._call(_as_coro(self._ep.new_buffer, name, shape, dtype), None)
 
-    def unregister(self, name: str, *, discard: bool = False) -> None:
+    def unregister(self, name: str, *, discard: bool = False, copy_back: bool = True) -> None:
         """See :meth:`Endpoint.unregister`."""
-        self._call(_as_coro(functools.partial(self._ep.unregister, discard=discard), name), None)
+        self._call(_as_coro(functools.partial(self._ep.unregister, discard=discard, copy_back=copy_back), name), None)
 
     def connect(self, peer: str, timeout: float | None = None) -> Peer:
         """See :meth:`Endpoint.connect`."""

@@ -363,26 +363,26 @@ class Endpoint(Operations):
         self._registry_changed()
         return tensor
 
-    def unregister(self, name: str, *, discard: bool = False) -> None:
+    def unregister(self, name: str, *, discard: bool = False, copy_back: bool = True) -> None:
         """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`.
 
         Blocks while same-host peers' one-sided copies into or out of it are in flight (``shm``,
         ``cuda_ipc``: each plane's export waits for them, up to 2 s, then takes the buffer back
         anyway and those ops fail), so no copy of theirs is reported done after this returned.
-        Likewise for peers' ops whose bytes travel through a channel (a ``tcp`` put's payload
-        still arriving into it, a get's reply still being sent from it, the staged path): it
-        waits for them up to 2 s, then breaks the channels that still move its bytes (their ops
-        fail with :class:`PeerLostError`, the peer dials again), so no byte is written into or
-        read from the tensor after this returned.
+        Likewise for peers' ops whose bytes travel through a channel (a ``tcp`` put's payload still
+        arriving, a get's reply still being sent, the staged path): it waits for them up to 2 s, then
+        breaks the channels that still move its bytes (their ops fail with :class:`PeerLostError`),
+        so no byte is written into or read from the tensor after this returned.
         If the tensor lived alone in a shared-memory segment, its bytes are copied back into private
         memory (blocking for the copy; the tensor object is re-pointed in place), so a peer still
-        holding a stale mapping can never write into it again. Other tensor objects that shared its
-        storage keep the shared segment and no longer alias it. A tensor that shares a segment with
-        other registered buffers (a view of an arena) stays where it is. ``discard=True`` (for a buffer
-        its owner is done with) skips that copy: the tensor object is left empty (no elements) instead
-        (so a second name it is registered under must be registered again).
+        holding a stale mapping can never write into it again; other tensor objects that shared its
+        storage keep the segment. A tensor sharing a segment with other registered buffers stays.
+        ``copy_back=False`` skips that copy: the tensor stays in its segment (for memory no peer
+        writes, or whose other views keep the segment anyway). ``discard=True`` (a buffer its owner is
+        done with) skips it too and leaves the tensor object empty (no elements; a second name it is
+        registered under must be registered again).
         """
-        self._exports.unregister(name, discard=discard)
+        self._exports.unregister(name, discard=discard, copy_back=copy_back)
         self._registry_changed()
 
     @property

@@ -101,7 +101,7 @@ class Exports:
         self.register(name, tensor)
         return tensor
 
-    def unregister(self, name: str, *, discard: bool = False) -> None:
+    def unregister(self, name: str, *, discard: bool = False, copy_back: bool = True) -> None:
         """Remove ``name`` (:class:`~transport.errors.UnknownBufferError` if absent) and undo its
         exports; see :meth:`transport.Endpoint.unregister` for what happens to the tensor (may
         block for a copy, and up to a plane's bound for peers' copies in flight)."""
@@ -125,7 +125,7 @@ class Exports:
             t = buf.tensor
             with torch.no_grad():
                 t.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage(), 0, (0,), (1,))
-        self._unexport(buf, detach=True)
+        self._unexport(buf, detach=copy_back)
 
     def specs(self) -> dict[str, BufferSpec]:
         """The registered buffers' specs (a copy). Any thread."""

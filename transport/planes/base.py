@@ -319,8 +319,9 @@ class Exporter:
 
     def unexport(self, buf: LocalBuffer, *, detach: bool, closing: bool, epoch: int) -> None:
         """Stop exporting ``buf`` (it left the registry at ``epoch``). ``detach``: it was
-        unregistered, and must not stay in memory peers may still write; ``closing``: the
-        endpoint closes (do not wait for peers)."""
+        unregistered, and must not stay in memory peers may still write (false: unregistered with
+        ``copy_back=False``, or not unregistered); ``closing``: the endpoint closes (do not wait for
+        peers)."""
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
