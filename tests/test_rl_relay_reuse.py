@@ -16,8 +16,11 @@ Real processes (tests/_remote.py), real sockets and shared memory; every wait bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -66,6 +69,30 @@ async def _next_push_reaches_both(pub: rl_sync.WeightPublisher, gens: list[Remot
         assert _held(g) == (version, True), g.name
 
 
+@contextlib.asynccontextmanager
+async def _relay_setup(store_url: str, uname, fanout: str) -> AsyncIterator[tuple[dict, list[str], list, Any, Any]]:
+    """Two generators (names[0]: the relay under chain, the leader under auto), spawned, and two trainer
+    endpoints (two publishers); the generators are killed at the end, whatever happened."""
+    kw = _kw(store_url, fanout)
+    names = sorted(uname(f"gen{i}") for i in range(2))
+    gens = [_spawn(n, kw) for n in names]
+    ep_kw = {k: v for k, v in kw.items() if k != "heartbeat_timeout"}
+    try:
+        async with transport.Endpoint(uname("trainer"), **ep_kw) as ep, \
+                transport.Endpoint(uname("trainer-b"), **ep_kw) as ep_b:
+            yield kw, names, gens, ep, ep_b
+    finally:
+        for g in gens:
+            g.kill()
+
+
+async def _finish(pubs: list[rl_sync.WeightPublisher], gens: list[RemoteEndpoint]) -> None:
+    """The next push of the first publisher reaches both generators; then every publisher is closed."""
+    await _next_push_reaches_both(pubs[0], gens, 4)
+    for p in pubs:
+        p.close()
+
+
 CASES = [(v, f) for f in ("chain", "auto") for v in ("recreate", "second_pub", "restart")]
 
 
@@ -75,49 +102,38 @@ async def test_a_late_dependent_never_commits_what_its_reused_relay_holds_now(st
     """The dependent frozen (SIGSTOP) before its Begin arrives; its relay commits version 2, then makes a
     new subscriber, takes version 3 from another publisher, or is killed and restarted; the dependent let
     go answers its Begin late. It must commit exactly version 2 (from the publisher), reported ok."""
-    kw = _kw(store_url, fanout)
-    names = sorted(uname(f"gen{i}") for i in range(2))  # names[0]: the relay (chain), the leader (auto)
-    gens = [_spawn(n, kw) for n in names]
-    ep_kw = {k: v for k, v in kw.items() if k != "heartbeat_timeout"}
-    try:
-        async with transport.Endpoint(uname("trainer"), **ep_kw) as ep, \
-                transport.Endpoint(uname("trainer-b"), **ep_kw) as ep_b:
-            relay_committed = asyncio.Event()
+    async with _relay_setup(store_url, uname, fanout) as (kw, names, gens, ep, ep_b):
+        relay_committed = asyncio.Event()
 
-            def observer(ev: rl_sync.PushEvent) -> None:
-                if ev.subscriber == names[0] and ev.kind == "committed" and ev.version == 2:
-                    relay_committed.set()
+        def observer(ev: rl_sync.PushEvent) -> None:
+            if ev.subscriber == names[0] and ev.kind == "committed" and ev.version == 2:
+                relay_committed.set()
 
-            pub = rl_sync.WeightPublisher(ep, names, fanout=fanout, bucket_bytes=BUCKET, observer=observer)
-            report = await asyncio.wait_for(pub.push(seeded(SPEC, 1), 1, timeout=TIMEOUT), TIMEOUT + 10)
-            assert report.ok, report.summary()
-            pub_b = rl_sync.WeightPublisher(ep_b, [names[0]], bucket_bytes=BUCKET)
+        pub = rl_sync.WeightPublisher(ep, names, fanout=fanout, bucket_bytes=BUCKET, observer=observer)
+        report = await asyncio.wait_for(pub.push(seeded(SPEC, 1), 1, timeout=TIMEOUT), TIMEOUT + 10)
+        assert report.ok, report.summary()
+        pub_b = rl_sync.WeightPublisher(ep_b, [names[0]], bucket_bytes=BUCKET)
 
-            gens[1].signal(signal.SIGSTOP)  # the dependent answers its Begin late
-            push = asyncio.ensure_future(pub.push(seeded(SPEC, 2), 2, timeout=TIMEOUT))
-            try:
-                await asyncio.wait_for(relay_committed.wait(), 20)
-                if variant == "recreate":  # same endpoint, same model: new arenas under the same names
-                    await asyncio.to_thread(gens[0].call, "sub_close")
-                    await asyncio.to_thread(gens[0].call, "sub_create", SPEC, {"mode": "staged"})
-                elif variant == "second_pub":  # another publisher's push into the same bank
-                    rb = await asyncio.wait_for(pub_b.push(seeded(SPEC, 3), 3, timeout=TIMEOUT), TIMEOUT + 10)
-                    assert rb.ok, rb.summary()
-                else:  # killed, restarted under its name
-                    gens[0].kill()
-                    gens[0] = await asyncio.to_thread(_spawn, names[0], kw)
-            finally:
-                gens[1].signal(signal.SIGCONT)
-            report = await asyncio.wait_for(push, TIMEOUT + 10)
-            _holds_exactly_v2(report, gens[1])
-            relay_v, relay_exact = _held(gens[0])
-            assert relay_exact and relay_v == {"recreate": 0, "second_pub": 3, "restart": 0}[variant], relay_v
-            await _next_push_reaches_both(pub, gens, 4)
-            pub.close()
-            pub_b.close()
-    finally:
-        for g in gens:
-            g.kill()
+        gens[1].signal(signal.SIGSTOP)  # the dependent answers its Begin late
+        push = asyncio.ensure_future(pub.push(seeded(SPEC, 2), 2, timeout=TIMEOUT))
+        try:
+            await asyncio.wait_for(relay_committed.wait(), 20)
+            if variant == "recreate":  # same endpoint, same model: new arenas under the same names
+                await asyncio.to_thread(gens[0].call, "sub_close")
+                await asyncio.to_thread(gens[0].call, "sub_create", SPEC, {"mode": "staged"})
+            elif variant == "second_pub":  # another publisher's push into the same bank
+                rb = await asyncio.wait_for(pub_b.push(seeded(SPEC, 3), 3, timeout=TIMEOUT), TIMEOUT + 10)
+                assert rb.ok, rb.summary()
+            else:  # killed, restarted under its name
+                gens[0].kill()
+                gens[0] = await asyncio.to_thread(_spawn, names[0], kw)
+        finally:
+            gens[1].signal(signal.SIGCONT)
+        report = await asyncio.wait_for(push, TIMEOUT + 10)
+        _holds_exactly_v2(report, gens[1])
+        relay_v, relay_exact = _held(gens[0])
+        assert relay_exact and relay_v == {"recreate": 0, "second_pub": 3, "restart": 0}[variant], relay_v
+        await _finish([pub, pub_b], gens)
 
 
 @pytest.mark.timeout(240)
@@ -129,47 +145,37 @@ async def test_a_relay_pull_in_flight_while_the_relay_takes_another_push_is_refu
     (the relay's stamp, read after them, changed) and commit exactly version 2 from the publisher. The
     relay's own copies are slowed (0.5 s each) so that the publisher's relay bound (4x the median pull)
     does not give the frozen pull up first (then the bytes it read would be ignored anyway)."""
-    kw = _kw(store_url, "chain")
-    names = sorted(uname(f"gen{i}") for i in range(2))
-    gens = [_spawn(n, kw) for n in names]
     last = len(SPEC) - 1
-    try:
-        async with transport.Endpoint(uname("trainer"), store=store_url, timeout=20) as ep, \
-                transport.Endpoint(uname("trainer-b"), store=store_url, timeout=20) as ep_b:
-            relay_committed = asyncio.Event()
-            trap = {"armed": False, "fired": False}
+    async with _relay_setup(store_url, uname, "chain") as (_, names, gens, ep, ep_b):
+        relay_committed = asyncio.Event()
+        trap = {"armed": False, "fired": False}
 
-            def observer(ev: rl_sync.PushEvent) -> None:
-                if ev.version != 2:
-                    return
-                if ev.subscriber == names[0] and ev.kind == "committed":
-                    relay_committed.set()
-                if (trap["armed"] and ev.subscriber == names[1] and ev.kind == "pull_sent" and ev.bucket == last
-                        and ev.source == names[0]):
-                    os.kill(gens[1].proc.pid, signal.SIGSTOP)  # (before the Pull is sent: it reads after the reuse)
-                    trap["armed"], trap["fired"] = False, True
+        def observer(ev: rl_sync.PushEvent) -> None:
+            if ev.version != 2:
+                return
+            if ev.subscriber == names[0] and ev.kind == "committed":
+                relay_committed.set()
+            if (trap["armed"] and ev.subscriber == names[1] and ev.kind == "pull_sent" and ev.bucket == last
+                    and ev.source == names[0]):
+                os.kill(gens[1].proc.pid, signal.SIGSTOP)  # (before the Pull is sent: it reads after the reuse)
+                trap["armed"], trap["fired"] = False, True
 
-            pub = rl_sync.WeightPublisher(ep, names, fanout="chain", bucket_bytes=BUCKET, observer=observer)
-            report = await asyncio.wait_for(pub.push(seeded(SPEC, 1), 1, timeout=TIMEOUT), TIMEOUT + 10)
-            assert report.ok, report.summary()
-            pub_b = rl_sync.WeightPublisher(ep_b, [names[0]], bucket_bytes=len(SPEC) * BUCKET)  # one bucket
-            gens[0].call("slow_shm_copies", 0.5, True)
-            trap["armed"] = True
-            push = asyncio.ensure_future(pub.push(seeded(SPEC, 2), 2, timeout=TIMEOUT))
-            try:
-                await asyncio.wait_for(relay_committed.wait(), 20)
-                assert trap["fired"], "the dependent's relay pull of the last bucket was never sent"
-                await asyncio.to_thread(wait_stopped, gens[1].proc.pid)
-                rb = await asyncio.wait_for(pub_b.push(seeded(SPEC, 3), 3, timeout=TIMEOUT), TIMEOUT + 10)
-                assert rb.ok, rb.summary()
-            finally:
-                os.kill(gens[1].proc.pid, signal.SIGCONT)
-            report = await asyncio.wait_for(push, TIMEOUT + 10)
-            _holds_exactly_v2(report, gens[1])
-            assert _held(gens[0]) == (3, True)
-            await _next_push_reaches_both(pub, gens, 4)
-            pub.close()
-            pub_b.close()
-    finally:
-        for g in gens:
-            g.kill()
+        pub = rl_sync.WeightPublisher(ep, names, fanout="chain", bucket_bytes=BUCKET, observer=observer)
+        report = await asyncio.wait_for(pub.push(seeded(SPEC, 1), 1, timeout=TIMEOUT), TIMEOUT + 10)
+        assert report.ok, report.summary()
+        pub_b = rl_sync.WeightPublisher(ep_b, [names[0]], bucket_bytes=len(SPEC) * BUCKET)  # one bucket
+        gens[0].call("slow_shm_copies", 0.5, True)
+        trap["armed"] = True
+        push = asyncio.ensure_future(pub.push(seeded(SPEC, 2), 2, timeout=TIMEOUT))
+        try:
+            await asyncio.wait_for(relay_committed.wait(), 20)
+            assert trap["fired"], "the dependent's relay pull of the last bucket was never sent"
+            await asyncio.to_thread(wait_stopped, gens[1].proc.pid)
+            rb = await asyncio.wait_for(pub_b.push(seeded(SPEC, 3), 3, timeout=TIMEOUT), TIMEOUT + 10)
+            assert rb.ok, rb.summary()
+        finally:
+            os.kill(gens[1].proc.pid, signal.SIGCONT)
+        report = await asyncio.wait_for(push, TIMEOUT + 10)
+        _holds_exactly_v2(report, gens[1])
+        assert _held(gens[0]) == (3, True)
+        await _finish([pub, pub_b], gens)
