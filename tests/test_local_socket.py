@@ -149,6 +149,58 @@ async def test_an_accepted_connection_whose_handler_close_cancelled_before_it_ra
         await b.close()
 
 
+async def test_connections_arriving_while_the_endpoint_closes_are_all_closed():
+    """A same-host process dials again and again while close() runs (15 endpoints in turn): every
+    connection the endpoint accepted is closed by it, none is left to the GC (with loop.sock_accept,
+    a connection taken just before the close cancelled the accepting task was dropped with it:
+    ResourceWarning, in 30 of 40 such closes)."""
+    import gc
+    import socket
+    import threading
+    import time
+    import warnings
+
+    from transport.local_socket import unix_address
+
+    for i in range(15):
+        b = transport.Endpoint(f"b{i}", store=HashStore(), timeout=10)
+        await b.open()
+        rec, _ = decode_address(b.address_record())
+        stop, dialed, where = threading.Event(), [], unix_address(rec.unix)
+
+        def dial(address=where, stop=stop, dialed=dialed) -> None:
+            end = time.monotonic() + 10
+            while not stop.is_set() and time.monotonic() < end:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    s.connect(address)
+                except OSError:
+                    s.close()
+                    time.sleep(0.0005)
+                    continue
+                dialed.append(s)
+                time.sleep(0.0003)
+
+        dialer = threading.Thread(target=dial, daemon=True)
+        dialer.start()
+        try:
+            await asyncio.sleep(0.02 + (i % 7) * 0.001)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                await b.close()
+                stop.set()
+                await asyncio.to_thread(dialer.join, 10)
+                await asyncio.sleep(0)
+                gc.collect()
+            leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+            assert not leaked, (i, leaked[:2])
+            assert dialed, "no connection was made while the endpoint was open"
+        finally:
+            stop.set()
+            for s in dialed:
+                s.close()
+
+
 async def test_a_peer_that_closes_while_we_send_is_closed_orderly_not_lost(store_url, uname, caplog):
     """A peer says Bye and closes its socket while this side keeps posting: a post that meets the
     closed socket (EPIPE on a Unix socket, at once) must not turn the peer's orderly close into a

@@ -19,7 +19,6 @@ timeout for it to end, rather than being refused); at most
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import logging
 import secrets
@@ -30,6 +29,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from . import local_socket
+from .acceptor import accept_until_cancelled
 from .channel import Channel, CoreProtocol
 from .errors import (
     AuthenticationError,
@@ -101,7 +101,6 @@ class Connector:
         self._waiting: dict[str, int] = {}
         self._opened: dict[str, asyncio.Event] = {}  # peer -> set when a channel to it is routed (adopt, closed)
         self._dials: set[asyncio.Future[Channel]] = set()  # dials in progress (close() stops them)
-        self._accept_warned = -1e9
         self._refused: set[tuple[str, int]] = set()  # stale incarnations refused (logged once each)
         self._handshaking = 0
         self._holder_ids = itertools.count(1)
@@ -146,27 +145,18 @@ class Connector:
         return ch
 
     async def accept_loop(self, unix: bool = False) -> None:
-        """Accept connections on the endpoint's TCP listener (``unix``: its Unix-socket one) until cancelled."""
+        """Accept connections on the endpoint's TCP listener (``unix``: its Unix-socket one) until
+        cancelled (:func:`~transport.acceptor.accept_until_cancelled`), each handshaken in a task of its own."""
         ep = self.ep
         listener = ep._unix_listener if unix else ep._listener
         if listener is None:  # (open() failed, or close() cut it short, before this task first ran)
             return
-        while True:
-            try:
-                sock, addr = await ep.loop.sock_accept(listener)
-            except OSError as exc:  # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ...) or a
-                # connection aborted before it was taken: the endpoint goes on accepting once it can
-                if exc.errno in (errno.EBADF, errno.ENOTSOCK, errno.EINVAL):  # (the listener itself is gone)
-                    log.error("endpoint %r: its listener failed (%s); it accepts no more connections", ep.name, exc)
-                    return
-                now = time.monotonic()
-                if now - self._accept_warned >= 10.0:  # (at most one warning per 10 s: EMFILE lasts)
-                    self._accept_warned = now
-                    log.warning("endpoint %r: accepting a connection failed: %s; retrying every 0.1 s", ep.name, exc)
-                await asyncio.sleep(0.1)
-                continue
+
+        def handle(sock: socket.socket, addr: Any) -> None:
             task = ep._spawn(self._accept_one(sock, "a local process (Unix socket)" if unix else addr, unix))
             task.add_done_callback(close_if_cancelled(sock))  # (close() may cancel it before its first step)
+
+        await accept_until_cancelled(listener, handle, lambda: ep._state in ("opening", "open"), ep.name)
 
     async def _accept_one(self, sock: socket.socket, addr: Any, unix: bool = False) -> None:
         ep = self.ep
