@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 import transport
@@ -166,3 +167,24 @@ def test_a_registration_racing_the_other_endpoints_last_unregister_keeps_the_ten
         _put(peer, a.name, 31)
         assert same_bytes(w, make_tensor("float32", (N,), 31))
         assert peer.call("get_check", a.name, {"w": (*SPEC, 31)}, 10.0) == {"w": True}
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_a_copy_back_asked_by_one_endpoint_is_made_by_the_last_to_let_go(store_url, uname, last):
+    """Endpoint a unregisters the tensor asking for the copy back (the default) while b still exports
+    it: nothing moves yet. b then unregisters it last, with or without ``copy_back``: the copy is made
+    either way (before, b's copy_back=False left the tensor in the segment a's peers had mapped, and a
+    stale mapping of it still wrote the tensor)."""
+    from transport.planes.shm_export import map_segment
+
+    with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a, \
+            transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
+        w = torch.zeros(N)
+        a.register("w", w)
+        b.register("w", w)
+        h = a._ep._exports.registry.get("w").exports["shm"].handle
+        stale = map_segment(h)  # what a same-host peer of a holds after an op on "w"
+        a.unregister("w")
+        b.unregister("w", copy_back=last)
+        stale[h.offset:h.offset + 4].view(torch.float32)[0] = 42.0  # a late write through that mapping
+        assert float(w[0]) == 0.0, "the tensor still lies in the segment a's peers mapped"

@@ -367,20 +367,19 @@ class Endpoint(Operations):
         """Remove ``name``; peers' later ops on it fail with :class:`UnknownBufferError`.
 
         Blocks while same-host peers' one-sided copies into or out of it are in flight (``shm``,
-        ``cuda_ipc``: each plane's export waits for them, up to 2 s, then takes the buffer back
-        anyway and those ops fail), so no copy of theirs is reported done after this returned.
-        Likewise for peers' ops whose bytes travel through a channel (a ``tcp`` put's payload still
-        arriving, a get's reply still being sent, the staged path): it waits for them up to 2 s, then
-        breaks the channels that still move its bytes (their ops fail with :class:`PeerLostError`),
-        so no byte is written into or read from the tensor after this returned.
+        ``cuda_ipc``: up to 2 s, then the buffer is taken back anyway and those ops fail: none is
+        reported done after this returned), and while peers' ops move its bytes through a channel
+        (tcp, staged: up to 2 s, then those channels are broken, their ops fail with
+        :class:`PeerLostError`). A frozen peer's shm copy past that bound may still write it.
         If the tensor lived alone in a shared-memory segment, its bytes are copied back into private
-        memory (blocking for the copy; the tensor object is re-pointed in place), so a peer still
-        holding a stale mapping can never write into it again; other tensor objects that shared its
-        storage keep the segment. A tensor sharing a segment with other registered buffers stays.
-        ``copy_back=False`` skips that copy: the tensor stays in its segment (for memory no peer
-        writes, or whose other views keep the segment anyway). ``discard=True`` (a buffer its owner is
-        done with) skips it too and leaves the tensor object empty (no elements; a second name it is
-        registered under must be registered again).
+        memory (blocking for the copy; the tensor object is re-pointed in place), so a stale mapping
+        of a peer can never write into it again (other tensor objects sharing its storage keep the
+        segment); while another endpoint of this process exports the segment too, the last one to
+        let go makes that copy. A tensor sharing a segment with other registered buffers stays.
+        ``copy_back=False`` skips the copy (unless another unregister of it asked): the tensor stays
+        in its segment, which peers' stale mappings may still write (for memory no peer writes).
+        ``discard=True`` (a buffer its owner is done with) leaves the tensor object empty instead (no
+        elements; a second name it is registered under must be registered again).
         """
         self._exports.unregister(name, discard=discard, copy_back=copy_back)
         self._registry_changed()

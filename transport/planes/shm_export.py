@@ -87,6 +87,7 @@ class Segment:
     size: int
     storage: torch.UntypedStorage | None
     refs: int = 1
+    copy_back: bool = False  # an unregister of a buffer in it asked for the copy back: its last export does it
 
     def holds(self, t: torch.Tensor) -> bool:
         return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
@@ -312,19 +313,24 @@ class ShmExporter(Exporter):
         for peers' copies in flight, unless ``closing``); with ``detach``, a tensor that lived
         alone in its segment has its bytes copied back into private memory (blocking for the
         copy; the tensor object is re-pointed in place), so a peer with a stale mapping can
-        never write into it again."""
+        never write into it again. With another endpoint of this process still exporting the
+        segment, that copy is left to the last one, which makes it if any unregister asked."""
         exp = buf.exports.pop("shm", None)
         if exp is None:
             return
 
         def move_out() -> None:  # (the segment's last export: no endpoint of this process exports it now)
+            if not exp.segment.copy_back:  # (every unregister of it said copy_back=False, or the endpoint closed)
+                return
             t = buf.tensor
             private = torch.empty_like(t)
             with torch.no_grad():
                 private.copy_(t)
                 t.set_(private.untyped_storage(), 0, t.shape, t.stride())
 
-        exp.close(wait=not closing, nbytes=buf.spec.nbytes, then=move_out if detach else None)
+        if detach:  # (sticky: whichever endpoint of this process lets go of the segment last honours it)
+            exp.segment.copy_back = True
+        exp.close(wait=not closing, nbytes=buf.spec.nbytes, then=move_out)
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
