@@ -172,30 +172,34 @@ class ReaderMarks:
         with self._lock:
             return list(self._events.values())
 
-    async def wait(self, timeout: float) -> bool:
+    async def wait(self, timeout: float, abandoned: Callable[[], bool] | None = None) -> bool:
         """Wait until the GPU work readers queued before leaving ``hold()`` is done (polled on a
         worker thread, at most ``timeout`` s). Events are forgotten only once done, so concurrent or
         later waits (a superseding push, a retry after a timeout) still see the ones not done.
-        False at the deadline. True at once on the CPU."""
+        False at the deadline. True at once on the CPU. ``abandoned`` (called on the worker thread
+        between polls, every 5 ms at most): once it is true the wait ends at once, returning True
+        (the caller, whose push was dropped meanwhile, must check that and move nothing). A
+        cancelled wait's worker thread polls on until the work is done or ``timeout``, unless
+        ``abandoned`` ends it first."""
         events = self.pending()
         if not events:
             return True
-        late = await asyncio.to_thread(wait_events, events, timeout)
+        late = await asyncio.to_thread(wait_events, events, timeout, abandoned)
         done = {id(e) for e in events} - {id(e) for e in late}
         with self._lock:
             for key in [k for k, e in self._events.items() if id(e) in done]:
                 del self._events[key]
-        return not late
+        return not late or (abandoned is not None and abandoned())
 
 
-def wait_events(events: list[Any], timeout: float) -> list[Any]:
-    """Poll ``events`` (CUDA events) until done or ``timeout`` s, sleeping between polls
-    (blocking: not on the event loop); the ones not done."""
+def wait_events(events: list[Any], timeout: float, abandoned: Callable[[], bool] | None = None) -> list[Any]:
+    """Poll ``events`` (CUDA events) until done, ``timeout`` s, or ``abandoned()`` is true, sleeping
+    between polls (blocking: not on the event loop); the ones not done."""
     deadline = time.monotonic() + timeout
     delay = 50e-6
     while True:
         events = [e for e in events if not e.query()]
-        if not events or time.monotonic() >= deadline:
+        if not events or time.monotonic() >= deadline or (abandoned is not None and abandoned()):
             return events
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)

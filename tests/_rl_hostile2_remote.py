@@ -92,7 +92,7 @@ async def handle(ep: Any, state: dict[str, Any], cmd: str, args: tuple[Any, ...]
         seconds = args[0]
         sub = state["sub"]
 
-        async def slow_wait(timeout: float) -> bool:
+        async def slow_wait(timeout: float, abandoned=None) -> bool:
             await asyncio.sleep(seconds)
             return True
 

@@ -695,7 +695,7 @@ async def test_a_swap_commit_superseded_while_it_waits_for_readers_moves_nothing
         ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
         waiting = asyncio.Event()
 
-        async def reads_queued(timeout: float) -> bool:  # (ReaderMarks.wait with GPU work pending)
+        async def reads_queued(timeout: float, abandoned=None) -> bool:  # (ReaderMarks.wait, GPU work pending)
             waiting.set()
             await asyncio.sleep(0.5)
             return True
@@ -735,7 +735,7 @@ async def test_a_swap_begin_superseded_while_it_waits_for_readers_leaves_the_new
         ep_b.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
         waits: list[float] = [0.6, 0.1]
 
-        async def reads_queued(timeout: float) -> bool:  # (ReaderMarks.wait with GPU work pending)
+        async def reads_queued(timeout: float, abandoned=None) -> bool:  # (ReaderMarks.wait, GPU work pending)
             await asyncio.sleep(waits.pop(0) if waits else 0.0)
             return True
 
@@ -758,6 +758,73 @@ async def test_a_swap_begin_superseded_while_it_waits_for_readers_leaves_the_new
         pulled = await answer(ep_b)
         assert pulled.stage == "pull" and pulled.error is None, pulled
         sub.close()
+
+
+class _ReadsRunning:
+    """Stands in for the CUDA event a reader recorded as it left hold() on a GPU (this machine has
+    none): not done until ``finish()``; counts the polls of it."""
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.polls = 0
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.finished.is_set()
+
+
+@pytest.mark.parametrize("how", ["superseded", "closed"])
+async def test_a_staged_commit_dropped_while_it_waits_for_readers_gpu_work_stops_waiting(store_url, uname, how):
+    """A staged commit, holding the writer lock, waits for the GPU work readers queued in hold()
+    (a reader's kernel still running: the stand-in event above). A Begin of another publisher's
+    push supersedes it meanwhile, or the subscriber is closed: the wait ends at once (before, it
+    went on to commit_timeout, 10 s here, keeping new readers out of hold() all that time, and a
+    closed subscriber's worker thread polling as long). New readers get in, the publisher is told
+    the push was aborted (not that readers held the weights), nothing is copied, and the reads'
+    event is no longer polled."""
+    msgs = rl_sync.messages
+    w0 = torch.arange(4096, dtype=torch.float32)
+    spec = {"w": w0.clone()}
+    async with trainer(store_url, uname) as ep, trainer(store_url, uname) as ep2, \
+            transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, spec, mode="staged", commit_timeout=10.0)
+        _, digest = sub.plan(1 << 20)
+        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+        reads = _ReadsRunning()
+
+        async def answer(on: transport.Endpoint, timeout: float = 5) -> rl_sync.messages.Reply:
+            return msgs.decode((await on.next_notification(timeout=timeout)).payload)
+
+        try:
+            await ep.notify(gep.name, msgs.encode(msgs.Begin(1, 1, digest, 1 << 20)))
+            assert (await answer(ep)).stage == "begin"
+            await ep.notify(gep.name, msgs.encode(msgs.Pull(1, 0, ep.name, "src", 0)))
+            assert (await answer(ep)).error is None
+            sub._readers._events[(0, 0)] = reads  # a reader left hold() with its kernel still running
+            await ep.notify(gep.name, msgs.encode(msgs.Commit(1, 1)))
+            deadline = time.monotonic() + 5
+            while reads.polls == 0:  # the commit holds the writer lock and waits for that kernel
+                assert time.monotonic() < deadline, "the commit never waited for the readers' GPU work"
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            if how == "closed":
+                sub.close()
+            else:
+                await ep2.notify(gep.name, msgs.encode(msgs.Begin(1, 2, digest, 1 << 20)))
+                assert (await answer(ep)).stage == "dropped"
+                reply = await answer(ep)  # the commit's own answer, once its wait ended
+                assert reply.stage == "commit" and "aborted" in (reply.error or ""), reply
+                async with sub.hold(timeout=3.0):  # new readers are not kept out behind that commit
+                    assert same_bytes(spec["w"], w0) and sub.version == 0
+            await asyncio.sleep(0.3)
+            polls = reads.polls
+            await asyncio.sleep(0.3)
+            assert reads.polls == polls, "the dropped commit's wait still polls the readers' GPU work"
+            assert time.monotonic() - t0 < 5.0, "the wait went on past the drop"
+            assert same_bytes(spec["w"], w0) and sub.version == 0
+        finally:
+            reads.finished.set()
+            sub.close()
 
 
 async def test_direct_mode_waits_longer_for_the_first_pull(store_url, uname):

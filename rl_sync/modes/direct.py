@@ -75,7 +75,8 @@ class DirectMode(CommitMode):
             sub._drop(push, changed)
             sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, changed, "plan", sub._version))
             return False
-        if not await sub._readers.wait(sub.commit_timeout):  # GPU reads queued in hold() before it was left
+        # GPU reads queued in hold() before it was left (a drop meanwhile ends the wait: checked below)
+        if not await sub._readers.wait(sub.commit_timeout, abandoned=lambda: push.dropped):
             dropped = push.dropped
             sub._drop(push, "readers' GPU work was not done")
             if not dropped:

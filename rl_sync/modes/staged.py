@@ -51,7 +51,7 @@ class StagedMode(CommitMode):
                                                "timeout", sub._version))
             return
         try:
-            ready = await self._readers_left()
+            ready = await self._readers_left(push)
             if ready:
                 await sub._applying.acquire()
         except BaseException:  # (cancelled by close(): never keep the lock)
@@ -106,9 +106,10 @@ class StagedMode(CommitMode):
             sub._version = version
             sub._version_cond.notify_all()
 
-    async def _readers_left(self) -> bool:
-        """With the writer lock had: False if GPU work readers queued in hold() is still not done."""
-        return await self.sub._readers.wait(self.sub.commit_timeout)
+    async def _readers_left(self, push: Push) -> bool:
+        """With the writer lock had: False if GPU work readers queued in hold() is still not done
+        (a drop of ``push`` meanwhile ends the wait: True, and the commit then moves nothing)."""
+        return await self.sub._readers.wait(self.sub.commit_timeout, abandoned=lambda: push.dropped)
 
     async def _change(self, push: Push) -> None:
         """Holding the writer lock and ``_applying``: make the live weights those of ``push``."""

@@ -21,7 +21,7 @@ class SwapMode(StagedMode):
 
     async def begin(self, push: Push) -> bool:
         sub = self.sub
-        if not await sub._readers.wait(sub.commit_timeout):
+        if not await sub._readers.wait(sub.commit_timeout, abandoned=lambda: push.dropped):
             # (the bank this push fills was the live one until the last commit: GPU reads of it may be queued)
             if not push.dropped:
                 sub._reply(push.publisher, m.Reply(push.push_id, "begin", -1, readers_late(sub.commit_timeout),
@@ -29,12 +29,12 @@ class SwapMode(StagedMode):
             return False
         return True
 
-    async def _readers_left(self) -> bool:
+    async def _readers_left(self, push: Push) -> bool:
         return True  # (swap waits for readers' GPU work at Begin, and before its first re-point)
 
     async def _change(self, push: Push) -> None:
         sub = self.sub
-        if sub._live_bank is None and not await sub._readers.wait(sub.commit_timeout):
+        if sub._live_bank is None and not await sub._readers.wait(sub.commit_timeout, abandoned=lambda: push.dropped):
             # (the first re-point lets the model's own memory go: GPU reads of it may be queued)
             raise CommitTimeoutError(readers_late(sub.commit_timeout))
         if push.dropped:  # superseded, aborted or closed while it waited for those reads: nothing moves
