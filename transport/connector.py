@@ -139,9 +139,9 @@ class Connector:
             ch.link.start()
         log.info("channel %s: %r <-> %r (incarnation %#x) uses plane %s: %s", channel_id, ep.name, remote.name,
                  remote.incarnation, plane.name, reason)
-        if ep._registry.epoch != sent_epoch:  # registry changed during the handshake
-            epoch, bufs = ep.wire_registry()
-            ch.send(Registry(epoch, bufs))
+        if ep._registry.epoch != sent_epoch:  # registry changed during the handshake (a channel lost
+            epoch, bufs = ep.wire_registry()  # meanwhile needs none; its threads own the socket now)
+            ch.send_quietly(Registry(epoch, bufs))
         return ch
 
     async def accept_loop(self, unix: bool = False) -> None:
