@@ -188,3 +188,29 @@ def test_a_copy_back_asked_by_one_endpoint_is_made_by_the_last_to_let_go(store_u
         b.unregister("w", copy_back=last)
         stale[h.offset:h.offset + 4].view(torch.float32)[0] = 42.0  # a late write through that mapping
         assert float(w[0]) == 0.0, "the tensor still lies in the segment a's peers mapped"
+
+
+def test_a_copy_back_is_made_only_for_the_tensor_that_asked(store_url, uname):
+    """A view registered beside its base shares the base's segment: unregistering the view (asking for
+    the copy back) moves nothing, since the base is still registered, and nothing is owed later either:
+    closing the endpoint leaves the base where it is (no copy on the loop at close); a view let go with
+    copy_back=False after its base stays a view of it (the copy asked for one tensor was made for
+    another, the last to let go, before)."""
+    with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a:
+        big = torch.zeros(N)
+        a.register("big", big)
+        head = big[:64]
+        a.register("head", head)
+        at = big.data_ptr()
+        a.unregister("head")
+        a.close()
+        assert big.data_ptr() == at and head.data_ptr() == at, "a copy was made at close for what another asked"
+    with transport.BlockingEndpoint(uname("b"), store=store_url, timeout=10) as b:
+        arena = torch.zeros(N)
+        b.register("arena", arena)
+        head = arena[:64]
+        b.register("head", head)
+        b.unregister("arena")  # head still registered: arena stays where it is
+        b.unregister("head", copy_back=False)
+        arena[0] = 5.0
+        assert float(head[0]) == 5.0, "head was copied out of its segment against copy_back=False"

@@ -374,8 +374,8 @@ class Endpoint(Operations):
         If the tensor lived alone in a shared-memory segment, its bytes are copied back into private
         memory (blocking for the copy; the tensor object is re-pointed in place), so a stale mapping
         of a peer can never write into it again (other tensor objects sharing its storage keep the
-        segment); while another endpoint of this process exports the segment too, the last one to
-        let go makes that copy. A tensor sharing a segment with other registered buffers stays.
+        segment); while another endpoint of this process exports this same tensor, the last of them
+        to unregister or close makes it. One sharing a segment with other registered tensors stays.
         ``copy_back=False`` skips the copy (unless another unregister of it asked): the tensor stays
         in its segment, which peers' stale mappings may still write (for memory no peer writes).
         ``discard=True`` (a buffer its owner is done with) leaves the tensor object empty instead (no

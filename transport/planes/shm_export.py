@@ -13,8 +13,8 @@ import mmap
 import os
 import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,7 +74,7 @@ def memfd_probe() -> tuple[bool, str]:
 _export_ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(eq=False)  # (identity: a segment is one memfd)
 class Segment:
     """One memfd segment of the target endpoint, shared by the buffers inside it.
 
@@ -87,7 +87,10 @@ class Segment:
     size: int
     storage: torch.UntypedStorage | None
     refs: int = 1
-    copy_back: bool = False  # an unregister of a buffer in it asked for the copy back: its last export does it
+    exports: list[ShmExport] = field(default_factory=list)  # its live exports, every endpoint's (under _MOVES)
+    # tensors whose unregister asked for the copy back while only exports of that same tensor (another
+    # endpoint's) kept the segment: the last export moves them out (ShmExport.close)
+    copy_back: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
 
     def holds(self, t: torch.Tensor) -> bool:
         return self.storage is not None and t.untyped_storage().data_ptr() == self.storage.data_ptr()
@@ -110,7 +113,7 @@ class Segment:
             self.storage = None
 
 
-@dataclass
+@dataclass(eq=False)
 class ShmExport:
     """A registered buffer's place in a segment (and its word in the slot table, if any)."""
 
@@ -119,8 +122,9 @@ class ShmExport:
     table: SlotTable | None = None
     name: str = ""
     moved_marked: bool = False  # its slot says the owner re-pointed the tensor
+    tensor: weakref.ref[torch.Tensor] | None = None  # the tensor exported
 
-    def close(self, wait: bool = True, nbytes: int = 0, then: Callable[[], None] | None = None) -> bool:
+    def close(self, wait: bool = True, nbytes: int = 0, copy_back: bool = False, move: bool = False) -> bool:
         """Stop exporting: first revoke the export's slot (waiting, if ``wait``, up to
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
         no copy of a peer lands after this returns; the segment's fd closes with its last buffer
@@ -128,8 +132,12 @@ class ShmExport:
         past the bound (a frozen peer) may still write the export's ``nbytes``: that range is marked
         (the segment stays open while another export shares it), and a buffer registered over it here waits for the slot
         (:func:`export_buffer`); another endpoint that exports the same segment does not know
-        of that copy. ``then`` runs once the segment closed (its last export), before any
-        endpoint of this process can export the tensor again (the copy back to private memory)."""
+        of that copy. ``copy_back`` (an unregister asking for the copy back into private memory):
+        the tensor is moved out once no export of the segment is left, if the others left now are
+        all of this same tensor (another endpoint's); if another tensor (a view, an alias) still
+        exports it, it stays where it is. ``move``: this close makes the copies the segment's last
+        export owes (an endpoint's unregister or close, not a retention's release on another
+        thread), before any endpoint of this process can export the tensor again."""
         table, self.table = self.table, None
         seg = self.segment
         if table is not None and self.handle.slot:
@@ -140,13 +148,32 @@ class ShmExport:
                                                             self.handle.offset + nbytes))
         with _MOVES:
             with _LIVE_LOCK:  # (no other endpoint starts to export it between the count and the close)
+                seg.exports = [e for e in seg.exports if e is not self]
+                mine = self.tensor() if self.tensor is not None else None
+                if copy_back and mine is not None and all(e.tensor is not None and e.tensor() is mine
+                                                          for e in seg.exports):
+                    seg.copy_back.append(weakref.ref(mine))
                 seg.refs -= 1
                 last = seg.refs == 0 and seg.fd >= 0
+                where = seg.storage.data_ptr() if last and seg.storage is not None else None
                 if last:
                     seg.close_locked()
-            if last and then is not None:
-                then()
+            if last and move and where is not None:
+                for ref in seg.copy_back:
+                    t = ref()
+                    if t is not None and t.untyped_storage().data_ptr() == where:  # (not discarded, not moved yet)
+                        _move_to_private(t)
+            if last:
+                seg.copy_back.clear()
         return last
+
+
+def _move_to_private(t: torch.Tensor) -> None:
+    """Copy ``t``'s bytes into private memory and re-point ``t`` (in place) there."""
+    private = torch.empty_like(t)
+    with torch.no_grad():
+        private.copy_(t)
+        t.set_(private.untyped_storage(), 0, t.shape, t.stride())
 
 
 def export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable | None = None) -> ShmExport | None:
@@ -190,7 +217,10 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
         if seg is not None and alive:
             if seg not in segments:  # another endpoint's: ours to close too once no export is left
                 segments.append(seg)
-            return ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)))
+            exp = ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)),
+                            tensor=weakref.ref(t))
+            seg.exports.append(exp)
+            return exp
         return _move_into_new_segment(buf, t, nbytes, segments)
 
 
@@ -209,7 +239,9 @@ def _move_into_new_segment(buf: LocalBuffer, t: torch.Tensor, nbytes: int, segme
         raise
     segments[:] = [s for s in segments if s.fd >= 0]
     segments.append(_indexed(seg))
-    return ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)))
+    exp = ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)), tensor=weakref.ref(t))
+    seg.exports.append(exp)
+    return exp
 
 
 def _segment_of(t: torch.Tensor, segments: list[Segment]) -> tuple[Segment | None, int]:
@@ -313,24 +345,13 @@ class ShmExporter(Exporter):
         for peers' copies in flight, unless ``closing``); with ``detach``, a tensor that lived
         alone in its segment has its bytes copied back into private memory (blocking for the
         copy; the tensor object is re-pointed in place), so a peer with a stale mapping can
-        never write into it again. With another endpoint of this process still exporting the
-        segment, that copy is left to the last one, which makes it if any unregister asked."""
+        never write into it again. While another endpoint of this process still exports the same
+        tensor, that copy is left to the last one (its unregister or close makes it, whatever it
+        asked: :meth:`ShmExport.close`)."""
         exp = buf.exports.pop("shm", None)
         if exp is None:
             return
-
-        def move_out() -> None:  # (the segment's last export: no endpoint of this process exports it now)
-            if not exp.segment.copy_back:  # (every unregister of it said copy_back=False, or the endpoint closed)
-                return
-            t = buf.tensor
-            private = torch.empty_like(t)
-            with torch.no_grad():
-                private.copy_(t)
-                t.set_(private.untyped_storage(), 0, t.shape, t.stride())
-
-        if detach:  # (sticky: whichever endpoint of this process lets go of the segment last honours it)
-            exp.segment.copy_back = True
-        exp.close(wait=not closing, nbytes=buf.spec.nbytes, then=move_out)
+        exp.close(wait=not closing, nbytes=buf.spec.nbytes, copy_back=detach, move=True)
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
