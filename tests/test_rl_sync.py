@@ -680,19 +680,28 @@ async def test_a_begin_during_a_staged_commits_copy_leaves_that_commit_answered_
         sub.close()
 
 
+@contextlib.asynccontextmanager
+async def _one_subscriber(store_url, uname, mode: str, commit_timeout: float):
+    """Two trainer endpoints and a generator's endpoint whose subscriber (``mode``) holds one tensor
+    of 4096 floats, 0..4095; the first trainer registers "src" for the Pulls the test sends by hand.
+    Yields (ep, ep2, gep, sub, digest, w0, spec): ``w0`` the initial weights, ``spec`` the live ones."""
+    w0 = torch.arange(4096, dtype=torch.float32)
+    spec = {"w": w0.clone()}
+    async with trainer(store_url, uname) as ep, trainer(store_url, uname) as ep2, \
+            transport.Endpoint(uname("gen"), store=store_url) as gep:
+        sub = rl_sync.WeightSubscriber(gep, spec, mode=mode, commit_timeout=commit_timeout)
+        _, digest = sub.plan(1 << 20)
+        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+        yield ep, ep2, gep, sub, digest, w0, spec
+
+
 async def test_a_swap_commit_superseded_while_it_waits_for_readers_moves_nothing(store_url, uname):
     """swap's first commit waits for the GPU work readers queued (here a stand-in wait of 0.5 s:
     this machine has no GPU). A Begin of another publisher's push supersedes it meanwhile: its
     publisher is told "dropped", and the commit, once the wait ends, re-points nothing (before, it
     re-pointed the weights and set the version of the push its publisher had been told was dropped)."""
     msgs = rl_sync.messages
-    w0 = torch.arange(4096, dtype=torch.float32)
-    spec = {"w": w0.clone()}
-    async with trainer(store_url, uname) as ep, trainer(store_url, uname) as ep2, \
-            transport.Endpoint(uname("gen"), store=store_url) as gep:
-        sub = rl_sync.WeightSubscriber(gep, spec, mode="swap", commit_timeout=5.0)
-        _, digest = sub.plan(1 << 20)
-        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+    async with _one_subscriber(store_url, uname, "swap", 5.0) as (ep, ep2, gep, sub, digest, w0, spec):
         waiting = asyncio.Event()
 
         async def reads_queued(timeout: float, abandoned=None) -> bool:  # (ReaderMarks.wait, GPU work pending)
@@ -783,13 +792,7 @@ async def test_a_staged_commit_dropped_while_it_waits_for_readers_gpu_work_stops
     the push was aborted (not that readers held the weights), nothing is copied, and the reads'
     event is no longer polled."""
     msgs = rl_sync.messages
-    w0 = torch.arange(4096, dtype=torch.float32)
-    spec = {"w": w0.clone()}
-    async with trainer(store_url, uname) as ep, trainer(store_url, uname) as ep2, \
-            transport.Endpoint(uname("gen"), store=store_url) as gep:
-        sub = rl_sync.WeightSubscriber(gep, spec, mode="staged", commit_timeout=10.0)
-        _, digest = sub.plan(1 << 20)
-        ep.register("src", torch.full((sub.nbytes,), 7, dtype=torch.uint8))
+    async with _one_subscriber(store_url, uname, "staged", 10.0) as (ep, ep2, gep, sub, digest, w0, spec):
         reads = _ReadsRunning()
 
         async def answer(on: transport.Endpoint, timeout: float = 5) -> rl_sync.messages.Reply:
