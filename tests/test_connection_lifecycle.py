@@ -205,6 +205,11 @@ async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_
             b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20)
             b2.call("register", "x", "uint8", [16])
             await asyncio.to_thread(b2.call, "put", a.name, spec, 10)
+            # (an shm put is one-sided: it may return before A, after its handshake, looked B2 up in the
+            # store and adopted its channel)
+            end = time.monotonic() + 10
+            while (a.peer(name) is None or a.peer(name).incarnation != b2.incarnation) and time.monotonic() < end:
+                await asyncio.sleep(0.05)
             assert a.peer(name).incarnation == b2.incarnation
             b1.signal(signal.SIGCONT)
             end = time.monotonic() + 15  # (B1 finds its channel to A closed: A dropped it for B2)
