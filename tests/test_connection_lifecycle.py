@@ -188,6 +188,17 @@ async def test_next_notification_refuses_a_nan_or_negative_timeout(store_url, un
             await asyncio.wait_for(a.next_notification(timeout=0), 5)
 
 
+async def _adopted(a: transport.Endpoint, name: str, incarnation: int) -> None:
+    """Wait (10 s at most) until ``a``'s channel to ``name`` is to ``incarnation``: an shm put is
+    one-sided, so the dialler's put may return before ``a``, after its side of the handshake (a store
+    look-up included), adopted the channel."""
+    end = time.monotonic() + 10
+    while ((p := a.peer(name)) is None or p.incarnation != incarnation) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    p = a.peer(name)
+    assert p is not None and p.incarnation == incarnation, (p, hex(incarnation))
+
+
 async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_its_replacement(store_url, uname):
     """B1 is paused (SIGSTOP: a long GC, swapping) and replaced: B2 opens under the same name and talks to A.
     When B1 runs again and dials A, A refuses it (the store names B2, with which A has a channel); it
@@ -205,12 +216,7 @@ async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_
             b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20)
             b2.call("register", "x", "uint8", [16])
             await asyncio.to_thread(b2.call, "put", a.name, spec, 10)
-            # (an shm put is one-sided: it may return before A, after its handshake, looked B2 up in the
-            # store and adopted its channel)
-            end = time.monotonic() + 10
-            while (a.peer(name) is None or a.peer(name).incarnation != b2.incarnation) and time.monotonic() < end:
-                await asyncio.sleep(0.05)
-            assert a.peer(name).incarnation == b2.incarnation
+            await _adopted(a, name, b2.incarnation)
             b1.signal(signal.SIGCONT)
             end = time.monotonic() + 15  # (B1 finds its channel to A closed: A dropped it for B2)
             while a.name in await asyncio.to_thread(b1.call, "peer_names") and time.monotonic() < end:
@@ -273,7 +279,7 @@ async def test_a_peer_known_from_its_address_record_that_restarts_is_reached_aga
                                          commands="tests._lifecycle_remote")
             b2.call("add_peer", a.address_record())
             assert await asyncio.to_thread(b2.call, "put_error", a.name, "y", 16, 2, 10.0) is None
-            assert a.peer(name).incarnation == b2.incarnation
+            await _adopted(a, name, b2.incarnation)
         finally:
             b1.kill()
             if b2 is not None:
