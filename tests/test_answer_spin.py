@@ -200,8 +200,11 @@ async def test_a_larger_op_spins_once_its_bytes_are_all_in_the_kernel(store_url,
         huge = make_tensor("uint8", (2 << 20,), 7)
         await ep.put(b.name, {"huge": huge})
         caught, missed = spin.caught, spin.missed
-        for _ in range(5):  # (most of 2 MiB is still queued when put() hands it over: no spin)
-            await ep.put(b.name, {"huge": huge})
+        for _ in range(3):  # B frozen as each is handed over: the kernel takes no more than its buffers' room
+            with _frozen(b):  # (a few hundred KiB), most of 2 MiB stays queued: no spin (with B draining the
+                put = asyncio.ensure_future(ep.put(b.name, {"huge": huge}))  # socket meanwhile, the kernel
+                await asyncio.sleep(0.2)  # could take it whole, and then it may spin: as documented)
+            await asyncio.wait_for(put, 20)
         assert (spin.caught, spin.missed) == (caught, missed)
         assert b.call("check", "huge", 7)
 
