@@ -186,7 +186,9 @@ class SharedMode(CommitMode):
         except RuntimeError:
             self._leave_locked()
             return
-        threading.Thread(target=self._leave_locked, name="rl_sync-leave-bank", daemon=True).start()
+        # (not a daemon: the interpreter's exit waits for the copy; a daemon thread still copying when the
+        # process ended took the GIL during finalization and aborted the process, "terminate called")
+        threading.Thread(target=self._leave_locked, name="rl_sync-leave-bank", daemon=False).start()
 
     def _leave_locked(self) -> None:
         """With the writer lock had: move the weights into private memory, let the bank go, unlock.
