@@ -119,7 +119,7 @@ class MemfdIpcEngine:
         return f"host:{os.uname().nodename}", key, exp.segment.size, h.offset, exp
 
     def release(self, keep: Any) -> None:
-        keep.close()
+        keep.release()
 
     def reachable(self, handle: IpcHandle) -> str | None:
         return None if handle.engine == self.name else f"exported by engine {handle.engine!r}, this side runs memfd"

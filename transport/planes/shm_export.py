@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # Every live segment of this process, by its storage's address, whichever endpoint made it: a tensor
 # that lies in one already (registered with another endpoint of this process) is exported from it by
 # the next endpoint too, never moved again (which would leave the first endpoint's export on memory
-# the tensor no longer uses). Segments' ``refs`` count the exports of all endpoints; the lock guards
+# the tensor no longer uses). Segments' ``exports`` list the exports of all endpoints; the lock guards
 # them and this index (endpoints may run on different threads). ``_MOVES`` is held (outside
 # ``_LIVE_LOCK``) across every move of a tensor into or out of a segment, with the look for a segment
 # before it: an export's last release and its copy back to private memory are one step to another
@@ -86,8 +86,7 @@ class Segment:
     inode: int
     size: int
     storage: torch.UntypedStorage | None
-    refs: int = 1
-    exports: list[ShmExport] = field(default_factory=list)  # its live exports, every endpoint's (under _MOVES)
+    exports: list[ShmExport] = field(default_factory=list)  # its live exports, every endpoint's (under _LIVE_LOCK)
     # tensors whose unregister asked for the copy back while only exports of that same tensor (another
     # endpoint's) kept the segment: the last export moves them out (ShmExport.close)
     copy_back: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
@@ -103,7 +102,7 @@ class Segment:
 
     def close_locked(self, *, drop_storage: bool = True) -> None:
         """:meth:`close`, with ``_LIVE_LOCK`` held by the caller (so that no other endpoint starts
-        to export the segment between the caller's look at :attr:`refs` and the close)."""
+        to export the segment between the caller's look at :attr:`exports` and the close)."""
         if self.storage is not None and _LIVE.get(self.storage.data_ptr()) is self:
             del _LIVE[self.storage.data_ptr()]
         if self.fd >= 0:
@@ -124,8 +123,8 @@ class ShmExport:
     moved_marked: bool = False  # its slot says the owner re-pointed the tensor
     tensor: weakref.ref[torch.Tensor] | None = None  # the tensor exported
 
-    def close(self, wait: bool = True, nbytes: int = 0, copy_back: bool = False, move: bool = False) -> bool:
-        """Stop exporting: first revoke the export's slot (waiting, if ``wait``, up to
+    def close(self, wait: bool = True, nbytes: int = 0, copy_back: bool = False) -> bool:
+        """Stop exporting (an endpoint's unregister or close, on its event loop thread): first revoke the export's slot (waiting, if ``wait``, up to
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
         no copy of a peer lands after this returns; the segment's fd closes with its last buffer
         (then True is returned). Existing mappings stay valid. A copy that still held the slot
@@ -135,9 +134,18 @@ class ShmExport:
         of that copy. ``copy_back`` (an unregister asking for the copy back into private memory):
         the tensor is moved out once no export of the segment is left, if the others left now are
         all of this same tensor (another endpoint's); if another tensor (a view, an alias) still
-        exports it, it stays where it is. ``move``: this close makes the copies the segment's last
-        export owes (an endpoint's unregister or close, not a retention's release on another
-        thread), before any endpoint of this process can export the tensor again."""
+        exports it, it stays where it is. If this close is the segment's last, it makes the copies
+        back that the segment owes before any endpoint of this process can export the tensor again."""
+        return self._close(wait, nbytes, copy_back, move=True)
+
+    def release(self) -> bool:
+        """Let go of an export made without a slot, from any thread (``cuda_ipc``'s memfd
+        stand-in's retention): like :meth:`close`, but it moves no tensor out of the segment, not
+        even ones an unregister left to the last export (re-pointing a tensor is its owner's
+        event loop's to do); such a tensor stays in the segment."""
+        return self._close(True, 0, False, move=False)
+
+    def _close(self, wait: bool, nbytes: int, copy_back: bool, move: bool) -> bool:
         table, self.table = self.table, None
         seg = self.segment
         if table is not None and self.handle.slot:
@@ -153,8 +161,7 @@ class ShmExport:
                 if copy_back and mine is not None and all(e.tensor is not None and e.tensor() is mine
                                                           for e in seg.exports):
                     seg.copy_back.append(weakref.ref(mine))
-                seg.refs -= 1
-                last = seg.refs == 0 and seg.fd >= 0
+                last = not seg.exports and seg.fd >= 0
                 where = seg.storage.data_ptr() if last and seg.storage is not None else None
                 if last:
                     seg.close_locked()
@@ -211,16 +218,15 @@ def _export_buffer(buf: LocalBuffer, segments: list[Segment], table: SlotTable |
         seg, offset = _segment_of(t, segments)  # (again: another endpoint may have moved it meanwhile)
         if seg is not None:
             with _LIVE_LOCK:  # (an unused one, e.g. ep.new_buffer's, may be closed by another endpoint meanwhile)
-                alive = seg.fd >= 0
-                if alive:
-                    seg.refs += 1
-        if seg is not None and alive:
-            if seg not in segments:  # another endpoint's: ours to close too once no export is left
-                segments.append(seg)
-            exp = ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset, next(_export_ids)),
-                            tensor=weakref.ref(t))
-            seg.exports.append(exp)
-            return exp
+                exp = None
+                if seg.fd >= 0:
+                    exp = ShmExport(seg, ShmHandle(os.getpid(), seg.fd, seg.inode, seg.size, offset,
+                                                   next(_export_ids)), tensor=weakref.ref(t))
+                    seg.exports.append(exp)
+            if exp is not None:
+                if seg not in segments:  # another endpoint's: ours to close too once no export is left
+                    segments.append(seg)
+                return exp
         return _move_into_new_segment(buf, t, nbytes, segments)
 
 
@@ -237,10 +243,10 @@ def _move_into_new_segment(buf: LocalBuffer, t: torch.Tensor, nbytes: int, segme
     except BaseException:
         os.close(fd)
         raise
+    exp = ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)), tensor=weakref.ref(t))
+    seg.exports.append(exp)  # (before the index: no other endpoint sees it unexported)
     segments[:] = [s for s in segments if s.fd >= 0]
     segments.append(_indexed(seg))
-    exp = ShmExport(seg, ShmHandle(os.getpid(), fd, seg.inode, nbytes, 0, next(_export_ids)), tensor=weakref.ref(t))
-    seg.exports.append(exp)
     return exp
 
 
@@ -264,7 +270,7 @@ def _indexed(seg: Segment) -> Segment:
 
 def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Segment, torch.Tensor]:
     """A zero-filled tensor that lives in a new memfd segment from the start (no copy: the kernel
-    provides zero pages on first touch). The segment has no buffer yet (``refs == 0``): a
+    provides zero pages on first touch). The segment has no export yet: a
     registration of the tensor shares it (:func:`export_buffer`)."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     fd = os.memfd_create(f"transport:{name}"[:200], os.MFD_CLOEXEC)
@@ -272,7 +278,7 @@ def new_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         t = torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
-        return _indexed(Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage(), refs=0)), t
+        return _indexed(Segment(fd, os.fstat(fd).st_ino, nbytes, t.untyped_storage())), t
     except BaseException:
         os.close(fd)
         raise
@@ -351,7 +357,7 @@ class ShmExporter(Exporter):
         exp = buf.exports.pop("shm", None)
         if exp is None:
             return
-        exp.close(wait=not closing, nbytes=buf.spec.nbytes, copy_back=detach, move=True)
+        exp.close(wait=not closing, nbytes=buf.spec.nbytes, copy_back=detach)
 
     def new_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
@@ -364,14 +370,14 @@ class ShmExporter(Exporter):
 
     def new_buffer_failed(self, tensor: torch.Tensor) -> None:
         with _LIVE_LOCK:  # (no other endpoint starts to export it between the look and the close)
-            for seg in [s for s in self.segments if s.refs == 0 and s.holds(tensor)]:
+            for seg in [s for s in self.segments if not s.exports and s.holds(tensor)]:
                 self.segments.remove(seg)
                 seg.close_locked(drop_storage=False)  # (a failed registration may have closed it already)
 
     def forget_unexported(self, tensor: torch.Tensor | None, live: list[torch.Tensor]) -> None:
         for seg in self.segments:
             with _LIVE_LOCK:  # (no export of any endpoint of this process; a view of it still registered keeps it)
-                if (seg.refs == 0 and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
+                if (not seg.exports and seg.fd >= 0 and (tensor is None or seg.holds(tensor))
                         and not any(seg.holds(t) for t in live)):
                     seg.close_locked()
         self.segments[:] = [s for s in self.segments if s.fd >= 0]
