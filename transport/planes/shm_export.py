@@ -124,7 +124,8 @@ class ShmExport:
     tensor: weakref.ref[torch.Tensor] | None = None  # the tensor exported
 
     def close(self, wait: bool = True, nbytes: int = 0, copy_back: bool = False) -> bool:
-        """Stop exporting (an endpoint's unregister or close, on its event loop thread): first revoke the export's slot (waiting, if ``wait``, up to
+        """Stop exporting (an endpoint's unregister or close, on its event loop thread): first
+        revoke the export's slot (waiting, if ``wait``, up to
         :data:`~transport.planes.shm_slots.REVOKE_WAIT_S` for peers' copies in flight on it), so
         no copy of a peer lands after this returns; the segment's fd closes with its last buffer
         (then True is returned). Existing mappings stay valid. A copy that still held the slot
