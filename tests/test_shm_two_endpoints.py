@@ -214,3 +214,33 @@ def test_a_copy_back_is_made_only_for_the_tensor_that_asked(store_url, uname):
         b.unregister("head", copy_back=False)
         arena[0] = 5.0
         assert float(head[0]) == 5.0, "head was copied out of its segment against copy_back=False"
+
+
+def test_a_registration_that_a_later_exporter_refuses_leaves_no_segment_open(store_url, uname):
+    """``shm`` exports a tensor (moving it into a segment) and a later exporter of the endpoint
+    raises: the registration fails, and the shm export is undone with it (it stayed in its
+    segment's exports before: the segment's fd was never closed, for the life of the process)."""
+    from transport.planes import shm_export
+    from transport.planes.base import Exporter
+
+    class Refuses(Exporter):
+        plane = "refuses"
+        wire_field = ""
+
+        def export(self, buf: Any) -> None:
+            raise transport.BufferMismatchError("refused by a later exporter (a peer's frozen copy, say)")
+
+    with transport.BlockingEndpoint(uname("a"), store=store_url, timeout=10) as a:
+        exporters = a._ep._exports.exporters
+        shm = next(e for e in exporters if e.plane == "shm")
+        exporters.append(Refuses())
+        w = torch.arange(N, dtype=torch.float32)
+        with pytest.raises(transport.BufferMismatchError, match="refused by a later exporter"):
+            a.register("w", w)
+        exporters.pop()
+        assert "w" not in a.buffers
+        assert [s for s in shm.segments if s.fd >= 0] == [], "a segment of the refused registration is still open"
+        assert not any(s.holds(w) for s in shm_export._LIVE.values())
+        assert torch.equal(w, torch.arange(N, dtype=torch.float32))
+        a.register("w", w)  # and it can be registered again, once nothing refuses
+        assert "w" in a.buffers

@@ -63,13 +63,14 @@ class Exports:
                 f"buffer {old.spec.describe()} is already registered; unregister it before registering "
                 + (f"{buf.spec.describe()}" if old.spec != buf.spec else "another tensor under that name")
             )
-        if self.live:
-            self._export(buf)
-        else:
-            buf.ptr = tensor.data_ptr()
-        try:
+        try:  # (an exporter that raises after another exported it: that export is undone too)
+            if self.live:
+                self._export(buf)
+            else:
+                buf.ptr = tensor.data_ptr()
             self.registry.add(buf)
         except BaseException:
+            buf.ptr = buf.ptr or tensor.data_ptr()
             self._unexport(buf)
             raise
         return buf.spec, True
