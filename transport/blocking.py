@@ -321,8 +321,10 @@ class BlockingEndpoint:
         (30 s) for submitted ops still ending: their futures resolve with their own outcome
         (closing fails them with :class:`EndpointClosedError` once nothing of them writes any
         more) before the loop stops. Calls made once it began, and those still waiting on the
-        loop when it stops, raise :class:`EndpointClosedError`. ``RuntimeError`` on the loop's
-        own thread (a notification callback): nothing is closed then."""
+        loop when it stops, raise :class:`EndpointClosedError`. Tasks of the layers above left on
+        the loop (a subscriber's commit) are cancelled and given up to 5 s to end before it stops,
+        as ``asyncio.run`` does. ``RuntimeError`` on the loop's own thread (a notification
+        callback): nothing is closed then."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("BlockingEndpoint.close() cannot be called from its own event loop thread (e.g. a "
                                "notification callback): call it from another thread")
@@ -341,6 +343,7 @@ class BlockingEndpoint:
         running = [t for t in self._running if not t.done()]
         if running:
             await asyncio.wait(running, timeout=_SETTLE)
+        await _cancel_the_rest()
 
     def _stop_loop(self) -> None:
         try:
@@ -361,6 +364,18 @@ class BlockingEndpoint:
                         fut.set_exception(EndpointClosedError("the blocking endpoint closed before the call ended"))
 
 
+async def _cancel_the_rest() -> None:
+    """Cancel every other task of this loop (those of the layers above, e.g. a subscriber's commit
+    waiting for readers) and give them up to ``_GRACE`` to end, as ``asyncio.run`` does before it
+    closes its loop: a task left suspended on a stopped loop never runs its ``finally`` blocks
+    (a waiting commit would keep new readers of its lock out for good)."""
+    rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    for t in rest:
+        t.cancel()
+    if rest:
+        await asyncio.wait(rest, timeout=_GRACE)
+
+
 async def _as_coro(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
@@ -372,6 +387,7 @@ def _close_unreferenced(ep: Endpoint, loop: asyncio.AbstractEventLoop) -> None:
     async def close() -> None:
         try:
             await ep.close()
+            await _cancel_the_rest()
         finally:
             loop.stop()
 

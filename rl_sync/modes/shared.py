@@ -188,7 +188,10 @@ class SharedMode(CommitMode):
             return
         # (not a daemon: the interpreter's exit waits for the copy; a daemon thread still copying when the
         # process ended took the GIL during finalization and aborted the process, "terminate called")
-        threading.Thread(target=self._leave_locked, name="rl_sync-leave-bank", daemon=False).start()
+        try:
+            threading.Thread(target=self._leave_locked, name="rl_sync-leave-bank", daemon=False).start()
+        except RuntimeError:  # no thread to be had (at the interpreter's exit, say): copy here, never keep the lock
+            self._leave_locked()
 
     def _leave_locked(self) -> None:
         """With the writer lock had: move the weights into private memory, let the bank go, unlock.
