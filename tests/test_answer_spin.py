@@ -209,8 +209,20 @@ async def test_a_larger_op_spins_once_its_bytes_are_all_in_the_kernel(store_url,
         assert b.call("check", "huge", 7)
 
 
+def _keep_reads_on_the_loop(monkeypatch) -> None:
+    """An op spins only while the loop owns the channel's reads; with no op pending, the thread takes
+    them back after ``WATCH_S`` (20 ms). Freezing the peer (``_frozen``: polling /proc until every
+    thread stopped) can take longer than that on a loaded machine, and the next op would then not
+    spin at all (neither caught nor missed): these tests count misses, so the reads stay put longer."""
+    from transport import loop_reads
+
+    monkeypatch.setattr(loop_reads, "STALL_S", 0.5)
+    monkeypatch.setattr(loop_reads, "WATCH_S", 0.5)
+
+
 @pytest.mark.timeout(120)
-async def test_a_large_ops_missed_spin_does_not_stop_small_ops_spinning(store_url, uname):
+async def test_a_large_ops_missed_spin_does_not_stop_small_ops_spinning(store_url, uname, monkeypatch):
+    _keep_reads_on_the_loop(monkeypatch)
     async with _pair(store_url, uname, 0.005, timeout=20) as (ep, b, spin):
         b.call("register", "big", "uint8", (BIG,))
         # each size class's last op caught (the registry update the peer sent may have left the reads with the
@@ -240,7 +252,8 @@ async def test_a_large_ops_missed_spin_does_not_stop_small_ops_spinning(store_ur
 
 
 @pytest.mark.timeout(120)
-async def test_the_ops_deadline_bounds_its_spin(store_url, uname):
+async def test_the_ops_deadline_bounds_its_spin(store_url, uname, monkeypatch):
+    _keep_reads_on_the_loop(monkeypatch)
     async with _pair(store_url, uname, 2.0, timeout=20) as (ep, b, spin):
         with _frozen(b):
             t0 = time.monotonic()

@@ -282,4 +282,7 @@ def test_a_relayed_proof_is_refused(store_url, uname, target, caplog):
     lsock.close()
     assert seen and isinstance(seen[0], wire.Bye), seen
     assert _untouched(target) and not any(ch.peer_name == ep.name for ch in target._ep._all)
-    assert any("refused a connection" in r.getMessage() for r in caplog.records)
+    end = time.monotonic() + 5.0  # (the acceptor logs just after its refusal went out: wait for the record)
+    while not any("refused a connection" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < end, "the acceptor never logged the refusal"
+        time.sleep(0.01)

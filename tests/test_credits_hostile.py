@@ -355,11 +355,16 @@ async def test_a_put_retried_after_a_stale_export_spends_one_credit(store_url, u
                 ch = ini._connector.channels[tgt.name]
                 for r in range(5):
                     real = ch.take_registry
-                    ch.take_registry = lambda msg, real=real: None  # (our reader misses the update once)
+                    missed = threading.Event()
+
+                    def miss(msg, missed=missed) -> None:  # (our reader misses the update once)
+                        missed.set()
+
+                    ch.take_registry = miss
                     tgt.unregister("w")
                     fresh = torch.zeros(256)
                     tgt.register("w", fresh)
-                    await asyncio.sleep(0.1)
+                    assert await asyncio.to_thread(missed.wait, 10), "the registry update never came"
                     ch.take_registry = real
                     await asyncio.wait_for(ini.put(tgt.name, {"w": torch.full((256,), float(r + 1))},
                                                    notify=b"r%d" % r), 5)

@@ -74,9 +74,11 @@ async def test_window_of_one_20000_notifications_and_posts_no_drift_no_leftovers
             await asyncio.wait_for(reader, 60)
             took = time.monotonic() - t0
             assert [int.from_bytes(g, "little") for g in got] == list(range(n))
-            await asyncio.sleep(0.3)  # (the last Credit frames)
             c = _ch(tx, rx.name).credits
             r = _ch(rx, tx.name).credits
+            end = time.monotonic() + 10  # (the last Credit frames: our reader counts them as they come)
+            while c._sent - c._returned - c._refunded and time.monotonic() < end:
+                await asyncio.sleep(0.02)
             outstanding = c._sent - c._returned - c._refunded
             assert outstanding == 0, (c._sent, c._returned, c._refunded)
             assert c.parked == 0 and c.pump is None

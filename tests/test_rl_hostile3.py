@@ -25,7 +25,7 @@ import rl_sync
 import transport
 from rl_sync import messages as m
 from rl_sync.plan import MANIFEST_BUFFER, arena_name, build_manifest, encode_manifest, host_key
-from tests._remote import RemoteEndpoint
+from tests._remote import RemoteEndpoint, until
 from tests._rl_remote import seeded
 
 SPEC = {"a": ("float32", (64, 64)), "b": ("float32", (4096,)), "c": ("float32", (3, 5))}
@@ -83,6 +83,16 @@ class Fake:
 
 
 # ---------------------------------------------------------------------------- a generator's new model
+async def _new_manifests_seen(ep, pub, gens) -> None:
+    """Wait (bounded) until the trainer's copy of each generator's registry names a manifest other
+    than the one ``pub`` planned from: the registry update travels on its own (the trainer's reader
+    thread applies it), and a push before it would still find the old plan (PlanMismatchError)."""
+    def seen() -> bool:
+        return all((peer := ep.peer(g.name)) is not None
+                   and peer.buffers.get(MANIFEST_BUFFER) is not pub._layouts[g.name].spec for g in gens)
+    await until(seen, 10, "the new manifests reach the trainer")
+
+
 async def test_a_generator_that_makes_a_new_model_on_its_endpoint_is_planned_again(store_url, uname):
     """A generator that drops its WeightSubscriber and makes another, over another model, on the same
     endpoint (same incarnation: a model reload without a process restart) registers a new manifest. The
@@ -96,7 +106,7 @@ async def test_a_generator_that_makes_a_new_model_on_its_endpoint_is_planned_aga
         (s1b, m1b), = subscribe([g1], spec=bigger)
         s0.close()  # g0 too, with the same tensors and another arena size: same names and shapes, new plan hash
         (s0b, m0b), = subscribe([g0], spec=bigger, arena_bytes=4096)
-        await asyncio.sleep(0.2)  # (the registry updates reach the trainer)
+        await _new_manifests_seen(ep, pub, [g0, g1])
         for v in (2, 3):
             report = await pub.push(stamped(v, bigger), v, timeout=10)
             assert report.ok, report.summary()
@@ -113,7 +123,7 @@ async def test_a_generator_that_switches_to_shared_mode_on_its_endpoint_is_plann
         assert (await pub.push(stamped(1), 1, timeout=10)).ok
         s0.close()
         (s0b, m0b), = subscribe([g0], mode="shared")
-        await asyncio.sleep(0.2)
+        await _new_manifests_seen(ep, pub, [g0])
         for v in (2, 3):
             report = await pub.push(stamped(v), v, timeout=10)
             assert report.ok, report.summary()
