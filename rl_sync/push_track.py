@@ -386,10 +386,14 @@ class PushTracker:
         publisher."""
         while True:
             now = time.monotonic()
-            relay_bound = self._stall_bound(statistics.median(self.took) if self.took else None)
+            took = statistics.median(self.took) if self.took else None
+            bounds: dict[int, float] = {}  # per group: with no answered pull yet, the pushes before are the yardstick
             for t in list(self.targets.values()):
                 if not t.alive:
                     continue
+                relay_bound = bounds.get(id(t.group))
+                if relay_bound is None:
+                    relay_bound = bounds[id(t.group)] = self._stall_bound(took, t.group)
                 p = self.ep.peer(t.name)
                 gone = (p is None or p.incarnation != t.layout.incarnation
                         or (t.channel is not None and p.channel_id != t.channel))  # (what was posted may be lost)
@@ -403,12 +407,22 @@ class PushTracker:
                     self.fail(t, self._overdue(t, now))
                 elif t.stalled or not t.begun:
                     continue
-                elif (now - max(t.heard, t.begin_at) >= relay_bound and any(now - q.sent >= relay_bound
-                                                                            for q in t.inflight.values())
+                elif (now - max(t.heard, t.begin_at) >= relay_bound
+                      and (hung := [q for q in t.inflight.values() if now - q.sent >= relay_bound])
                       and any(d.alive and d.source == t.name for d in t.dependents)):
-                    # a relay that went silent with pulls outstanding: its dependents must not wait for it
-                    self._stall(t, f"silent for {now - max(t.heard, t.begin_at):.2f} s with pulls outstanding, "
-                                   f"while subscribers relay from it")
+                    if any(q.source is None for q in hung):
+                        # a relay that went silent with pulls from the publisher outstanding: its dependents
+                        # must not wait for it
+                        self._stall(t, f"silent for {now - max(t.heard, t.begin_at):.2f} s with pulls outstanding, "
+                                       f"while subscribers relay from it")
+                    else:
+                        # only its pulls from its own relay hang: that says nothing about it (a get over tcp needs
+                        # that relay's process to serve it, and that one may be the frozen one). Its dependents
+                        # move to the publisher now, as if it were stalled; it is moved there itself at the next
+                        # pass (below), and stalled like any other if its pulls from the publisher hang too
+                        for d in t.dependents:
+                            if d.alive and d.source == t.name:
+                                self._resource(d, f"its relay {t.name} waits for its own relay's answers")
                 elif t.source is not None:
                     late = [k for k, q in t.inflight.items() if q.source is not None and now - q.sent >= relay_bound]
                     if late:  # (the relay, or this subscriber itself, is frozen or slow: it is served anew)

@@ -143,8 +143,9 @@ async def test_a_relay_pull_in_flight_while_the_relay_takes_another_push_is_refu
     takes version 3 from another publisher into the same bank; the dependent let go reads the relay's
     arena after that. A check before the read cannot see it: the dependent must refuse those bytes
     (the relay's stamp, read after them, changed) and commit exactly version 2 from the publisher. The
-    relay's own copies are slowed (0.5 s each) so that the publisher's relay bound (4x the median pull)
-    does not give the frozen pull up first (then the bytes it read would be ignored anyway)."""
+    relay's own copies are slowed (0.5 s each, from the first push on: the publisher's bounds for the
+    second take the first's pulls as their yardstick) so that the publisher's relay bound (4x the
+    median pull) does not give the frozen pull up first (then the bytes it read would be ignored anyway)."""
     last = len(SPEC) - 1
     async with _relay_setup(store_url, uname, "chain") as (_, names, gens, ep, ep_b):
         relay_committed = asyncio.Event()
@@ -161,10 +162,10 @@ async def test_a_relay_pull_in_flight_while_the_relay_takes_another_push_is_refu
                 trap["armed"], trap["fired"] = False, True
 
         pub = rl_sync.WeightPublisher(ep, names, fanout="chain", bucket_bytes=BUCKET, observer=observer)
+        gens[0].call("slow_shm_copies", 0.5, True)  # (from the first push: the yardstick of the second's bounds)
         report = await asyncio.wait_for(pub.push(seeded(SPEC, 1), 1, timeout=TIMEOUT), TIMEOUT + 10)
         assert report.ok, report.summary()
         pub_b = rl_sync.WeightPublisher(ep_b, [names[0]], bucket_bytes=len(SPEC) * BUCKET)  # one bucket
-        gens[0].call("slow_shm_copies", 0.5, True)
         trap["armed"] = True
         push = asyncio.ensure_future(pub.push(seeded(SPEC, 2), 2, timeout=TIMEOUT))
         try:
