@@ -802,6 +802,9 @@ def test_a_transfers_bound_counts_its_turn_behind_earlier_ones():
         assert first.write(source.to_view(), remote) == 0
         os.kill(peer.pid, signal.SIGSTOP)
         try:
+            from tests._remote import wait_stopped
+
+            wait_stopped(peer.pid)  # (kill() returns before the peer stops: it could still answer the first write)
             start = time.monotonic()
             works = [first.write(source.to_view(), remote, async_op=True, timeout=1) for _ in range(3)]
             errors = []
