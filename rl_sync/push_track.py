@@ -387,13 +387,13 @@ class PushTracker:
         while True:
             now = time.monotonic()
             took = statistics.median(self.took) if self.took else None
-            bounds: dict[int, float] = {}  # per group: with no answered pull yet, the pushes before are the yardstick
-            for t in list(self.targets.values()):
-                if not t.alive:
+            targets = [t for t in self.targets.values() if t.alive]
+            # per group: with no answered pull yet, the pushes before are the yardstick
+            bounds = {id(t.group): self._stall_bound(took, t.group) for t in targets}
+            for t in targets:
+                if not t.alive:  # (failed earlier in this pass)
                     continue
-                relay_bound = bounds.get(id(t.group))
-                if relay_bound is None:
-                    relay_bound = bounds[id(t.group)] = self._stall_bound(took, t.group)
+                relay_bound = bounds[id(t.group)]
                 p = self.ep.peer(t.name)
                 gone = (p is None or p.incarnation != t.layout.incarnation
                         or (t.channel is not None and p.channel_id != t.channel))  # (what was posted may be lost)

@@ -70,7 +70,6 @@ class Exports:
                 buf.ptr = tensor.data_ptr()
             self.registry.add(buf)
         except BaseException:
-            buf.ptr = buf.ptr or tensor.data_ptr()
             self._unexport(buf)
             raise
         return buf.spec, True
@@ -195,9 +194,11 @@ class Exports:
 
     # ------------------------------------------------------------------ one buffer
     def _export(self, buf: LocalBuffer) -> None:
-        for exporter in self.exporters:
-            exporter.export(buf)
-        buf.ptr = buf.tensor.data_ptr()
+        try:
+            for exporter in self.exporters:
+                exporter.export(buf)
+        finally:  # (where one raised too: undoing the others' exports needs the tensor's address)
+            buf.ptr = buf.tensor.data_ptr()
 
     def _unexport(self, buf: LocalBuffer, detach: bool = False, closing: bool = False) -> None:
         epoch = self.registry.epoch
