@@ -346,3 +346,42 @@ async def test_ops_queued_behind_a_held_op_fail_at_once_when_the_channel_is_lost
         assert time.monotonic() - t0 < 0.5
         await asyncio.gather(held, return_exceptions=True)
         await b.close()
+
+
+async def test_a_put_retried_on_the_fallback_after_a_refused_cuda_ipc_mapping_keeps_its_place(
+        store_url, uname, monkeypatch):
+    """put(notify=b"1") goes over cuda_ipc (``MemfdIpcEngine``: CPU buffers take it) and opens the
+    peer's allocation on a worker thread; a notify(b"2") called meanwhile waits behind it. The
+    mapping is refused (PlaneUnavailableError) and the put is retried on the fallback plane: it was
+    called first, so its bytes and b"1" reach the target before b"2" (the retry went behind the
+    notify before: found by a review)."""
+    from tests._remote import RemoteEndpoint
+    from transport.errors import PlaneUnavailableError
+    from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
+
+    opened = []
+
+    def refuse(self, handle):  # the driver refuses the peer's handle, after a moment
+        opened.append(handle)
+        time.sleep(0.3)
+        raise PlaneUnavailableError("cuda_ipc(memfd): refused (test)")
+
+    monkeypatch.setattr(MemfdIpcEngine, "open", refuse)
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
+    try:
+        t.call("register", "x", "float32", (1024,))
+        async with transport.Endpoint(uname("ipc-ini"), store=store_url, timeout=10,
+                                      engines={"cuda_ipc": MemfdIpcEngine}) as a:
+            await a.connect(t.name)
+            put = asyncio.ensure_future(a.put(t.name, {"x": torch.ones(1024)}, notify=b"1"))
+            end = time.monotonic() + 5
+            while not opened and time.monotonic() < end:  # the put is opening the mapping
+                await asyncio.sleep(0.005)
+            assert opened and not put.done()
+            note = asyncio.ensure_future(a.notify(t.name, b"2"))
+            await asyncio.wait_for(asyncio.gather(put, note), 10)
+            got = t.call("notifications", 2, 10.0, timeout=20)
+            assert [p for _, p in got] == [b"1", b"2"], got
+            assert t.call("all_equal", "x", 0, 1024, 1.0)
+    finally:
+        t.stop()

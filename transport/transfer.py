@@ -70,7 +70,8 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
     Retried once: after a registry sync if the peer re-registered a buffer (a put only where no
     later op of the channel started meanwhile: its retry would land after that op, a notification
     called after the put before its bytes), and staged if a ``cuda_ipc`` mapping could not be
-    opened here (logged)."""
+    opened here (logged). Either retry keeps the op's place in the channel's call order: an op
+    called meanwhile waits behind the retry."""
     into = kind is OpKind.GET
     stamp = ch.ops.called()
     place = None  # the op's place in the call order, taken before its first await (OpTable.reserve)
@@ -99,6 +100,11 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
                            answered=not (here and plane.one_sided))  # (no answer to read if it is done here)
             op.note = note
             mine, place = place, None  # (run consumes it)
+            if not retry and plane.staged_on_unavailable:
+                # its retry on the staged path (the mapping refused) must keep the op's place: reserve one
+                # right behind this attempt now, before any later op can queue up behind the attempt alone
+                mine = mine or ch.reserve()
+                place = ch.reserve()
             try:
                 await ch.run(op, lambda: start(plane, op, pairs), deadline, mine)  # noqa: B023
                 return
@@ -108,7 +114,7 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
             except StaleBufferError as exc:
                 if retry or not exc.retry_safe or (kind is OpKind.PUT and ch.ops.calls != stamp):
                     raise
-                place = ch.reserve()  # (the retry keeps its place: no op called from now on overtakes it)
+                place = place or ch.reserve()  # (the retry keeps its place: no op called from now on overtakes it)
                 await ch.sync_registry(deadline)
     finally:
         if place is not None:  # (it ended, or raised, before it was handed over)
