@@ -343,6 +343,15 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             peer, payload = args
             await ep.notify(peer, payload)
             return None
+        if cmd == "notify_after":  # wait `delay` s, then notify `peer`: how long that took (s), or the error
+            peer, payload, delay, timeout = args
+            await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            try:
+                await ep.notify(peer, payload, timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 (reported to the test)
+                return f"{type(exc).__name__} after {time.monotonic() - t0:.2f} s: {exc}"
+            return time.monotonic() - t0
         if cmd == "post":  # posted notifications (nothing answers them), in order
             peer, payloads = args
             for payload in payloads:

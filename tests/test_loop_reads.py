@@ -406,3 +406,52 @@ async def test_closing_while_the_loop_owns_the_reads_leaves_no_descriptor(store_
         assert len(open_fds()) <= start + 1, (start, open_fds())
     finally:
         b.kill()
+
+
+@pytest.mark.timeout(60)
+async def test_a_notify_our_loop_read_is_answered_before_the_loop_runs_anything_else(store_url, uname, monkeypatch):
+    """We post to B with ``reply_expected`` (B answers with a ``notify``): our loop owns the reads
+    and reads B's notify itself. Synchronous code then runs for 2 s in that same turn of our loop
+    (injected right after the read, as a coroutine woken in that turn would). B's notify (timeout
+    1 s) must still return at once: its notification was queued here (its answer waited for the
+    loop's next turn before: found by a review)."""
+    from transport import serving
+    from transport.loop_reads import LoopReads
+
+    monkeypatch.setattr(loop_reads, "WATCH_S", 0.5)  # (the loop keeps the reads while it waits for B's answer)
+    monkeypatch.setattr(loop_reads, "STALL_S", 0.5)
+    read_here: list[bytes] = []
+    orig_serve = serving.Serving.serve_notify_here
+
+    def serve_notify_here(self, msg, *a, **k):
+        ok = orig_serve(self, msg, *a, **k)
+        if ok:
+            read_here.append(bytes(msg.payload))
+        return ok
+
+    orig_readable = LoopReads._on_readable
+    blocked: list[float] = []
+
+    def on_readable(self):
+        n = len(read_here)
+        orig_readable(self)
+        if len(read_here) > n and not blocked:  # the application's synchronous code, in this same turn
+            blocked.append(time.monotonic())
+            time.sleep(2.0)  # noqa: ASYNC251 (the point: the loop is busy right after it read the notify)
+
+    monkeypatch.setattr(serving.Serving, "serve_notify_here", serve_notify_here)
+    monkeypatch.setattr(LoopReads, "_on_readable", on_readable)
+    b = RemoteEndpoint(uname("b"), store=store_url, planes=("tcp",), timeout=10)
+    try:
+        async with transport.Endpoint(uname("a"), store=store_url, planes=("tcp",), timeout=10) as ep:
+            await ep.connect(b.name)
+            b.call("connect", ep.name)
+            b.start("notify_after", ep.name, b"answer", 0.1, 1.0)
+            await ep.post(b.name, b"request", reply_expected=True)
+            took = await asyncio.to_thread(b.result, 20)
+            note = await ep.next_notification(timeout=5)
+            assert note.payload == b"answer"
+            assert read_here == [b"answer"] and blocked, "our loop did not read B's notify (the race was not hit)"
+            assert isinstance(took, float) and took < 0.5, f"B's notify took: {took!r} (its answer waited for our loop)"
+    finally:
+        b.kill()

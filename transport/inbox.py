@@ -104,15 +104,16 @@ class Inbox:
     def deliver_here(self, note: Notification, credits: _Credits, ack: Callable[[], None] | None = None) -> bool:
         """:meth:`deliver` from the event loop itself (it read the notification: a channel's
         ``LoopReads``): queued on the loop behind what the reader threads delivered before, without
-        a thread's wake-up, and ``ack`` right behind it, in the same turn of the loop (before the
-        application's code can run). False, nothing done, if the endpoint is closing or the peer
+        a thread's wake-up, and ``ack`` called at once (the notification queued first; the caller
+        sends the answer before the loop runs anything else, as the thread's answer goes out
+        whatever the loop does). False, nothing done, if the endpoint is closing or the peer
         sent more than its credits allow (the caller leaves the notification to the reader
         thread)."""
         if self._closed or self._loop is None or not credits.delivered():
             return False
         self._loop.call_soon(self._enqueue, note, credits)
         if ack is not None:
-            self._loop.call_soon(ack)
+            ack()
         return True
 
     def _enqueue(self, note: Notification, credits: _Credits) -> None:

@@ -119,9 +119,12 @@ class LoopReads:
     :meth:`wait_turn` and :meth:`thread_read`; the loop :meth:`want_replies` and :meth:`close`."""
 
     def __init__(self, channel: _Channel, sock: socket.socket, rx: Receiver, ops: _Ops,
-                 notify: Callable[[Notify], bool] | None = None) -> None:
+                 notify: Callable[[Notify, Callable[[Callable[[], None]], None]], bool] | None = None) -> None:
         self.ch = channel
-        self._notify = notify  # serves a notification on the loop (False: it is the thread's)
+        # serves a notification on the loop (False: it is the thread's); its answer, if any, is handed to
+        # the second argument, and sent by _on_readable as soon as it let go of the lock (this same turn)
+        self._notify = notify
+        self._answers: list[Callable[[], None]] = []
         self.loop = channel.loop
         self.sock = sock
         self.rx = rx
@@ -296,67 +299,77 @@ class LoopReads:
         self._on_readable()
 
     def _on_readable(self) -> None:
-        """Event loop: read what the socket holds; handle the answers, leave the rest to the thread."""
+        """Event loop: read what the socket holds; handle the answers, leave the rest to the thread.
+        The answers to the peer's notifications read here go out before it returns (outside the
+        lock: a send that fails breaks the channel, which takes it), never on a later turn of the
+        loop, which the application's code may hold up."""
         if not self.lock.acquire(blocking=False):
             return  # the thread is taking the reads back: the selector calls again if it did not
         try:
-            if self.owner is not Owner.LOOP or self._closed or not self.ch.is_open:
-                self._unregister()
-                return
-            if self._armed != self._gen:  # a callback of an earlier hand-over: this one's _arm comes next
-                return
-            rx = self.rx
-            self.loop_seen = time.monotonic()
-            try:
-                rx.fill_nowait()
-            except (EOFError, OSError) as exc:  # the thread meets it too, and breaks the channel
-                self._hand_back(f"the socket ended: {exc}")
-                return
-            while True:
-                body = rx.peek_frame()
-                if body is None:
-                    if not rx.whole_frame_fits():
-                        self._hand_back("a frame larger than the read-ahead")
-                    return
-                try:
-                    msg = decode(body)
-                except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
-                    self._hand_back("a frame that does not parse")  # (the thread breaks the channel)
-                    return
-                if isinstance(msg, Ack):
-                    rx.consume_frame()
-                    op = self.ops.pop(msg.op_id)
-                    if op is not None:
-                        self.ops.settle(op, None)
-                elif isinstance(msg, Ping):
-                    rx.consume_frame()
-                elif isinstance(msg, Credit):
-                    rx.consume_frame()
-                    self.ch.credits.returned(msg.total)
-                elif isinstance(msg, Data):
-                    if not self._take_data(msg):
-                        return
-                elif isinstance(msg, Notify) and self._notify is not None:
-                    if not self._notify(msg):  # (the thread waits for room; no hand-over per frame meanwhile)
-                        self.want = bool(self.ops.pending)
-                        self._hand_back("a notification the loop cannot deliver (too large, past its credits, or the "
-                                        "endpoint is closing)")
-                        return
-                    rx.consume_frame()
-                elif isinstance(msg, Fail) and self.ch.link is None:
-                    rx.consume_frame()
-                    op = self.ops.pop(msg.op_id)
-                    if op is not None:
-                        if op.note:  # (refused: its notification was never queued there)
-                            self.ch.credits.refund()
-                        cls = ERROR_KINDS.get(msg.kind, RemoteError)
-                        self.ops.settle(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
-                else:
-                    self._hand_back("")
-                    return
-                self.loop_frames += 1
+            self._read_locked()
         finally:
             self.lock.release()
+            answers, self._answers = self._answers, []
+            for answer in answers:
+                answer()
+
+    def _read_locked(self) -> None:
+        """Event loop, under the lock: :meth:`_on_readable`'s reads."""
+        if self.owner is not Owner.LOOP or self._closed or not self.ch.is_open:
+            self._unregister()
+            return
+        if self._armed != self._gen:  # a callback of an earlier hand-over: this one's _arm comes next
+            return
+        rx = self.rx
+        self.loop_seen = time.monotonic()
+        try:
+            rx.fill_nowait()
+        except (EOFError, OSError) as exc:  # the thread meets it too, and breaks the channel
+            self._hand_back(f"the socket ended: {exc}")
+            return
+        while True:
+            body = rx.peek_frame()
+            if body is None:
+                if not rx.whole_frame_fits():
+                    self._hand_back("a frame larger than the read-ahead")
+                return
+            try:
+                msg = decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                self._hand_back("a frame that does not parse")  # (the thread breaks the channel)
+                return
+            if isinstance(msg, Ack):
+                rx.consume_frame()
+                op = self.ops.pop(msg.op_id)
+                if op is not None:
+                    self.ops.settle(op, None)
+            elif isinstance(msg, Ping):
+                rx.consume_frame()
+            elif isinstance(msg, Credit):
+                rx.consume_frame()
+                self.ch.credits.returned(msg.total)
+            elif isinstance(msg, Data):
+                if not self._take_data(msg):
+                    return
+            elif isinstance(msg, Notify) and self._notify is not None:
+                if not self._notify(msg, self._answers.append):  # (the thread waits for room; no hand-over per frame meanwhile)
+                    self.want = bool(self.ops.pending)
+                    self._hand_back("a notification the loop cannot deliver (too large, past its credits, or the "
+                                    "endpoint is closing)")
+                    return
+                rx.consume_frame()
+            elif isinstance(msg, Fail) and self.ch.link is None:
+                rx.consume_frame()
+                op = self.ops.pop(msg.op_id)
+                if op is not None:
+                    if op.note:  # (refused: its notification was never queued there)
+                        self.ch.credits.refund()
+                    cls = ERROR_KINDS.get(msg.kind, RemoteError)
+                    self.ops.settle(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
+            else:
+                self._hand_back("")
+                return
+            self.loop_frames += 1
 
     def spin(self, fut: asyncio.Future[Any], budget: float, ready: Sized) -> bool | None:
         """Event loop: read the socket right here (as :meth:`_on_readable` does when the selector

@@ -399,16 +399,18 @@ class Serving:
                 op.quiet.set()
         return error
 
-    def serve_notify_here(self, msg: Notify) -> bool:
+    def serve_notify_here(self, msg: Notify, answer: Callable[[Callable[[], None]], None]) -> bool:
         """:meth:`serve_notify` on the event loop, which read ``msg`` (``LoopReads``, under its
-        lock): delivered without the reader thread, recorded, and answered if asked, on the loop's
-        next turn (outside that lock: a send that fails breaks the channel, which wakes the
-        reader). False, nothing done, where it must be the thread's: too large or past the peer's
-        credits (protocol errors), or the endpoint closing. Never raises."""
+        lock): delivered without the reader thread, recorded, and answered if asked: the answer is
+        handed to ``answer``, which sends it before the loop runs anything else (``LoopReads``, once
+        it let go of that lock: a send that fails breaks the channel, which takes it; an answer left
+        to the loop's next turn waited for whatever ran in this one). False, nothing done, where
+        it must be the thread's: too large or past the peer's credits (protocol errors), or the
+        endpoint closing. Never raises."""
         op_id = msg.op_id
         if len(msg.payload) > MAX_NOTIFY or not self.ch.core.deliver(
                 Notification(self.ch.peer_name, msg.payload, op_id), self.ch, here=True,
-                ack=(lambda: self._ack_here(op_id)) if msg.answer else None):
+                ack=(lambda: answer(lambda: self._ack_here(op_id))) if msg.answer else None):
             return False
         self._done(self._target_record(msg, OpKind.NOTIFY if msg.answer else OpKind.POST, [], "control"))
         return True
