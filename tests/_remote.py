@@ -311,6 +311,10 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
 
             setattr(ch, method, slow)
             return None
+        if cmd == "fence_s":  # how long a new channel's reader waits for the peer's old channels' (transport.fence)
+            from transport import fence
+            fence.FENCE_S = float(args[0])
+            return None
         if cmd == "peer_has":  # whether our copy of `peer`'s registry names `name`
             peer, bname = args
             return bname in (await ep.connect(peer)).buffers

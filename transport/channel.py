@@ -180,6 +180,7 @@ class Channel:
         self._frames = Dispatcher(self, self._rx, self._target, self.ops, self.reads)  # the reader thread's frames
         self._reader = threading.Thread(target=self._frames.read_loop, name=f"transport-rx-{self.peer_name}",
                                         daemon=True)
+        self.fence: list[threading.Thread] = []  # readers of the peer's old channels to wait for (transport.fence)
         self.peer = Peer(self)
 
     def start(self) -> None:
@@ -189,6 +190,11 @@ class Channel:
     @property
     def is_open(self) -> bool:
         return self.state is ChannelState.OPEN
+
+    @property
+    def reader(self) -> threading.Thread:
+        """The channel's reader thread (it serves the peer's ops)."""
+        return self._reader
 
     # ---------------------------------------------------------------- initiator side
     def new_op(self, kind: OpKind, names: list[str], nbytes: int, plane: DataPlane | None = None, *,

@@ -42,6 +42,7 @@ from .errors import (
     TransportError,
     TransportTimeoutError,
 )
+from .fence import Fences
 from .handshake import close_if_cancelled, handshake, hang_up
 from .hostinfo import local_host, same_host
 from .incarnations import Replaced, handshake_unless_replaced, refuse_replaced, replaced_by
@@ -103,14 +104,16 @@ class Connector:
         self._dials: set[asyncio.Future[Channel]] = set()  # dials in progress (close() stops them)
         self._refused: set[tuple[str, int]] = set()  # stale incarnations refused (logged once each)
         self._handshaking = 0
+        self.fences = Fences()  # the peers' ended channels, which their new channels wait for (transport.fence)
         self._holder_ids = itertools.count(1)
         self.unix_name = ""  # the abstract name of the Unix-socket listener ("" none)
 
-    def hello(self, channel_id: str) -> Hello:
+    def hello(self, channel_id: str, peer: str | None = None) -> Hello:
+        """Our Hello; to ``peer`` (a dial), naming our channels to it that ended (transport.fence)."""
         ep = self.ep
         epoch, bufs = ep.wire_registry()
         return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._offers.offered(), epoch, bufs,
-                     channel_id, ep.notify_window)
+                     channel_id, ep.notify_window, self.fences.lost_ids(peer) if peer is not None else [])
 
     def adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
                dialer: bool, offered: list[str]) -> Channel:
@@ -123,6 +126,8 @@ class Connector:
         old = self.channels.get(remote.name)
         if old is not None and old.incarnation != remote.incarnation:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
+        # its reader serves nothing before the readers of the peer's ended (or, it says, lost) channels stopped
+        ch.fence = self.fences.fence_for(remote.name, remote.incarnation, remote.lost, self.all)
         if old is None or not old.is_open or old.incarnation != remote.incarnation:
             self.channels[remote.name] = ch
             self._routed(remote.name)
@@ -340,7 +345,7 @@ class Connector:
         ep = self.ep
         try:
             await ep._offers.late(ep._state == "open")
-            hello = self.hello(channel_id)
+            hello = self.hello(channel_id, peer)
             ep._exports.watch(pending, hello.epoch,
                                       rec.hostinfo.pid if same_host(local_host(), rec.hostinfo)[0] else None)
             assert ep._secret is not None
@@ -396,6 +401,7 @@ class Connector:
         same peer (accepted while we dialled) takes over; the exports stop counting on it once its
         process is done with them (a Bye promised so; else held until that process exits)."""
         self.all.discard(ch)
+        self.fences.closed(ch)
         if ch.holder is not None:
             self.ep._exports.closed(ch.holder, ch.orderly)
         if self.channels.get(ch.peer_name) is ch:

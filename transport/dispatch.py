@@ -13,10 +13,12 @@ may block it (a payload received into a tensor); nothing blocks the event loop. 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from . import fence
 from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError
 from .flight_recorder import OpState
 from .loop_reads import loop_takes
@@ -58,6 +60,7 @@ class ReadChannel(SendingChannel, Protocol):
 
     id: str
     orderly: bool  # set when the peer closed with a Bye
+    fence: list[threading.Thread]  # readers of the peer's old channels, waited for before the first frame
 
     def lose(self, exc: BaseException) -> None: ...
 
@@ -84,6 +87,8 @@ class Dispatcher:
         """The reader thread's body: frames until the channel is no longer open or its socket fails."""
         try:
             ch, rx, reads = self.ch, self.rx, self.reads
+            fence.wait(ch.fence, lambda: ch.is_open, ch.peer_name)  # (the peer's old channels' readers first)
+            ch.fence = []
             rx.start()
             if reads is None:
                 while ch.is_open:

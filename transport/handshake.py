@@ -25,6 +25,7 @@ from .planes import export_fault
 from .registry import BufferSpec, dtype_from_name
 from .wire import (
     MAX_FRAME,
+    MAX_LOST,
     MAX_PREAUTH_FRAME,
     PROTOCOL_VERSION,
     Bye,
@@ -143,6 +144,8 @@ def check_hello(msg: Message) -> Hello:
         raise ProtocolError("peer sent an empty endpoint name")
     if msg.notify_window < 1:
         raise ProtocolError(f"peer granted {msg.notify_window} notification credits (at least 1)")
+    if len(msg.lost) > MAX_LOST:
+        raise ProtocolError(f"peer named {len(msg.lost)} lost channels (at most {MAX_LOST})")
     specs_from_wire(msg.buffers)
     return msg
 

@@ -68,6 +68,7 @@ import msgspec
 
 __all__ = [
     "MAX_FRAME",
+    "MAX_LOST",
     "MAX_NOTIFY",
     "MAX_PREAUTH_FRAME",
     "PROTOCOL_VERSION",
@@ -107,7 +108,9 @@ __all__ = [
 # 6: Notify.answer (a posted notification: no Ack, no Fail)
 # 7: LinkFrame (a link's set-up frames, opaque to the core) instead of NcclSetup / NcclReady
 # 8: notification credits: Hello.notify_window, the Credit frame (transport.credits)
-PROTOCOL_VERSION = 8
+# 9: Hello.lost (the dialler's channels to the acceptor that it lost: their readers are fenced)
+PROTOCOL_VERSION = 9
+MAX_LOST = 16  # channel ids a Hello names as lost, at most
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
 MAX_PREAUTH_FRAME = 4096  # frames read before the peer proved it belongs to the job
 MAX_NOTIFY = 1024 * 1024
@@ -202,6 +205,10 @@ class Hello(msgspec.Struct, tag="hello"):
     # how many of the receiver's notifications the sender of this Hello holds unconsumed at most
     # (its max_pending_notifications): the receiver's credits on the new channel (transport.credits)
     notify_window: int = 0
+    # the dialler's latest channels to the acceptor that it closed or lost (their ids): the acceptor
+    # breaks those still open on its side and serves nothing of the new channel before their readers
+    # stopped (transport.connector: the fence), so no op of a lost channel lands after a later one
+    lost: list[str] = msgspec.field(default_factory=list)
 
 
 class Registry(msgspec.Struct, tag="registry"):

@@ -1,0 +1,86 @@
+"""The fence between a peer's old channels and a new one: nothing an old channel's reader still
+serves lands after an op of the new channel.
+
+A channel's reader thread serves the peer's ops from its socket in stream order, but the bytes of
+an op the initiator gave up on (a timeout) may still sit in that socket when the initiator loses
+the channel (its heartbeat bound, an abandoned get) and dials again: the old reader would serve
+them after the new channel's ops, and overwrite what a later put wrote. So:
+
+- each endpoint remembers, per peer, the ids of its latest channels to that peer that closed or
+  broke on its side (:meth:`Fences.closed`), and a dialler names them in its ``Hello``
+  (``Hello.lost``, at most :data:`~transport.wire.MAX_LOST`);
+- adopting a new channel, an endpoint breaks the channels the peer named that are still open on
+  its side, and the new channel's reader serves nothing before the reader threads of every channel
+  to that peer that closed, broke or was just broken here have stopped (:func:`wait`, bounded by
+  :data:`FENCE_S`; past it the new channel is lost with :class:`PeerLostError`, and the next dial
+  fences again).
+
+A reader stops at its next frame boundary once its channel is no longer open (what it is
+receiving then lands first); breaking the channel shuts its socket down, so the bytes left in it are
+never served. Not covered: two channels that both serve because both sides dialled at once, where
+one of them breaks later while the other serves on (docs/architecture.md, "Channels").
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .errors import PeerLostError
+from .wire import MAX_LOST
+
+__all__ = ["FENCE_S", "Fences", "wait"]
+
+FENCE_S = 10.0  # how long a new channel's reader waits for the old readers to stop
+
+
+class Fences:
+    """One endpoint's record of the channels its peers' new channels are fenced from (event loop only)."""
+
+    def __init__(self) -> None:
+        self._lost: dict[str, collections.deque[str]] = {}  # peer -> ids of our channels to it that ended
+        self._ended: set[Any] = set()  # channels that ended whose reader may still be serving a frame
+
+    def closed(self, ch: Any) -> None:
+        """``ch`` closed or broke on our side."""
+        self._lost.setdefault(ch.peer_name, collections.deque(maxlen=MAX_LOST)).append(ch.id)
+        self._ended = {c for c in self._ended if c.reader.is_alive()}
+        if ch.reader.is_alive():
+            self._ended.add(ch)
+
+    def lost_ids(self, peer: str) -> list[str]:
+        """The ids a Hello to ``peer`` names as lost."""
+        return list(self._lost.get(peer, ()))
+
+    def fence_for(self, peer: str, incarnation: int, lost: Iterable[str], channels: Iterable[Any]) -> list[threading.Thread]:
+        """The reader threads a new channel to ``peer`` (of ``incarnation``) must wait for: those of
+        the channels to ``peer`` that ended here, and of the open ones of that incarnation the peer
+        says it lost (``lost``: its Hello's), which are broken now."""
+        named = set(lost)
+        readers = []
+        for c in list(channels):
+            if c.peer_name != peer:
+                continue
+            if c.is_open and c.incarnation == incarnation and c.id in named:
+                c.lose(PeerLostError(f"{peer!r} lost channel {c.id} and dialled again"))
+            if not c.is_open and c.reader.is_alive():
+                readers.append(c.reader)
+        readers += [c.reader for c in self._ended if c.peer_name == peer and c.reader.is_alive()]
+        return list(dict.fromkeys(readers))
+
+
+def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str) -> None:
+    """Reader thread of a new channel, before its first frame: wait until ``readers`` stopped
+    (bounded by :data:`FENCE_S`, and only while ``is_open()``). Raises :class:`PeerLostError` if one
+    still runs past the bound (the channel is then lost: the next dial fences again)."""
+    end = time.monotonic() + FENCE_S
+    for t in readers:
+        while t.is_alive() and is_open():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise PeerLostError(f"a reader of an earlier channel to {peer!r} still served it {FENCE_S:.0f} s "
+                                    f"after the new channel came up (ops of the two could land out of order)")
+            t.join(min(left, 0.1))
