@@ -98,3 +98,36 @@ async def test_an_old_reader_past_the_fence_bound_fails_the_new_channel_and_a_la
             assert t.call("all_equal", "w", 0, n, 3.0), "an old channel's put landed after a later put"
     finally:
         t.stop()
+
+
+async def test_ops_moved_to_the_peers_other_channel_wait_for_the_ended_ones_reader(store_url, uname):
+    """Two channels serve between the same pair (both sides dialled at once; here the second is
+    dialled by hand). Ours (X) ends on our side with a timed-out put's bytes still in the target's
+    socket, the target's reader of X lagging; our next put goes over the other channel (Y), behind a
+    Lost frame naming X: the target breaks X and serves nothing more of Y before X's reader stopped,
+    so the timed-out put never lands after the later one."""
+    n = 16 * 1024
+    t = RemoteEndpoint(uname("tgt"), store=store_url, planes=("tcp",))
+    try:
+        t.call("register", "w", "float32", (n,))
+        async with transport.Endpoint(uname("ini"), store=store_url, timeout=10, planes=("tcp",)) as a:
+            x_peer = await a.connect(t.name)
+            await a.put(t.name, {"w": torch.zeros(n)})
+            await a._connector._dial(t.name, time.monotonic() + 10)  # a second channel, as from a dial race
+            x = next(ch for ch in a._all if ch.peer_name == t.name and ch.id == x_peer.channel_id)
+            y = next(ch for ch in a._all if ch.peer_name == t.name and ch.id != x.id)
+            assert a.peer(t.name).channel_id == x.id  # (our ops stay on X while it is open)
+            t.call("lag", a.name, "_target.serve_put", 1.5)  # the target's reader of X is slow to serve
+            with pytest.raises(transport.TransportTimeoutError):
+                await a.put(t.name, {"w": torch.ones(n)}, timeout=0.3)  # its bytes are in X's socket
+            x.lose(transport.PeerLostError("test: X lost on our side"))
+            end = time.monotonic() + 5
+            while a.peer(t.name) is None or a.peer(t.name).channel_id != y.id:
+                assert time.monotonic() < end, "our ops did not move to Y"
+                await asyncio.sleep(0.01)
+            await a.put(t.name, {"w": torch.full((n,), 2.0)}, timeout=10)  # over Y
+            assert t.call("all_equal", "w", 0, n, 2.0), "the put over Y had not landed when it returned"
+            await asyncio.sleep(2.0)  # (X's reader's lag is over)
+            assert t.call("all_equal", "w", 0, n, 2.0), "the timed-out put's bytes landed after a later put"
+    finally:
+        t.stop()

@@ -181,6 +181,7 @@ class Channel:
         self._reader = threading.Thread(target=self._frames.read_loop, name=f"transport-rx-{self.peer_name}",
                                         daemon=True)
         self.fence: list[threading.Thread] = []  # readers of the peer's old channels to wait for (transport.fence)
+        self.fence_lost: Callable[[list[str]], list[threading.Thread]] = lambda ids: []  # (set by the connector)
         self.peer = Peer(self)
 
     def start(self) -> None:

@@ -47,7 +47,7 @@ from .handshake import close_if_cancelled, handshake, hang_up
 from .hostinfo import local_host, same_host
 from .incarnations import Replaced, handshake_unless_replaced, refuse_replaced, replaced_by
 from .planes import PlaneOffers, choose_cpu_plane
-from .wire import PROTOCOL_VERSION, Hello, Message, Registry
+from .wire import PROTOCOL_VERSION, Hello, Lost, Message, Registry
 
 __all__ = ["Connector"]
 
@@ -128,6 +128,7 @@ class Connector:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
         # its reader serves nothing before the readers of the peer's ended (or, it says, lost) channels stopped
         ch.fence = self.fences.fence_for(remote.name, remote.incarnation, remote.lost, self.all)
+        ch.fence_lost = lambda ids: self.fences.fence_for(remote.name, remote.incarnation, ids, list(self.all))
         if old is None or not old.is_open or old.incarnation != remote.incarnation:
             self.channels[remote.name] = ch
             self._routed(remote.name)
@@ -408,6 +409,7 @@ class Connector:
             del self.channels[ch.peer_name]
             for other in self.all:
                 if other.peer_name == ch.peer_name and other.is_open and other.incarnation == ch.incarnation:
+                    other.send_quietly(Lost([ch.id]))  # (ahead of our ops: the peer's reader of ch stops first)
                     self.channels[ch.peer_name] = other
                     self._routed(ch.peer_name)
                     break

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -24,6 +25,7 @@ from .flight_recorder import OpState
 from .loop_reads import loop_takes
 from .planes import SendingChannel, link_refusal
 from .wire import (
+    MAX_LOST,
     Ack,
     Bye,
     Credit,
@@ -32,6 +34,7 @@ from .wire import (
     Get,
     Go,
     LinkFrame,
+    Lost,
     Message,
     Notify,
     Ping,
@@ -61,6 +64,7 @@ class ReadChannel(SendingChannel, Protocol):
     id: str
     orderly: bool  # set when the peer closed with a Bye
     fence: list[threading.Thread]  # readers of the peer's old channels, waited for before the first frame
+    fence_lost: Callable[[list[str]], list[threading.Thread]]  # a Lost frame's: the readers to wait for
 
     def lose(self, exc: BaseException) -> None: ...
 
@@ -168,6 +172,10 @@ class Dispatcher:
                 self.ch.send(answer)
         elif isinstance(msg, Ping):
             pass
+        elif isinstance(msg, Lost):  # the peer's ops come here now: its ended channels' readers first
+            if len(msg.channel_ids) > MAX_LOST:
+                raise ProtocolError(f"a Lost frame naming {len(msg.channel_ids)} channels (at most {MAX_LOST})")
+            fence.wait(self.ch.fence_lost(msg.channel_ids), lambda: self.ch.is_open, self.ch.peer_name)
         elif isinstance(msg, Bye):
             self.ch.orderly = True
             self.ch.lose(PeerLostError(f"{self.ch.peer_name!r} closed the channel: {msg.reason or 'bye'}"))

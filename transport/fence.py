@@ -15,10 +15,15 @@ them after the new channel's ops, and overwrite what a later put wrote. So:
   :data:`FENCE_S`; past it the new channel is lost with :class:`PeerLostError`, and the next dial
   fences again).
 
+- where two channels serve between the same pair (both sides dialled at once) and the one that
+  carries our ops ends on our side, our ops move to the other behind a ``Lost`` frame naming the
+  ended one: the peer's reader of the other channel, reading it, breaks the ended one where still
+  open there and reads no further frame before its reader stopped (the same bound; past it that
+  channel is lost too).
+
 A reader stops at its next frame boundary once its channel is no longer open (what it is
 receiving then lands first); breaking the channel shuts its socket down, so the bytes left in it are
-never served. Not covered: two channels that both serve because both sides dialled at once, where
-one of them breaks later while the other serves on (docs/architecture.md, "Channels").
+never served.
 """
 
 from __future__ import annotations

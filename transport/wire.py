@@ -85,6 +85,7 @@ __all__ = [
     "IpcHandle",
     "Item",
     "LinkFrame",
+    "Lost",
     "Message",
     "Notify",
     "Ping",
@@ -108,7 +109,7 @@ __all__ = [
 # 6: Notify.answer (a posted notification: no Ack, no Fail)
 # 7: LinkFrame (a link's set-up frames, opaque to the core) instead of NcclSetup / NcclReady
 # 8: notification credits: Hello.notify_window, the Credit frame (transport.credits)
-# 9: Hello.lost (the dialler's channels to the acceptor that it lost: their readers are fenced)
+# 9: Hello.lost, the Lost frame (a peer's ended channels: their readers are fenced, transport.fence)
 PROTOCOL_VERSION = 9
 MAX_LOST = 16  # channel ids a Hello names as lost, at most
 MAX_FRAME = 16 * 1024 * 1024  # control frames only; bulk payload is not framed
@@ -300,6 +301,14 @@ class Go(msgspec.Struct, tag="go"):
     op_id: int
 
 
+class Lost(msgspec.Struct, tag="lost"):
+    """Our channels ``channel_ids`` to the receiver ended, and this one carries our ops from now on:
+    the receiver breaks them where still open and serves nothing more of this channel before their
+    readers stopped (``transport.fence``)."""
+
+    channel_ids: list[str]
+
+
 class Challenge(msgspec.Struct, tag="challenge"):
     """Acceptor -> dialer, the first frame of a connection: the acceptor's protocol version and a
     fresh nonce the dialer's proof must cover."""
@@ -332,7 +341,7 @@ class Bye(msgspec.Struct, tag="bye"):
 
 
 Message = Union[Hello, Registry, Put, Get, Data, Notify, Credit, Sync, Ack, Fail, Unmapped, LinkFrame, Go, Ping,
-                Bye, Challenge, Proof]
+                Bye, Lost, Challenge, Proof]
 PreAuth = Union[Challenge, Proof, Bye, _HelloVersion]
 
 _encoder = msgspec.msgpack.Encoder()
