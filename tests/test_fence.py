@@ -28,7 +28,9 @@ async def test_a_timed_out_put_still_buffered_in_a_lost_channel_does_not_land_af
     the target's socket when the channel is lost; the next put dials a new channel and returns;
     the target's old reader (slowed down by 1.5 s per header) must not serve the first put after it."""
     n = 16 * 1024  # float32: 64 KiB, fits in the socket's buffers while the target is stopped
-    tkw: dict = {"planes": ("tcp",), "heartbeat_interval": 0.2}  # (its pings keep the new channel alive)
+    # its pings keep the new channel alive at the initiator; its own bound (1 s) is shorter than the
+    # fence's wait (the old reader's lag): the wait counts as traffic, or the new channel would be lost
+    tkw: dict = {"planes": ("tcp",), "heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
     ikw: dict = {"planes": ("tcp",)}
     if plane == "staged":
         tkw["stage_cpu"] = True

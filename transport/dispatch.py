@@ -91,7 +91,7 @@ class Dispatcher:
         """The reader thread's body: frames until the channel is no longer open or its socket fails."""
         try:
             ch, rx, reads = self.ch, self.rx, self.reads
-            fence.wait(ch.fence, lambda: ch.is_open, ch.peer_name)  # (the peer's old channels' readers first)
+            fence.wait(ch.fence, lambda: ch.is_open, ch.peer_name, rx.seen)  # (the peer's old channels' readers first)
             ch.fence = []
             rx.start()
             if reads is None:
@@ -175,7 +175,7 @@ class Dispatcher:
         elif isinstance(msg, Lost):  # the peer's ops come here now: its ended channels' readers first
             if len(msg.channel_ids) > MAX_LOST:
                 raise ProtocolError(f"a Lost frame naming {len(msg.channel_ids)} channels (at most {MAX_LOST})")
-            fence.wait(self.ch.fence_lost(msg.channel_ids), lambda: self.ch.is_open, self.ch.peer_name)
+            fence.wait(self.ch.fence_lost(msg.channel_ids), lambda: self.ch.is_open, self.ch.peer_name, self.rx.seen)
         elif isinstance(msg, Bye):
             self.ch.orderly = True
             self.ch.lose(PeerLostError(f"{self.ch.peer_name!r} closed the channel: {msg.reason or 'bye'}"))

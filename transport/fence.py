@@ -77,10 +77,13 @@ class Fences:
         return list(dict.fromkeys(readers))
 
 
-def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str) -> None:
-    """Reader thread of a new channel, before its first frame: wait until ``readers`` stopped
-    (bounded by :data:`FENCE_S`, and only while ``is_open()``). Raises :class:`PeerLostError` if one
-    still runs past the bound (the channel is then lost: the next dial fences again)."""
+def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str,
+         waiting: Callable[[], None] | None = None) -> None:
+    """Reader thread of a channel, before its next frame: wait until ``readers`` stopped (bounded
+    by :data:`FENCE_S`, and only while ``is_open()``); ``waiting()`` is called every 0.1 s meanwhile
+    (the reader counts the wait as traffic: the silence is its own, not the peer's, so the
+    heartbeat does not break the channel for it). Raises :class:`PeerLostError` if one still runs
+    past the bound (the channel is then lost: the next dial fences again)."""
     end = time.monotonic() + FENCE_S
     for t in readers:
         while t.is_alive() and is_open():
@@ -88,4 +91,6 @@ def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str
             if left <= 0:
                 raise PeerLostError(f"a reader of an earlier channel to {peer!r} still served it {FENCE_S:.0f} s "
                                     f"after the new channel came up (ops of the two could land out of order)")
+            if waiting is not None:
+                waiting()
             t.join(min(left, 0.1))

@@ -59,6 +59,10 @@ class Receiver:
         self._poll.register(sock, select.POLLIN)
         self.last_rx = time.monotonic()  # the last time bytes arrived
 
+    def seen(self) -> None:
+        """Count now as traffic (:attr:`last_rx`): the reader waits on purpose, not for the peer."""
+        self.last_rx = time.monotonic()
+
     def start(self) -> None:
         """Bound every blocking ``recv`` (see :meth:`recv_into`); the writer's sends are not affected."""
         tv = struct.pack("ll", int(RX_POLL_S), int((RX_POLL_S % 1) * 1e6))
