@@ -355,6 +355,39 @@ def test_nccl_setup_to_an_endpoint_without_a_link_is_refused(target, friend):
     _assert_usable(friend, target, 4.0)
 
 
+def test_a_lost_frame_naming_too_many_channels_closes_the_channel(target, friend, caplog):
+    _assert_frame_closes_the_channel(target, friend, caplog, wire.Lost([f"c{i}" for i in range(wire.MAX_LOST + 1)]))
+
+
+def test_a_hello_naming_too_many_lost_channels_is_refused(target, friend):
+    s = peer.dial(target.address)
+    try:
+        peer.authenticate(s, target._ep._secret, target.address)
+        msg = peer.hello()
+        msg.lost = [f"c{i}" for i in range(wire.MAX_LOST + 1)]
+        _send_and_probe(s, wire.encode_frame(msg))
+        assert _closed_by_peer(s)
+    finally:
+        s.close()
+    _assert_usable(friend, target, 6.0)
+
+
+def test_a_lost_frame_breaks_only_the_senders_own_channels(target, friend):
+    """A peer's Lost frame (transport.fence) naming another peer's channel leaves that channel
+    alone; one naming the very channel it came on breaks it (and nothing hangs)."""
+    theirs = target._ep._connector.channels[friend.name]
+    s = _handshaken(target)
+    try:
+        s.sendall(wire.encode_frame(wire.Lost([theirs.id])) + wire.encode_frame(wire.Ping()))
+        assert not _closed_by_peer(s, timeout=1.0)
+        s.sendall(wire.encode_frame(wire.Lost([peer.hello().channel_id])))
+        assert _closed_by_peer(s)
+    finally:
+        s.close()
+    assert theirs.is_open and target._ep._connector.channels[friend.name] is theirs
+    _assert_usable(friend, target, 7.0)
+
+
 def test_the_endpoint_survived_everything(target, friend):
     _assert_usable(friend, target, 5.0)
 

@@ -73,7 +73,8 @@ class Fences:
                 c.lose(PeerLostError(f"{peer!r} lost channel {c.id} and dialled again"))
             if not c.is_open and c.reader.is_alive():
                 readers.append(c.reader)
-        readers += [c.reader for c in self._ended if c.peer_name == peer and c.reader.is_alive()]
+        # (a copy first: a Lost frame's reader thread calls this while the loop may add to the set)
+        readers += [c.reader for c in list(self._ended) if c.peer_name == peer and c.reader.is_alive()]
         return list(dict.fromkeys(readers))
 
 
@@ -86,7 +87,7 @@ def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str
     past the bound (the channel is then lost: the next dial fences again)."""
     end = time.monotonic() + FENCE_S
     for t in readers:
-        while t.is_alive() and is_open():
+        while t.is_alive() and is_open() and t is not threading.current_thread():  # (a Lost naming its own channel)
             left = end - time.monotonic()
             if left <= 0:
                 raise PeerLostError(f"a reader of an earlier channel to {peer!r} still served it {FENCE_S:.0f} s "
