@@ -16,6 +16,7 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint
+from transport import connector as connector_mod
 from transport.staging import StagingConfig, ThreadCopyEngine
 
 
@@ -133,3 +134,121 @@ async def test_ops_moved_to_the_peers_other_channel_wait_for_the_ended_ones_read
             assert t.call("all_equal", "w", 0, n, 2.0), "the timed-out put's bytes landed after a later put"
     finally:
         t.stop()
+
+
+async def test_an_old_channel_adopted_by_the_acceptor_after_the_new_one_does_not_serve_after_it(
+        store_url, uname, monkeypatch):
+    """The dialler adopts a channel as soon as its half of the handshake is over and may send ops
+    on it at once; the acceptor adopts it only after its own awaits (replaced_by's store look-up,
+    the wait while it is still opening). Here the acceptor's adoption of the first channel C1 is
+    held up (a slow store look-up, simulated: 3 s); the dialler's put on C1 times out, it loses C1
+    (heartbeat bound) and dials C2 naming C1 in Hello.lost. The acceptor adopts C2 first: C1 is
+    not among its channels yet, so nothing is broken or fenced, and C2 serves the second put; then
+    the acceptor adopts C1, whose reader serves the first put over it."""
+    n = 16 * 1024
+    real = connector_mod.replaced_by
+    calls = {"n": 0}
+    target_name = uname("tgt")
+
+    async def slow_first(ep, have, remote, deadline):
+        if ep.name == target_name:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                await asyncio.sleep(3.0)  # (the first accepted channel's store look-up is slow)
+        return await real(ep, have, remote, deadline)
+
+    monkeypatch.setattr(connector_mod, "replaced_by", slow_first)
+    w = torch.zeros(n)
+    async with transport.Endpoint(target_name, store=store_url, planes=("tcp",), timeout=10,
+                                  heartbeat_interval=0.2) as t:
+        t.register("w", w)
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("tcp",), timeout=10,
+                                      heartbeat_interval=0.2, heartbeat_timeout=1.0) as a:
+            peer = await a.connect(t.name)  # C1: adopted here; the target's adoption is held up
+            first = peer.channel_id
+            with pytest.raises((transport.TransportTimeoutError, transport.PeerLostError)):
+                await a.put(t.name, {"w": torch.ones(n)}, timeout=0.3)
+            end = time.monotonic() + 5
+            while peer.connected:  # no pings from the target on C1: lost by the heartbeat bound
+                assert time.monotonic() < end, "the channel was not lost"
+                await asyncio.sleep(0.05)
+            await a.put(t.name, {"w": torch.full((n,), 2.0)}, timeout=10)  # C2, naming C1 as lost
+            assert a.peer(t.name) is not None and a.peer(t.name).channel_id != first
+            assert bool((w == 2.0).all()), "the later put had not landed when it returned"
+            await asyncio.sleep(3.0)  # (the target's adoption of C1 goes through meanwhile)
+            assert bool((w == 2.0).all()), (
+                f"the timed-out put over the old channel landed after a later put over the new one "
+                f"(w[0] = {w[0].item()})")
+
+
+async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the_new_incarnations(
+        store_url, uname):
+    """Both sides dialled at once (their first ops to each other): two channels serve, and each
+    side's ops go over a different one: X1's over C_x, ours over C_y. X1 puts into our buffer over
+    C_x while our reader of C_x is slow (2 s before a handler); the put times out; X1 then freezes
+    and is replaced (X2: the same name's new incarnation, which dials us and puts). Adopting X2's
+    channel we break our routed channel to X1 (C_y: adopt's ``old.lose``) and fence on its reader,
+    but C_x, open to the replaced incarnation and not routed here, is neither broken nor fenced
+    (fence_for breaks only channels of the new incarnation): its reader serves X1's put after X2's
+    put returned."""
+    n = 16 * 1024
+    w = torch.zeros(n)
+    served: list[str] = []
+    lag = {"on": None}
+    async with transport.Endpoint(uname("y"), store=store_url, planes=("tcp",), timeout=10,
+                                  heartbeat_interval=0.2) as y:
+        y.register("w", w)
+
+        def watch(ch):
+            serve = ch._target.serve_put
+
+            def wrapped(msg):
+                served.append(ch.id)
+                if lag["on"] == ch.id:
+                    time.sleep(2.0)
+                serve(msg)
+            ch._target.serve_put = wrapped
+
+        # the crossing set up deterministically (simultaneous dials often give it, not always): X1 dials
+        # first and routes its own C_x; our adoption of C_x is held up 1 s (setup only), so our own dial
+        # C_y, made meanwhile, is our route; X1 accepts C_y while C_x is open and keeps C_x
+        xname = uname("x")
+        real = connector_mod.replaced_by
+        hold = {"first": True}
+
+        async def late_first(ep, have, remote, deadline):
+            if ep is y and remote.name == xname and hold.pop("first", False):
+                await asyncio.sleep(1.0)
+            return await real(ep, have, remote, deadline)
+
+        connector_mod.replaced_by = late_first
+        try:
+            x1 = RemoteEndpoint(xname, store=store_url, planes=("tcp",), heartbeat_interval=0.2)
+            x1.start("connect", y.name)
+            await asyncio.sleep(0.3)
+            await y.connect(xname)
+            await asyncio.to_thread(x1.result, 20)
+            await asyncio.sleep(1.0)
+        finally:
+            connector_mod.replaced_by = real
+        for ch in list(y._connector.all):
+            if ch.peer_name == xname:
+                watch(ch)
+        await asyncio.to_thread(x1.call, "put", y.name, {"w": ("float32", (n,), 1)}, 10)
+        assert served and served[-1] != y._connector.channels[xname].id, "no crossing"
+        try:
+            c_x = served[-1]  # the channel X1's ops go over (not our route)
+            lag["on"] = c_x
+            err = await asyncio.to_thread(x1.call, "put_error", y.name, {"w": ("float32", (n,), 2)}, 0.3)
+            assert err.startswith(("TransportTimeoutError", "PeerLostError")), err
+            x1.signal(signal.SIGSTOP)  # frozen, then replaced
+            async with transport.Endpoint(xname, store=store_url, planes=("tcp",), timeout=10,
+                                          heartbeat_interval=0.2) as x2:
+                await x2.put(y.name, {"w": torch.full((n,), 2.0)}, timeout=10)
+                assert bool((w == 2.0).all()), "the later put had not landed when it returned"
+                await asyncio.sleep(2.5)  # (the slow reader of C_x is done)
+                assert bool((w == 2.0).all()), (
+                    "the replaced incarnation's timed-out put landed after the new incarnation's put")
+        finally:
+            x1.signal(signal.SIGCONT)
+            x1.stop()

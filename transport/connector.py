@@ -113,7 +113,7 @@ class Connector:
         ep = self.ep
         epoch, bufs = ep.wire_registry()
         return Hello(PROTOCOL_VERSION, ep.name, ep.incarnation, local_host(), ep._offers.offered(), epoch, bufs,
-                     channel_id, ep.notify_window, self.fences.lost_ids(peer) if peer is not None else [])
+                     channel_id, ep.notify_window, self.fences.lost_ids(peer, self.all) if peer is not None else [])
 
     def adopt(self, sock: socket.socket, remote: Hello, channel_id: str, sent_epoch: int, *,
                dialer: bool, offered: list[str]) -> Channel:
@@ -201,9 +201,13 @@ class Connector:
             if current is not None:
                 await refuse_replaced(sock, remote, current, self._refused)
                 return
+            channel_id = remote.channel_id or f"{remote.name}->{ep.name}"
+            if self.fences.named_lost(remote.name, channel_id):  # (a later channel's Hello named it lost)
+                log.warning("channel %s from %r: not adopted, the peer already named it lost (in the Hello of a "
+                            "later channel); connection closed", channel_id, remote.name)
+                return
             sock.setblocking(True)
-            self.adopt(sock, remote, remote.channel_id or f"{remote.name}->{ep.name}", hello.epoch, dialer=False,
-                        offered=hello.planes)
+            self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
             adopted = True
         except AuthenticationError as exc:
             log.error("refused a connection from %s: %s; connection closed", addr, exc)

@@ -48,6 +48,9 @@ class Fences:
     def __init__(self) -> None:
         self._lost: dict[str, collections.deque[str]] = {}  # peer -> ids of our channels to it that ended
         self._ended: set[Any] = set()  # channels that ended whose reader may still be serving a frame
+        # peer -> ids its Hellos named as lost: one of those we had not adopted yet is never adopted
+        # (its handshake was still finishing here, e.g. held up by a store look-up, when the new one came)
+        self._named: dict[str, collections.deque[str]] = {}
 
     def closed(self, ch: Any) -> None:
         """``ch`` closed or broke on our side."""
@@ -56,26 +59,39 @@ class Fences:
         if ch.reader.is_alive():
             self._ended.add(ch)
 
-    def lost_ids(self, peer: str) -> list[str]:
-        """The ids a Hello to ``peer`` names as lost."""
-        return list(self._lost.get(peer, ()))
+    def lost_ids(self, peer: str, channels: Iterable[Any] = ()) -> list[str]:
+        """The ids a Hello to ``peer`` names as lost: our latest ended channels to it, and those of
+        ``channels`` (ours) already broken whose end the loop has not run yet (lost by a thread)."""
+        ids = list(self._lost.get(peer, ()))
+        ids += [c.id for c in list(channels) if c.peer_name == peer and not c.is_open and c.id not in ids]
+        return ids[-MAX_LOST:]
 
     def fence_for(self, peer: str, incarnation: int, lost: Iterable[str], channels: Iterable[Any]) -> list[threading.Thread]:
         """The reader threads a new channel to ``peer`` (of ``incarnation``) must wait for: those of
         the channels to ``peer`` that ended here, and of the open ones of that incarnation the peer
         says it lost (``lost``: its Hello's), which are broken now."""
         named = set(lost)
+        seen = self._named.setdefault(peer, collections.deque(maxlen=4 * MAX_LOST))
+        seen.extend(i for i in named if i not in seen)
         readers = []
         for c in list(channels):
             if c.peer_name != peer:
                 continue
             if c.is_open and c.incarnation == incarnation and c.id in named:
                 c.lose(PeerLostError(f"{peer!r} lost channel {c.id} and dialled again"))
+            elif c.is_open and c.incarnation != incarnation:  # every channel of a replaced incarnation, not
+                c.lose(PeerLostError(f"{peer!r} restarted (new incarnation {incarnation:#x})"))  # only the routed one
             if not c.is_open and c.reader.is_alive():
                 readers.append(c.reader)
         # (a copy first: a Lost frame's reader thread calls this while the loop may add to the set)
         readers += [c.reader for c in list(self._ended) if c.peer_name == peer and c.reader.is_alive()]
         return list(dict.fromkeys(readers))
+
+    def named_lost(self, peer: str, channel_id: str) -> bool:
+        """Whether ``peer`` already said (in the Hello of a later channel) that it lost ``channel_id``:
+        a channel accepted late, which must not be adopted (its reader would serve the ops the peer
+        gave up on after those of the newer channel)."""
+        return channel_id in self._named.get(peer, ())
 
 
 def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str,
