@@ -26,7 +26,7 @@ from __future__ import annotations
 import msgspec
 
 from .errors import PeerNotFoundError
-from .rendezvous import EndpointRecord
+from .rendezvous import EndpointRecord, record_problem
 
 __all__ = ["ADDRESS_VERSION", "AddressBook", "AddressRecord", "decode_address", "encode_address"]
 
@@ -71,12 +71,8 @@ def decode_address(data: bytes) -> tuple[EndpointRecord, bytes]:
     if rec.version != ADDRESS_VERSION:
         raise ValueError(f"unsupported address record version {rec.version} (this build reads {ADDRESS_VERSION})")
     ep = rec.endpoint
-    if not ep.name or "/" in ep.name or len(ep.name) > 200:
-        raise ValueError(f"the address record names an invalid endpoint {ep.name!r}")
-    if not ep.host or not 0 < ep.port < 65536:
-        raise ValueError(f"the address record holds an invalid address {ep.host!r}:{ep.port}")
-    if ep.unix and (len(ep.unix) > 100 or "\0" in ep.unix):
-        raise ValueError(f"the address record holds an invalid Unix socket name {ep.unix!r}")
+    if (why := record_problem(ep)) is not None:
+        raise ValueError(f"the address record holds {why}")
     if not rec.secret:
         raise ValueError("the address record holds an empty secret")
     return ep, rec.secret

@@ -313,9 +313,13 @@ class Connector:
             if sock is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setblocking(False)
-                try:
+                try:  # (a connect left unanswered, its host gone, gives way to a newer incarnation, as a handshake)
                     async with asyncio.timeout_at(deadline):
-                        await ep.loop.sock_connect(sock, (rec.host, rec.port))
+                        await handshake_unless_replaced(ep, ep.loop.sock_connect(sock, (rec.host, rec.port)),
+                                                        peer, rec, skip, deadline)
+                except Replaced:
+                    sock.close()
+                    continue
                 except TimeoutError:
                     sock.close()
                     raise TransportTimeoutError(f"connecting to {peer!r} at {rec.host}:{rec.port} timed out",

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Coroutine
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .handshake import hang_up
 from .wire import Bye, Hello, encode_frame
@@ -34,6 +34,9 @@ __all__ = ["RECHECK_S", "Replaced", "handshake_unless_replaced", "refuse_replace
 log = logging.getLogger("transport.endpoint")
 
 RECHECK_S = 1.0  # a dial's handshake unanswered this long looks for a newer incarnation, and again as long
+
+
+_T = TypeVar("_T")
 
 
 class Replaced(Exception):
@@ -53,11 +56,12 @@ class _Channel(Protocol):
 
 
 async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float) -> int | None:
-    """The incarnation that replaced ``remote`` (a peer that dialled us), or None: ``have`` (our
-    channel to its name) is open to another incarnation, and the store names that one. A peer
+    """The incarnation that replaced ``remote`` (a peer that dialled us), or None: the store names
+    another incarnation of its name (whether or not ``have``, our channel to it, is open: ours to the
+    stale one may have been lost while it was paused, and its replacement not have dialled us yet). A peer
     from the address book, or a store that cannot be asked, leaves it as before: the newer
     connection wins."""
-    if have is None or not have.is_open or have.incarnation == remote.incarnation:
+    if have is not None and have.is_open and have.incarnation == remote.incarnation:
         return None
     if ep._book.lookup(remote.name, set()) is not None:
         return None
@@ -65,7 +69,9 @@ async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline
         cur = await ep._rdv.lookup_now(remote.name, deadline)
     except Exception:
         return None
-    return have.incarnation if cur is not None and cur.incarnation == have.incarnation else None
+    # (a peer publishes before it dials: a store that names another incarnation names a newer one,
+    # also when we hold no open channel to the name, e.g. ours to the stale one was lost meanwhile)
+    return cur.incarnation if cur is not None and cur.incarnation != remote.incarnation else None
 
 
 async def refuse_replaced(sock: socket.socket, remote: Hello, current: int, refused: set[tuple[str, int]]) -> None:
@@ -83,13 +89,14 @@ async def refuse_replaced(sock: socket.socket, remote: Hello, current: int, refu
     await hang_up(sock)
 
 
-async def handshake_unless_replaced(ep: _Owner, hs: Coroutine[Any, Any, Hello], peer: str, rec: Any,
-                                    skip: set[int], deadline: float) -> Hello:
+async def handshake_unless_replaced(ep: _Owner, hs: Coroutine[Any, Any, _T], peer: str, rec: Any,
+                                    skip: set[int], deadline: float) -> _T:
     """``hs``'s result (a dial's handshake with ``peer``'s incarnation ``rec``); but every
     :data:`RECHECK_S` it has not ended, a peer found in the store is looked up again (the look-up
     bounded by ``deadline``, the dial's, and raced with the handshake): once the store names
     another incarnation, ``rec``'s is added to ``skip`` and :class:`Replaced` raised (``hs``
-    cancelled). A peer from the address book is not looked for (its record is given)."""
+    cancelled). A peer from the address book is looked for there (a record of its replacement
+    may have been added meanwhile), not in the store."""
     task = asyncio.ensure_future(hs)
     look: asyncio.Future[Any] | None = None
     try:
@@ -99,14 +106,18 @@ async def handshake_unless_replaced(ep: _Owner, hs: Coroutine[Any, Any, Hello], 
                                          return_when=asyncio.FIRST_COMPLETED)
             if task in done:
                 return task.result()
+            cur = None
             if look is None:
-                if ep._book.lookup(peer, set()) is None:
+                booked = ep._book.lookup(peer, set())
+                if booked is None:
                     look = asyncio.ensure_future(ep._rdv.lookup_now(peer, deadline))
-                continue
-            cur = None if look.cancelled() or look.exception() is not None else look.result()
-            look = None
+                    continue
+                cur = booked  # (a record of its replacement may have been added meanwhile: add_peer)
+            else:
+                cur = None if look.cancelled() or look.exception() is not None else look.result()
+                look = None
             if cur is not None and cur.incarnation != rec.incarnation:
-                log.info("endpoint %r: incarnation %#x has not answered our handshake and the store names a new one "
+                log.info("endpoint %r: incarnation %#x has not answered our handshake and its record names a new one "
                          "(%#x): dialling that", peer, rec.incarnation, cur.incarnation)
                 skip.add(rec.incarnation)
                 raise Replaced(f"{peer!r} incarnation {rec.incarnation:#x} was replaced by {cur.incarnation:#x}")

@@ -178,6 +178,22 @@ class EndpointRecord(msgspec.Struct, frozen=True):
     unix: str = ""  # the abstract Unix socket it also accepts channels on ("" none; transport.local_socket)
 
 
+def record_problem(rec: EndpointRecord) -> str | None:
+    """What makes ``rec`` impossible to dial (None: nothing): a store's records and address records
+    are checked alike, so a bad one is a typed error, not what ``socket.connect`` raises for it."""
+    if not rec.name or "/" in rec.name or len(rec.name) > 200:
+        return f"an invalid endpoint name {rec.name!r}"
+    try:
+        ok_host = bool(rec.host) and len(rec.host) <= 253 and bool(rec.host.encode("idna"))
+    except UnicodeError:
+        ok_host = False
+    if not ok_host or not 0 < rec.port < 65536:
+        return f"an invalid address {rec.host!r}:{rec.port}"
+    if rec.unix and (len(rec.unix) > 100 or "\0" in rec.unix):
+        return f"an invalid Unix socket name {rec.unix!r}"
+    return None
+
+
 _rec_encoder = msgspec.json.Encoder()
 _rec_decoder = msgspec.json.Decoder(EndpointRecord)
 
@@ -346,10 +362,13 @@ class Rendezvous:
         except Exception as exc:  # DistStoreError & co: the store is unusable
             raise TransportTimeoutError(f"the rendezvous store failed: {exc}", Phase.CONNECT) from exc
         try:
-            return None if not raw else _rec_decoder.decode(raw)  # (empty: withdrawn)
+            rec = None if not raw else _rec_decoder.decode(raw)  # (empty: withdrawn)
         except Exception as exc:  # DecodeError, RecursionError (deep nesting), ...: whoever wrote it
             raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: "
                                     f"{type(exc).__name__}: {exc}") from None
+        if rec is not None and (why := record_problem(rec)) is not None:
+            raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: {why}")
+        return rec
 
     async def lookup(
         self, name: str, deadline: float, *, skip_incarnations: frozenset[int] = frozenset()

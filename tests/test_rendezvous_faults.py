@@ -1,0 +1,184 @@
+"""Rendezvous and incarnations: a paused incarnation, an unanswered connect, a store record that
+cannot be dialled, an address-book peer replaced mid-dial. Each case failed before its fix (found by
+a hostile review of transport/rendezvous.py, incarnations.py and the dial loop).
+
+Real processes (tests._remote), real sockets, a real TCPStore; every wait bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_paused_incarnation_whose_channel_was_lost_does_not_take_the_name_back(store_url, uname):
+    """B1 talks to A, then is paused (SIGSTOP) long enough for A's heartbeat to declare the channel lost;
+    B restarts as B2 (published: the store names B2), which has not talked to A yet. B1 runs again and
+    dials A. A has no open channel to the name, so replaced_by() does not look at the store and A adopts
+    the stale B1: A's next put to the name lands in B1, not in B2, whom the store names."""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=20, heartbeat_interval=0.2,
+                                  heartbeat_timeout=1.0) as a:
+        a.register("y", torch.zeros(16, dtype=torch.uint8))
+        b1 = RemoteEndpoint(name, store=store_url, timeout=20, commands="tests._lifecycle_remote")
+        b2 = None
+        try:
+            b1.call("register", "x", "uint8", [16])
+            assert await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 1, 10.0, b"one") is None
+            b1.signal(signal.SIGSTOP)
+            end = time.monotonic() + 10  # (A's heartbeat loses the channel to the frozen B1)
+            while a.peer(name) is not None and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            assert a.peer(name) is None
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20,
+                                         commands="tests._lifecycle_remote")
+            b2.call("register", "x", "uint8", [16])
+            b1.signal(signal.SIGCONT)
+            # B1 (stale) dials A again: a notified put, a message A has to serve
+            err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0, b"stale", timeout=30)
+            await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+            got_b2 = b2.call("all_equal", "x", 0, 16, 9)
+            got_b1 = b1.call("all_equal", "x", 0, 16, 9)
+            peer = a.peer(name)
+            assert peer is not None and peer.incarnation == b2.incarnation, (
+                f"A routes {name!r} to incarnation {peer and hex(peer.incarnation)} (B1 {b1.incarnation:#x}, "
+                f"B2 {b2.incarnation:#x}, the one the store names); B1's put: {err!r}")
+            assert got_b2 and not got_b1, ("A's put went to the stale incarnation", got_b1, got_b2)
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+async def test_a_dial_whose_connect_is_unanswered_moves_to_the_replacement_once_published(store_url, uname):
+    """The store names incarnation B1 of ``b`` whose host is gone: its SYNs go unanswered (emulated here by
+    a listener whose accept queue is full, so the kernel drops them). B restarts as B2 and publishes 0.3 s
+    into A's dial. A dial whose *handshake* goes unanswered looks the record up again every second
+    (incarnations.handshake_unless_replaced); one whose *connect* goes unanswered does not: it waits for
+    the connect until the op's deadline and fails TransportTimeoutError, with B2 up and named all along."""
+    import socket
+
+    from transport.hostinfo import local_host
+    from transport.rendezvous import _PREFIX, EndpointRecord, _rec_encoder
+
+    name = uname("b")
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(0)
+    fillers = []
+    for _ in range(4):  # fill the accept queue: later SYNs are dropped (a gone host answers none)
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(dead.getsockname())
+        fillers.append(s)
+    await asyncio.sleep(0.2)
+    probe = socket.socket()
+    probe.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        probe.connect(dead.getsockname())  # (the premise: a connect there goes unanswered)
+    probe.close()
+    host, port = dead.getsockname()
+    b1 = EndpointRecord(name, host, port, 0x1234, local_host(), "")
+    store = TCPStoreClient(store_url)
+    store.set(_PREFIX + name, _rec_encoder.encode(b1))
+    try:
+        async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
+            t0 = time.monotonic()
+            dial = asyncio.ensure_future(a.connect(name, timeout=8))
+            await asyncio.sleep(0.3)
+            async with transport.Endpoint(name, store=store_url, timeout=20) as b2:
+                published = time.monotonic() - t0
+                try:
+                    peer = await asyncio.wait_for(dial, 15)
+                except transport.TransportError as exc:
+                    pytest.fail(f"{time.monotonic() - t0:.1f} s after the dial began (B2 published at "
+                                f"{published:.1f} s): {type(exc).__name__}: {exc}")
+                took = time.monotonic() - t0
+                assert peer.incarnation == b2.incarnation
+                assert took < published + 3, (published, took)
+    finally:
+        for s in fillers:
+            s.close()
+        dead.close()
+
+
+def TCPStoreClient(url: str):  # noqa: N802
+    from torch.distributed import TCPStore
+
+    from transport.rendezvous import parse_store_url
+
+    host, port = parse_store_url(url)
+    return TCPStore(host, port, is_master=False, wait_for_workers=False)
+
+
+@pytest.mark.parametrize("host,port", [("127.0.0.1", 70000), ("127.0.0.1", -1), ("x" * 300, 1234)])
+async def test_a_store_record_with_an_impossible_address_fails_the_op_typed(store_url, uname, host, port):
+    """A record in the store (anyone who can write the store, README "Threat model": denial of service only)
+    whose address cannot be dialled: the op fails with a TransportError (PeerNotFoundError or a timeout),
+    as for a malformed record, not with the OverflowError / UnicodeError that socket.connect raises for it
+    (the store's records are not checked as address records are: transport.address.decode_address)."""
+    from transport.hostinfo import local_host
+    from transport.rendezvous import _PREFIX, EndpointRecord, _rec_encoder
+
+    name = uname("b")
+    store = TCPStoreClient(store_url)
+    store.set(_PREFIX + name, _rec_encoder.encode(EndpointRecord(name, host, port, 0x77, local_host(), "")))
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
+        try:
+            await asyncio.wait_for(a.connect(name, timeout=1.0), 10)
+        except transport.TransportError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"connect raised {type(exc).__name__}: {exc} (not a TransportError)")
+        else:
+            pytest.fail("connected to an impossible address")
+        assert a.is_open
+
+
+async def test_a_dial_to_a_frozen_peer_moves_to_the_record_added_for_its_replacement(uname):
+    """No store in common: A knows B from its address record. A dials B1, which is frozen (SIGSTOP): its
+    handshake is not answered. B restarts as B2 and the application hands A B2's record (add_peer, which
+    "replaces the earlier one"). The dial keeps waiting on B1 until the op's deadline: for a peer in the
+    address book, incarnations.handshake_unless_replaced never looks again, though the book now names B2."""
+    from torch.distributed import TCPStore
+
+    own = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(3)]
+    urls = [f"tcp://127.0.0.1:{st.port}" for st in own]
+    name = uname("b")
+    b1 = RemoteEndpoint(name, store=urls[1], timeout=20, commands="tests._lifecycle_remote")
+    b2 = None
+    try:
+        async with transport.Endpoint(uname("a"), store=urls[0], timeout=20) as a:
+            a.add_peer(await asyncio.to_thread(_record_of, b1))
+            b1.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            dial = asyncio.ensure_future(a.connect(name, timeout=8))
+            await asyncio.sleep(0.3)
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=urls[2], timeout=20,
+                                         commands="tests._lifecycle_remote")
+            a.add_peer(await asyncio.to_thread(_record_of, b2))
+            added = time.monotonic() - t0
+            try:
+                peer = await asyncio.wait_for(dial, 15)
+            except transport.TransportError as exc:
+                pytest.fail(f"{time.monotonic() - t0:.1f} s after the dial began (B2's record added at "
+                            f"{added:.1f} s): {type(exc).__name__}: {exc}")
+            assert peer.incarnation == b2.incarnation
+            assert time.monotonic() - t0 < added + 3
+    finally:
+        b1.kill()
+        if b2 is not None:
+            b2.kill()
+
+
+def _record_of(remote: RemoteEndpoint) -> bytes:
+    return remote.call("address_record")
