@@ -82,6 +82,8 @@ class Target:
         self.unrelayable: str | None = None  # why its arena can no longer serve this push to its dependents
         self.have: set[int] = set()
         self.inflight: dict[int, Pull] = {}  # bucket -> its outstanding pull (the newest attempt)
+        # attempt -> a pull taken back (stalled, re-sourced): its late answer still says how long a pull takes
+        self.superseded: dict[int, Pull] = {}
         self.attempts = itertools.count(1)
         self.orphaned: set[int] = set()  # buckets to pull (again) from the publisher: repaired after the main pass
         self.stalled = False  # a pull went unanswered past the stall bound: no new pulls until it answers

@@ -103,6 +103,12 @@ class PushTracker:
             return statistics.median(group.took)
         return self.pub._pull_medians.get(group.digest)
 
+    def _took(self, t: Target, p: Pull, now: float) -> None:
+        """``t`` answered pull ``p``: how long it took feeds the stall bounds (:meth:`_stall_bound`)."""
+        self.took.append(now - p.sent)
+        if p.source is None and t.group is not None:
+            t.group.took.append(now - p.sent)
+
     def _pull(self, t: Target, k: int, source: Target | None, buffer: str, offset: int, slot: int | None,
               live: tuple[str, ...] = ()) -> None:
         """Tell ``t`` to pull bucket ``k`` from ``source`` (a relay, with its stamp to check; None: the publisher)."""
@@ -126,7 +132,7 @@ class PushTracker:
             if p.slot is not None:
                 if g is not None:
                     g.slot_users[p.slot].discard(t.name)
-                del t.inflight[k]
+                t.superseded[p.attempt] = t.inflight.pop(k)
                 t.orphaned.add(k)
         for d in t.dependents:
             if d.alive and d.source == t.name:
@@ -140,7 +146,7 @@ class PushTracker:
         served = d.group.served if d.group is not None else 0
         for k, p in list(d.inflight.items()):
             if p.source is not None:
-                del d.inflight[k]
+                d.superseded[p.attempt] = d.inflight.pop(k)
         d.orphaned |= {k for k in range(served) if k not in d.have and k not in d.inflight}
         log.info("push %d: %s pulls from the publisher from now on (%s)", self.push_id, d.name, why)
         self.emit(d, "resourced", detail=why)
@@ -226,8 +232,11 @@ class PushTracker:
         elif r.stage == "pull":
             p = t.inflight.get(r.bucket)
             if p is None or p.attempt != r.attempt:
-                self.changed.set()
-                return  # a superseded attempt: its bytes may be torn, a newer pull (or the repair) follows
+                old = t.superseded.pop(r.attempt, None)
+                if old is not None and r.error is None:  # (its bytes may be torn, but it took that long: a pull
+                    self._took(t, old, now)              # slower than the bound must raise the bound, or every
+                self.changed.set()                       # attempt is taken back in turn and none ever counts)
+                return  # a superseded attempt: a newer pull (or the repair) follows
             del t.inflight[r.bucket]
             g = t.group
             if p.slot is not None and g is not None:
@@ -235,9 +244,7 @@ class PushTracker:
                 took = now - g.slot_ready[p.slot]
                 g.slot_took[p.slot] = max(took, g.slot_took[p.slot] or 0.0)
             if r.error is None:
-                self.took.append(now - p.sent)
-                if p.source is None and g is not None:
-                    g.took.append(now - p.sent)
+                self._took(t, p, now)
                 t.have.add(r.bucket)
                 if r.plane:
                     t.planes[r.plane] = r.route
