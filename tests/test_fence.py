@@ -150,12 +150,12 @@ async def test_an_old_channel_adopted_by_the_acceptor_after_the_new_one_does_not
     calls = {"n": 0}
     target_name = uname("tgt")
 
-    async def slow_first(ep, have, remote, deadline):
+    async def slow_first(ep, have, remote, deadline, **kw):
         if ep.name == target_name:
             calls["n"] += 1
             if calls["n"] == 1:
                 await asyncio.sleep(3.0)  # (the first accepted channel's store look-up is slow)
-        return await real(ep, have, remote, deadline)
+        return await real(ep, have, remote, deadline, **kw)
 
     monkeypatch.setattr(connector_mod, "replaced_by", slow_first)
     w = torch.zeros(n)
@@ -216,10 +216,10 @@ async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the
         real = connector_mod.replaced_by
         hold = {"first": True}
 
-        async def late_first(ep, have, remote, deadline):
+        async def late_first(ep, have, remote, deadline, **kw):
             if ep is y and remote.name == xname and hold.pop("first", False):
                 await asyncio.sleep(1.0)
-            return await real(ep, have, remote, deadline)
+            return await real(ep, have, remote, deadline, **kw)
 
         connector_mod.replaced_by = late_first
         try:
@@ -252,3 +252,62 @@ async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the
         finally:
             x1.signal(signal.SIGCONT)
             x1.stop()
+
+
+async def test_a_channel_accepted_after_our_route_ended_does_not_let_our_later_put_overtake_a_stale_one(
+        store_url, uname, monkeypatch):
+    """Both sides dialled at once: X's own dial A carries X's ops; Y's dial C is adopted by Y at once
+    but X's acceptance of C is still finishing (its replaced_by look-up, held here until A ended).
+    X's put over A times out with its bytes in Y's socket (Y's reader of A is slow: 1.5 s before it
+    serves a put header); then A ends on X's side only (what X's heartbeat bound does: ``lose``).
+    No other channel is open at X then, so ``Connector.closed`` sends no ``Lost``; X then adopts C,
+    which becomes its route with nothing sent ahead of X's ops (C is the acceptor's channel here: no
+    Hello of X names A, and Y's Hello of C, sent while A was open at Y, does not either). X's next put
+    goes over C and returns; Y's reader of A, still open at Y, then serves the timed-out put over it.
+    README: "once a put raised (timeout), what of it still writes into the target's buffer is ordered
+    before every later op"."""
+    from transport.errors import PeerLostError
+
+    n = 16 * 1024
+    w = torch.zeros(n)
+    xname, yname = uname("x"), uname("y")
+    release = asyncio.Event()
+    real = connector_mod.replaced_by
+
+    async def held(ep, have, remote, deadline, **kw):
+        if ep.name == xname and remote.name == yname:
+            await asyncio.wait_for(release.wait(), 10)  # (X's acceptance of C: a slow look-up)
+        return await real(ep, have, remote, deadline, **kw)
+
+    monkeypatch.setattr(connector_mod, "replaced_by", held)
+    kw: dict = {"store": store_url, "planes": ("tcp",), "timeout": 10, "heartbeat_interval": 0.2}
+    async with transport.Endpoint(yname, **kw) as y, transport.Endpoint(xname, **kw) as x:
+        y.register("w", w)
+        y_dial = asyncio.ensure_future(y.connect(xname))  # C (X's acceptance held)
+        await asyncio.sleep(0.3)
+        await asyncio.wait_for(x.connect(yname), 5)  # A: X's route
+        await asyncio.wait_for(y_dial, 5)
+        a_id = x._connector.channels[yname].id
+        a_at_y = next(ch for ch in y._connector.all if ch.id == a_id)
+        serve = a_at_y._target.serve_put
+
+        def slow(msg):
+            time.sleep(1.5)
+            serve(msg)
+
+        a_at_y._target.serve_put = slow
+        with pytest.raises((transport.TransportTimeoutError, transport.PeerLostError)):
+            await x.put(yname, {"w": torch.ones(n)}, timeout=0.3)  # its bytes sit in Y's socket of A
+        x._connector.channels[yname].lose(PeerLostError("no traffic (as the heartbeat bound does)"))
+        await asyncio.sleep(0.1)
+        release.set()  # X's acceptance of C goes through: C becomes X's route
+        end = time.monotonic() + 5
+        while x.peer(yname) is None:
+            assert time.monotonic() < end, "C was not adopted"
+            await asyncio.sleep(0.01)
+        assert x.peer(yname).channel_id != a_id
+        await x.put(yname, {"w": torch.full((n,), 2.0)}, timeout=5)
+        assert bool((w == 2.0).all()), "the later put had not landed when it returned"
+        await asyncio.sleep(2.5)  # (Y's slow reader of A is done)
+        assert bool((w == 2.0).all()), (
+            f"X's timed-out put over A landed after X's later put over C (w[0] = {w[0].item()})")

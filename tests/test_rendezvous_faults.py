@@ -16,6 +16,7 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint
+from transport.rendezvous import parse_store_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,3 +183,71 @@ async def test_a_dial_to_a_frozen_peer_moves_to_the_record_added_for_its_replace
 
 def _record_of(remote: RemoteEndpoint) -> bytes:
     return remote.call("address_record")
+
+
+class _StallableProxy:
+    """A TCP proxy in front of the store that can stop forwarding (a store host that stopped
+    answering for a while: overloaded, or a network partition to it)."""
+
+    def __init__(self, store_url: str) -> None:
+        self.host, self.port = parse_store_url(store_url)
+        self.stalled = False
+        self._tasks: set[asyncio.Task] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"tcp://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                while self.stalled:
+                    await asyncio.sleep(0.01)
+                w.write(data)
+                await w.drain()
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(self.host, self.port)
+        for coro in (self._pipe(cr, sw), self._pipe(sr, cw)):
+            t = asyncio.ensure_future(coro)
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_a_first_connection_is_not_held_up_by_a_store_that_stopped_answering(store_url, uname):
+    """Y and X are up and published; then Y's store stops answering (its host overloaded or cut
+    off). X, which has never talked to Y, connects and puts (timeout 3 s): Y has nothing to take
+    back from a name none of its channels ever reached, so it does not ask the store (it did for a
+    while, and adopted the channel only once the look-up gave up, 10 s later: X's put timed out)."""
+    proxy = _StallableProxy(store_url)
+    purl = await proxy.start()
+    try:
+        async with transport.Endpoint(uname("y"), store=purl, timeout=20, planes=("tcp",)) as y:
+            w = torch.zeros(16)
+            y.register("w", w)
+            async with transport.Endpoint(uname("x"), store=store_url, timeout=20, planes=("tcp",)) as x:
+                proxy.stalled = True  # (X found Y in its own, healthy, connection to the store)
+                try:
+                    t0 = time.monotonic()
+                    try:
+                        await x.put(y.name, {"w": torch.ones(16)}, timeout=3)
+                    except transport.TransportError as exc:
+                        pytest.fail(f"X's first put to Y failed after {time.monotonic() - t0:.1f} s, Y's store "
+                                    f"stalled: {type(exc).__name__}: {exc}")
+                    assert torch.equal(w, torch.ones(16))
+                finally:
+                    proxy.stalled = False
+    finally:
+        await proxy.stop()

@@ -47,7 +47,7 @@ from .handshake import close_if_cancelled, handshake, hang_up
 from .hostinfo import local_host, same_host
 from .incarnations import Replaced, handshake_unless_replaced, refuse_replaced, replaced_by
 from .planes import PlaneOffers, choose_cpu_plane
-from .wire import PROTOCOL_VERSION, Hello, Lost, Message, Registry
+from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
 __all__ = ["Connector"]
 
@@ -127,9 +127,9 @@ class Connector:
         if old is not None and old.incarnation != remote.incarnation:
             old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
         # its reader serves nothing before the readers of the peer's ended (or, it says, lost) channels stopped
-        ch.fence = self.fences.fence_for(remote.name, remote.incarnation, remote.lost, self.all)
-        ch.fence_lost = lambda ids: self.fences.fence_for(remote.name, remote.incarnation, ids, list(self.all))
-        if old is None or not old.is_open or old.incarnation != remote.incarnation:
+        self.fences.arm(ch, remote.name, remote.incarnation, remote.lost, self.all)
+        routed = old is None or not old.is_open or old.incarnation != remote.incarnation
+        if routed:
             self.channels[remote.name] = ch
             self._routed(remote.name)
         # else both sides dialled at once (or the peer's dial, started before the channel we use
@@ -138,6 +138,8 @@ class Connector:
         # still in the old channel's socket; they move only when it closes (closed()).
         self.all.add(ch)
         ch.start()
+        if routed and not dialer:  # our ops move to a channel no Hello of ours introduced
+            self.fences.introduce(ch, remote.name, self.all)
         if ch.unmap_acks:  # it may map our exports from the registry we sent it (Hello at sent_epoch)
             ch.holder = f"channel-{next(self._holder_ids)}"
             ep._exports.watch(ch.holder, sent_epoch, remote.host.pid)
@@ -194,7 +196,8 @@ class Connector:
             while ep._state == "opening" and time.monotonic() < end:  # (our record is published before open()
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
             current = await replaced_by(ep, self.channels.get(remote.name), remote,
-                                        min(end, time.monotonic() + _ACCEPT_HANDSHAKE_S))
+                                        min(end, time.monotonic() + _ACCEPT_HANDSHAKE_S),
+                                        known=self.fences.known(remote.name))
             if ep._state != "open":  # (after every await: close() may have begun meanwhile)
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")
@@ -202,9 +205,7 @@ class Connector:
                 await refuse_replaced(sock, remote, current, self._refused)
                 return
             channel_id = remote.channel_id or f"{remote.name}->{ep.name}"
-            if self.fences.named_lost(remote.name, channel_id):  # (a later channel's Hello named it lost)
-                log.warning("channel %s from %r: not adopted, the peer already named it lost (in the Hello of a "
-                            "later channel); connection closed", channel_id, remote.name)
+            if self.fences.refuse_late(remote.name, channel_id):  # (a later channel's Hello named it lost)
                 return
             sock.setblocking(True)
             self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
@@ -417,7 +418,7 @@ class Connector:
             del self.channels[ch.peer_name]
             for other in self.all:
                 if other.peer_name == ch.peer_name and other.is_open and other.incarnation == ch.incarnation:
-                    other.send_quietly(Lost([ch.id]))  # (ahead of our ops: the peer's reader of ch stops first)
+                    self.fences.introduce(other, ch.peer_name, self.all)  # (ahead of our ops: ch's reader first)
                     self.channels[ch.peer_name] = other
                     self._routed(ch.peer_name)
                     break
@@ -445,19 +446,6 @@ class Connector:
             lsock.close()
             raise
         return lsock
-
-    def guess_listen_host(self) -> str:
-        """The local address that reaches the store's host (127.0.0.1 for a loopback store, or
-        when there is no store host)."""
-        host = self.ep._rdv.host
-        if host is None:
-            return "127.0.0.1"
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((host, self.ep._rdv.port or 1))
-                return s.getsockname()[0]  # type: ignore[no-any-return]
-        except OSError:
-            return "127.0.0.1"
 
     def broadcast(self, msg: Message) -> None:
         """Send ``msg`` on every open channel (event loop; a channel lost meanwhile is skipped)."""

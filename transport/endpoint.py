@@ -34,7 +34,7 @@ from .operations import Operations
 from .peer import Notification, Peer
 from .planes import Exporter, PlaneOffers, validate_planes
 from .registry import BufferSpec
-from .rendezvous import EndpointRecord, Rendezvous
+from .rendezvous import EndpointRecord, Rendezvous, listen_host
 from .staging import Staging, StagingConfig
 from .wire import Registry, WireBuffer
 
@@ -208,7 +208,7 @@ class Endpoint(Operations):
             stored = await self._rdv.open(want_secret=self._secret is None)
             if self._secret is None:
                 self._secret = stored
-            host = self._listen_host or self._connector.guess_listen_host()
+            host = self._listen_host or listen_host(self._rdv)
             self._listener = lsock = self._connector.listen(host)
             self._unix_listener = self._connector.listen_unix()
             self._record = EndpointRecord(self.name, host, lsock.getsockname()[1], self.incarnation, local_host(),

@@ -15,9 +15,10 @@ them after the new channel's ops, and overwrite what a later put wrote. So:
   :data:`FENCE_S`; past it the new channel is lost with :class:`PeerLostError`, and the next dial
   fences again).
 
-- where two channels serve between the same pair (both sides dialled at once) and the one that
-  carries our ops ends on our side, our ops move to the other behind a ``Lost`` frame naming the
-  ended one: the peer's reader of the other channel, reading it, breaks the ended one where still
+- where our ops move to a channel no Hello of ours introduced (two channels serve between the
+  same pair, both sides having dialled at once, and the one that carries our ops ends on our
+  side; or one we accepted becomes our route), they go behind a ``Lost`` frame naming our ended
+  channels: the peer's reader of the other channel, reading it, breaks the ended one where still
   open there and reads no further frame before its reader stopped (the same bound; past it that
   channel is lost too).
 
@@ -29,15 +30,18 @@ never served.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import PeerLostError
-from .wire import MAX_LOST
+from .wire import MAX_LOST, Lost
 
 __all__ = ["FENCE_S", "Fences", "wait"]
+
+log = logging.getLogger("transport.endpoint")
 
 FENCE_S = 10.0  # how long a new channel's reader waits for the old readers to stop
 
@@ -87,11 +91,32 @@ class Fences:
         readers += [c.reader for c in list(self._ended) if c.peer_name == peer and c.reader.is_alive()]
         return list(dict.fromkeys(readers))
 
-    def named_lost(self, peer: str, channel_id: str) -> bool:
-        """Whether ``peer`` already said (in the Hello of a later channel) that it lost ``channel_id``:
-        a channel accepted late, which must not be adopted (its reader would serve the ops the peer
-        gave up on after those of the newer channel)."""
-        return channel_id in self._named.get(peer, ())
+    def arm(self, ch: Any, peer: str, incarnation: int, lost: Iterable[str], channels: set[Any]) -> None:
+        """A new channel ``ch`` to ``peer``: the readers it waits for before its first frame, and
+        those a Lost frame on it names (:meth:`fence_for`; ``channels``: every other one of ours)."""
+        ch.fence = self.fence_for(peer, incarnation, lost, channels)
+        ch.fence_lost = lambda ids: self.fence_for(peer, incarnation, ids, list(channels))
+
+    def introduce(self, ch: Any, peer: str, channels: Iterable[Any]) -> None:
+        """Our ops to ``peer`` move to ``ch``, which no Hello of ours introduced (one we accepted, or
+        the other of two): a Lost frame ahead of them names our channels to ``peer`` that ended."""
+        lost = self.lost_ids(peer, channels)
+        if lost:
+            ch.send_quietly(Lost(lost))
+
+    def refuse_late(self, peer: str, channel_id: str) -> bool:
+        """Whether an accepted channel must not be adopted: ``peer`` already named it lost (in the Hello
+        of a later channel) while its acceptance was still finishing here (logged)."""
+        if channel_id not in self._named.get(peer, ()):
+            return False
+        log.warning("channel %s from %r: not adopted, the peer already named it lost (in the Hello of a later "
+                    "channel); connection closed", channel_id, peer)
+        return True
+
+    def known(self, peer: str) -> bool:
+        """Whether a channel to ``peer`` ever ended here (then a connection from another incarnation
+        of it is checked against the store: the one we talked to may have been replaced meanwhile)."""
+        return bool(self._lost.get(peer))
 
 
 def wait(readers: list[threading.Thread], is_open: Callable[[], bool], peer: str,

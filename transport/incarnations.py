@@ -55,13 +55,17 @@ class _Channel(Protocol):
     def is_open(self) -> bool: ...
 
 
-async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float) -> int | None:
+async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float,
+                      known: bool = True) -> int | None:
     """The incarnation that replaced ``remote`` (a peer that dialled us), or None: the store names
     another incarnation of its name (whether or not ``have``, our channel to it, is open: ours to the
     stale one may have been lost while it was paused, and its replacement not have dialled us yet). A peer
     from the address book, or a store that cannot be asked, leaves it as before: the newer
-    connection wins."""
+    connection wins. ``known`` False: no channel to the name ever ended here, so with none open
+    there is nothing to take back and the store is not asked (a first connection never waits for it)."""
     if have is not None and have.is_open and have.incarnation == remote.incarnation:
+        return None
+    if (have is None or not have.is_open) and not known:
         return None
     if ep._book.lookup(remote.name, set()) is not None:
         return None

@@ -34,6 +34,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +48,7 @@ from . import auth
 from .errors import PeerNotFoundError, Phase, TransportError, TransportTimeoutError
 from .wire import HostInfo
 
-__all__ = ["EndpointRecord", "Rendezvous", "StoreClient", "parse_store_url", "shared_client"]
+__all__ = ["EndpointRecord", "Rendezvous", "StoreClient", "listen_host", "parse_store_url", "shared_client"]
 
 log = logging.getLogger(__name__)
 
@@ -401,3 +402,16 @@ class Rendezvous:
         client, self._client = self._client, None
         if client is not None and client.key is None:
             client.stop()  # (its thread drops the store when it ends)
+
+
+def listen_host(rdv: Rendezvous) -> str:
+    """The local address that reaches the store's host (127.0.0.1 for a loopback store, or when
+    there is no store host): the address an endpoint listens on by default."""
+    if rdv.host is None:
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((rdv.host, rdv.port or 1))
+            return s.getsockname()[0]  # type: ignore[no-any-return]
+    except OSError:
+        return "127.0.0.1"
