@@ -21,6 +21,14 @@ from transport.rendezvous import parse_store_url
 pytestmark = pytest.mark.timeout(60)
 
 
+async def _dialled(dial: asyncio.Future, t0: float, what: str) -> transport.Peer:
+    """The peer ``dial`` (a connect begun at ``t0``) reached; a failure says when, and ``what``."""
+    try:
+        return await asyncio.wait_for(dial, 15)
+    except transport.TransportError as exc:
+        pytest.fail(f"{time.monotonic() - t0:.1f} s after the dial began ({what}): {type(exc).__name__}: {exc}")
+
+
 async def test_a_paused_incarnation_whose_channel_was_lost_does_not_take_the_name_back(store_url, uname):
     """B1 talks to A, then is paused (SIGSTOP) long enough for A's heartbeat to declare the channel lost;
     B restarts as B2 (published: the store names B2), which has not talked to A yet. B1 runs again and
@@ -98,11 +106,7 @@ async def test_a_dial_whose_connect_is_unanswered_moves_to_the_replacement_once_
             await asyncio.sleep(0.3)
             async with transport.Endpoint(name, store=store_url, timeout=20) as b2:
                 published = time.monotonic() - t0
-                try:
-                    peer = await asyncio.wait_for(dial, 15)
-                except transport.TransportError as exc:
-                    pytest.fail(f"{time.monotonic() - t0:.1f} s after the dial began (B2 published at "
-                                f"{published:.1f} s): {type(exc).__name__}: {exc}")
+                peer = await _dialled(dial, t0, f"B2 published at {published:.1f} s")
                 took = time.monotonic() - t0
                 assert peer.incarnation == b2.incarnation
                 assert took < published + 3, (published, took)
@@ -168,11 +172,7 @@ async def test_a_dial_to_a_frozen_peer_moves_to_the_record_added_for_its_replace
                                          commands="tests._lifecycle_remote")
             a.add_peer(await asyncio.to_thread(_record_of, b2))
             added = time.monotonic() - t0
-            try:
-                peer = await asyncio.wait_for(dial, 15)
-            except transport.TransportError as exc:
-                pytest.fail(f"{time.monotonic() - t0:.1f} s after the dial began (B2's record added at "
-                            f"{added:.1f} s): {type(exc).__name__}: {exc}")
+            peer = await _dialled(dial, t0, f"B2's record added at {added:.1f} s")
             assert peer.incarnation == b2.incarnation
             assert time.monotonic() - t0 < added + 3
     finally:

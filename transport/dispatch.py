@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from . import fence
-from .errors import ERROR_KINDS, PeerLostError, ProtocolError, RemoteError
+from .errors import PeerLostError, ProtocolError
 from .flight_recorder import OpState
-from .loop_reads import loop_takes
+from .loop_reads import loop_takes, rejected
 from .planes import SendingChannel, link_refusal
 from .wire import (
     MAX_LOST,
@@ -145,10 +145,7 @@ class Dispatcher:
                 self.ch.link.not_posted(msg.op_id)  # a listener's nccl op the dialer rejected before its Go
             op = self.ops.pop(msg.op_id)
             if op is not None:
-                if op.note:  # (refused: its notification was never queued there)
-                    self.ch.credits.refund()
-                cls = ERROR_KINDS.get(msg.kind, RemoteError)
-                self.ops.settle_from_thread(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
+                self.ops.settle_from_thread(op, rejected(self.ch, op, msg))
         elif isinstance(msg, Data):
             self._take_data(msg)
         elif isinstance(msg, Notify):

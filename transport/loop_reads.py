@@ -65,7 +65,7 @@ from .errors import ERROR_KINDS, RemoteError
 from .receiver import READ_AHEAD, RX_POLL_S, Receiver
 from .wire import Ack, Credit, Data, Fail, Notify, Ping, decode
 
-__all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled", "loop_takes"]
+__all__ = ["HOLD_S", "LOOP_DATA_MAX", "STALL_S", "WATCH_S", "LoopReads", "Owner", "enabled", "loop_takes", "rejected"]
 
 log = logging.getLogger("transport.channel")
 
@@ -84,6 +84,14 @@ def loop_takes(dests: Sequence[object]) -> bool:
             return False
         total += len(d)
     return total <= LOOP_DATA_MAX
+
+
+def rejected(ch: Any, op: Any, msg: Fail) -> BaseException:
+    """The error a ``Fail`` frame settles ``op`` of channel ``ch`` with; a notified op's credit is
+    refunded (refused, its notification was never queued there)."""
+    if op.note:
+        ch.credits.refund()
+    return ERROR_KINDS.get(msg.kind, RemoteError)(f"{ch.peer_name!r} rejected the op: {msg.message}")
 
 
 def enabled() -> bool:
@@ -362,10 +370,7 @@ class LoopReads:
                 rx.consume_frame()
                 op = self.ops.pop(msg.op_id)
                 if op is not None:
-                    if op.note:  # (refused: its notification was never queued there)
-                        self.ch.credits.refund()
-                    cls = ERROR_KINDS.get(msg.kind, RemoteError)
-                    self.ops.settle(op, cls(f"{self.ch.peer_name!r} rejected the op: {msg.message}"))
+                    self.ops.settle(op, rejected(self.ch, op, msg))
             else:
                 self._hand_back("")
                 return
