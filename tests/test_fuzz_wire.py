@@ -51,7 +51,7 @@ def _samples() -> list[wire.Message]:
             wire.WireBuffer("g", "bfloat16", [2, 3], "cuda:0", 12, None, _IPC)]
     item = wire.Item("w", "float32", 0, 16, [4, 4])
     out: list[wire.Message] = [
-        wire.Hello(wire.PROTOCOL_VERSION, "peer", 2**62, _HOST, ["shm", "tcp"], 3, bufs, "a->b", 10000),
+        wire.Hello(wire.PROTOCOL_VERSION, "peer", 2**62, _HOST, ["shm", "tcp"], 3, bufs, "a->b", 10000, ["a->b/1"]),
         wire.Registry(4, bufs),
         wire.Put(1, 1, "tcp", [item], b"note", None),
         wire.Put(2, 2, "shm", [wire.Item("s", "uint8", 8, 100)], None, [5]),
@@ -69,6 +69,7 @@ def _samples() -> list[wire.Message]:
         wire.Go(10),
         wire.Ping(),
         wire.Bye("done"),
+        wire.Lost(["a->b/1", "a->b/2"]),
         wire.Challenge(wire.PROTOCOL_VERSION, b"n" * 32),
         wire.Proof(b"m" * 32, b"n" * 32),
     ]

@@ -272,13 +272,14 @@ def test_a_range_past_the_end_is_rejected_typed_and_drained(target, friend, kind
 
 def _first_answer(s: socket.socket) -> wire.Message:
     """Send a Ping behind what was sent on ``s``, then read the first frame the target sends that
-    is not a Ping or a Registry (its answer to the op; bounded by a 10 s socket timeout)."""
+    is not a Ping, a Registry or a Lost (naming its earlier channels to "mallory": transport.fence),
+    i.e. its answer to the op; bounded by a 10 s socket timeout."""
     s.sendall(wire.encode_frame(wire.Ping()))
     s.settimeout(10)
     while True:
         (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
         msg = wire.decode(s.recv(n, socket.MSG_WAITALL))
-        if not isinstance(msg, (wire.Ping, wire.Registry)):
+        if not isinstance(msg, (wire.Ping, wire.Registry, wire.Lost)):
             return msg
 
 

@@ -66,9 +66,8 @@ class Fences:
     def lost_ids(self, peer: str, channels: Iterable[Any] = ()) -> list[str]:
         """The ids a Hello to ``peer`` names as lost: our latest ended channels to it, and those of
         ``channels`` (ours) already broken whose end the loop has not run yet (lost by a thread)."""
-        ids = list(self._lost.get(peer, ()))
-        ids += [c.id for c in list(channels) if c.peer_name == peer and not c.is_open and c.id not in ids]
-        return ids[-MAX_LOST:]
+        ids = list(self._lost.get(peer, ())) + [c.id for c in list(channels) if c.peer_name == peer and not c.is_open]
+        return list(dict.fromkeys(ids))[-MAX_LOST:]  # (once each: ids a peer reuses, e.g. given none, repeat)
 
     def fence_for(self, peer: str, incarnation: int, lost: Iterable[str], channels: Iterable[Any]) -> list[threading.Thread]:
         """The reader threads a new channel to ``peer`` (of ``incarnation``) must wait for: those of
