@@ -159,6 +159,7 @@ class Group:
         self.served = 0  # buckets whose pulls the main pass has sent (later beginners repair the rest)
         # how long its answered pulls from the publisher took (the newest few: a stall yardstick)
         self.took: collections.deque[float] = collections.deque(maxlen=64)
+        self.late: collections.deque[float] = collections.deque(maxlen=64)  # ... of pulls taken back (this push only)
         self.live: dict[str, str] | None = None  # entry -> the trainer tensor's buffer, when served live
 
 

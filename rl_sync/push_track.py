@@ -99,15 +99,16 @@ class PushTracker:
         both send slots for ``stall_timeout`` and hold up everyone still to be served (a late
         Begin, a dropped relay's dependents). Only the group's pulls from the publisher count:
         relay pulls over shared memory are no yardstick for pulls over the network."""
-        if group.took:
-            return statistics.median(group.took)
+        if group.took or group.late:  # (late answers of pulls taken back: this push's only, never the next's)
+            return statistics.median(group.took or group.late)
         return self.pub._pull_medians.get(group.digest)
 
-    def _took(self, t: Target, p: Pull, now: float) -> None:
-        """``t`` answered pull ``p``: how long it took feeds the stall bounds (:meth:`_stall_bound`)."""
+    def _took(self, t: Target, p: Pull, now: float, late: bool = False) -> None:
+        """``t`` answered pull ``p`` (``late``: one taken back): how long it took feeds the stall
+        bounds (:meth:`_stall_bound`)."""
         self.took.append(now - p.sent)
         if p.source is None and t.group is not None:
-            t.group.took.append(now - p.sent)
+            (t.group.late if late else t.group.took).append(now - p.sent)
 
     def _pull(self, t: Target, k: int, source: Target | None, buffer: str, offset: int, slot: int | None,
               live: tuple[str, ...] = ()) -> None:
@@ -234,7 +235,7 @@ class PushTracker:
             if p is None or p.attempt != r.attempt:
                 old = t.superseded.pop(r.attempt, None)
                 if old is not None and r.error is None:  # (its bytes may be torn, but it took that long: a pull
-                    self._took(t, old, now)              # slower than the bound must raise the bound, or every
+                    self._took(t, old, now, late=True)   # slower than the bound must raise the bound, or every
                 self.changed.set()                       # attempt is taken back in turn and none ever counts)
                 return  # a superseded attempt: a newer pull (or the repair) follows
             del t.inflight[r.bucket]

@@ -385,3 +385,34 @@ async def test_a_put_retried_on_the_fallback_after_a_refused_cuda_ipc_mapping_ke
             assert t.call("all_equal", "x", 0, 1024, 1.0)
     finally:
         t.stop()
+
+
+async def test_an_op_after_a_cuda_ipc_put_goes_out_once_the_puts_header_did_not_after_its_answer(
+        store_url, uname):
+    """The place a cuda_ipc op keeps for its fallback retry holds later ops only until its header is
+    out (as the plane's own hold does), not until the target answered: a one-sided put (no
+    notification: done on this side) called while the target is slow to answer a notified put
+    is done at once (it waited for the notified put's Ack for a while: found by a review)."""
+    from tests._remote import RemoteEndpoint
+    from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
+
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
+    try:
+        t.call("register", "x", "float32", (1024,))
+        async with transport.Endpoint(uname("ipc-ini"), store=store_url, timeout=10,
+                                      engines={"cuda_ipc": MemfdIpcEngine}) as a:
+            await a.connect(t.name)
+            await a.put(t.name, {"x": torch.zeros(1024)}, notify=b"0")  # (the mapping is open from here on)
+            t.call("lag", a.name, "_target.serve_put", 1.5)  # the target answers the next put 1.5 s late
+            put = asyncio.ensure_future(a.put(t.name, {"x": torch.ones(1024)}, notify=b"1"))
+            await asyncio.sleep(0.3)  # (its copy and header are out by now)
+            assert not put.done()
+            t0 = time.monotonic()
+            await a.put(t.name, {"x": torch.full((1024,), 2.0)})
+            assert time.monotonic() - t0 < 0.5 and not put.done(), "the one-sided put waited for the put's answer"
+            await asyncio.wait_for(put, 10)
+            got = t.call("notifications", 2, 10.0, timeout=20)
+            assert [p for _, p in got] == [b"0", b"1"], got
+            assert t.call("all_equal", "x", 0, 1024, 2.0)
+    finally:
+        t.stop()

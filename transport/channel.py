@@ -328,12 +328,12 @@ class Channel:
         self._rx.last_rx = when
 
     def run(self, op: Op, start: Callable[[], Any], deadline: float, place: Place | None = None,
-            ordered: bool = True) -> Coroutine[Any, Any, None]:
+            ordered: bool = True, keep_on: type[BaseException] | None = None) -> Coroutine[Any, Any, None]:
         """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``:
         await it (it is :meth:`~transport.op_table.OpTable.run`: :class:`TransportTimeoutError` at
         the deadline, :class:`PeerLostError` if the channel breaks, the target's error if it
-        rejects; cancellation stops the wait only; ``place``, ``ordered`` as there)."""
-        return self.ops.run(op, start, deadline, place, ordered)
+        rejects; cancellation stops the wait only; ``place``, ``ordered``, ``keep_on`` as there)."""
+        return self.ops.run(op, start, deadline, place, ordered, keep_on)
 
     def reserve(self) -> Place:
         """Event loop: a place in the call order for an op that awaits before it is handed over

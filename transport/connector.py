@@ -55,6 +55,7 @@ log = logging.getLogger("transport.endpoint")
 
 _MAX_HANDSHAKES = 64  # connections accepted but not yet introduced; more are refused
 _ACCEPT_HANDSHAKE_S = 10.0  # an accepted connection must introduce itself within this
+_REPLACED_LOOKUP_S = 1.0  # the store look-up of an accepted connection's incarnation (incarnations.replaced_by)
 
 
 class Owner(CoreProtocol, Protocol):
@@ -195,9 +196,9 @@ class Connector:
             end = time.monotonic() + ep.timeout
             while ep._state == "opening" and time.monotonic() < end:  # (our record is published before open()
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
-            current = await replaced_by(ep, self.channels.get(remote.name), remote,
-                                        min(end, time.monotonic() + _ACCEPT_HANDSHAKE_S),
-                                        known=self.fences.known(remote.name))
+            have = self.channels.get(remote.name)  # (a store that does not answer within 1 s: the newer one wins)
+            current = await replaced_by(ep, have, remote, min(end, time.monotonic() + _REPLACED_LOOKUP_S),
+                                        known=have is not None or self.fences.known(remote.name))
             if ep._state != "open":  # (after every await: close() may have begun meanwhile)
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")

@@ -23,7 +23,8 @@ them after the new channel's ops, and overwrite what a later put wrote. So:
   channel is lost too).
 
 A reader stops at its next frame boundary once its channel is no longer open (what it is
-receiving then lands first); breaking the channel shuts its socket down, so the bytes left in it are
+receiving then lands first, and a reader just past that check serves the one frame it is on:
+the wait covers both); breaking the channel shuts its socket down, so the bytes left in it are
 never served.
 """
 
@@ -47,7 +48,8 @@ FENCE_S = 10.0  # how long a new channel's reader waits for the old readers to s
 
 
 class Fences:
-    """One endpoint's record of the channels its peers' new channels are fenced from (event loop only)."""
+    """One endpoint's record of the channels its peers' new channels are fenced from (event loop;
+    :meth:`fence_for` also from a reader thread, for a Lost frame: atomic steps under the GIL)."""
 
     def __init__(self) -> None:
         self._lost: dict[str, collections.deque[str]] = {}  # peer -> ids of our channels to it that ended
@@ -69,10 +71,13 @@ class Fences:
         ids = list(self._lost.get(peer, ())) + [c.id for c in list(channels) if c.peer_name == peer and not c.is_open]
         return list(dict.fromkeys(ids))[-MAX_LOST:]  # (once each: ids a peer reuses, e.g. given none, repeat)
 
-    def fence_for(self, peer: str, incarnation: int, lost: Iterable[str], channels: Iterable[Any]) -> list[threading.Thread]:
+    def fence_for(self, peer: str, incarnation: int, lost: Iterable[str], channels: Iterable[Any],
+                  sweep: bool = True) -> list[threading.Thread]:
         """The reader threads a new channel to ``peer`` (of ``incarnation``) must wait for: those of
         the channels to ``peer`` that ended here, and of the open ones of that incarnation the peer
-        says it lost (``lost``: its Hello's), which are broken now."""
+        says it lost (``lost``: its Hello's), which are broken now; ``sweep`` (adopting a channel, on
+        the loop): also those still open to another incarnation of ``peer``, broken now. Event loop,
+        or (a Lost frame, without ``sweep``) the reader thread of the channel it came on."""
         named = set(lost)
         seen = self._named.setdefault(peer, collections.deque(maxlen=4 * MAX_LOST))
         seen.extend(i for i in named if i not in seen)
@@ -82,7 +87,7 @@ class Fences:
                 continue
             if c.is_open and c.incarnation == incarnation and c.id in named:
                 c.lose(PeerLostError(f"{peer!r} lost channel {c.id} and dialled again"))
-            elif c.is_open and c.incarnation != incarnation:  # every channel of a replaced incarnation, not
+            elif sweep and c.is_open and c.incarnation != incarnation:  # every channel of a replaced incarnation, not
                 c.lose(PeerLostError(f"{peer!r} restarted (new incarnation {incarnation:#x})"))  # only the routed one
             if not c.is_open and c.reader.is_alive():
                 readers.append(c.reader)
@@ -94,7 +99,9 @@ class Fences:
         """A new channel ``ch`` to ``peer``: the readers it waits for before its first frame, and
         those a Lost frame on it names (:meth:`fence_for`; ``channels``: every other one of ours)."""
         ch.fence = self.fence_for(peer, incarnation, lost, channels)
-        ch.fence_lost = lambda ids: self.fence_for(peer, incarnation, ids, list(channels))
+        # (a Lost read on a channel broken meanwhile, e.g. by a new incarnation's: nothing to wait for, nothing to break)
+        ch.fence_lost = lambda ids: (self.fence_for(peer, incarnation, ids, list(channels), sweep=False)
+                                     if ch.is_open else [])
 
     def introduce(self, ch: Any, peer: str, channels: Iterable[Any]) -> None:
         """Our ops to ``peer`` move to ``ch``, which no Hello of ours introduced (one we accepted, or

@@ -3,18 +3,20 @@
 A peer's name is taken by its newest incarnation: the one whose record the rendezvous store names.
 Two cases need a look there, both bounded:
 
-- a dial whose handshake the dialled incarnation does not answer (frozen, or gone without closing
-  its socket) looks again every :data:`RECHECK_S`; once the store names another incarnation, the
+- a dial whose connect or handshake the dialled incarnation does not answer (frozen, its host
+  gone, or gone without closing its socket) looks again every :data:`RECHECK_S` (in the store, or
+  in the address book for a peer added from its record); once another incarnation is named, the
   dial gives this one up (:class:`Replaced`) and dials the new one, instead of waiting out the
   op's deadline (:func:`handshake_unless_replaced`);
-- a connection from an incarnation other than the one we have an open channel with is taken as
-  the peer's restart unless the store names the one we have: then it is a process that was paused
-  past its replacement's start, come back, and must not take the name back (:func:`replaced_by`);
-  it is told why (a ``Bye`` naming its replacement: its ops fail :class:`PeerLostError` saying
-  so) and hung up on (:func:`refuse_replaced`). A restarted peer publishes its record before it
-  dials anyone, so the store names it by then. Peers known only from their address records
-  (``Endpoint.add_peer``, no shared store) are not checked: the newer connection wins, as a
-  record added later may name it.
+- a connection from an incarnation we have no open channel with, from a name we had a channel
+  to, is checked against the store (:func:`replaced_by`; a first connection from a name is not,
+  and a store that does not answer within the caller's bound lets it in): if the store names
+  another incarnation, it is a process that was paused past its replacement's start, come back,
+  and must not take the name back; it is told why (a ``Bye`` naming its replacement: its ops fail
+  :class:`PeerLostError` saying so) and hung up on (:func:`refuse_replaced`). A restarted peer
+  publishes its record before it dials anyone, so the store names it by then. Peers known only
+  from their address records (``Endpoint.add_peer``, no shared store) are not checked: the newer
+  connection wins, as a record added later may name it.
 """
 
 from __future__ import annotations

@@ -119,13 +119,14 @@ class OpTable:
         return op
 
     async def run(self, op: Op, start: Callable[[], Any], deadline: float, place: Place | None = None,
-                  ordered: bool = True) -> None:
+                  ordered: bool = True, keep_on: type[BaseException] | None = None) -> None:
         """Run ``start()`` (which sends the op) and wait for its completion until ``deadline``.
 
         ``place``: the op's place in the channel's call order, taken before it awaited anything
         (:meth:`reserve`; consumed here); else it goes behind every op started before it.
         ``ordered=False``: a control op that waits behind nothing (a registry sync, which an op
-        holding a place may await). Raises :class:`TransportTimeoutError` at the deadline,
+        holding a place may await). ``keep_on``: where ``start()`` raises that, ``place`` is not
+        given back (the caller retries the op in it). Raises :class:`TransportTimeoutError` at the deadline,
         :class:`PeerLostError` if the channel breaks, the target's error if it
         rejects. Cancellation stops the wait only: bytes already handed to the
         writer or to a copy thread still go out, and the channel stays usable.
@@ -152,7 +153,7 @@ class OpTable:
                 if op.note:  # in its turn, it waits for a notification credit first (transport.credits)
                     start = _after_credit(self.ch, op, start)
                 async with asyncio.timeout_at(deadline):
-                    await self._in_order(prev, start, mine, op.future)
+                    await self._in_order(prev, start, mine, op.future, keep_on)
                     await op.future
         except TimeoutError:
             was = op.record.state
@@ -208,16 +209,18 @@ class OpTable:
 
     async def _in_order(self, prev: asyncio.Future[None] | None, start: Callable[[], Any],
                         mine: asyncio.Future[None] | None = None,
-                        ended: asyncio.Future[Any] | None = None) -> None:
+                        ended: asyncio.Future[Any] | None = None, keep_on: type[BaseException] | None = None) -> None:
         """Hand an op to the sender only after ``prev`` (the op called before it that could wait)
         did, whatever became of it: a notify, put or get called after a staged op that still
         awaits the caller's CUDA work reaches the peer after it, as on every other plane.
         ``mine``: the op's reserved place (:meth:`reserve`), else it takes one now. ``ended``: the
-        op's future: if it ends while the op waits (the channel was lost), the op is never sent."""
+        op's future: if it ends while the op waits (the channel was lost), the op is never sent.
+        ``keep_on``: :meth:`run`'s (the place stays taken where ``start()`` raised it)."""
         if mine is None:
             mine = self.loop.create_future()
             self._order_tail = mine
         holds: list[asyncio.Future[None]] = []
+        kept = False
         try:
             if prev is not None and not prev.done():
                 if ended is None:
@@ -227,12 +230,18 @@ class OpTable:
                     if ended.done():  # (failed while it waited: the channel broke)
                         return
             self._holds = holds  # (no other op of the channel starts meanwhile: they are all behind mine)
-            await start()
+            try:
+                await start()
+            except BaseException as exc:
+                kept = keep_on is not None and isinstance(exc, keep_on)  # (the caller's retry takes the place)
+                raise
         finally:
             if self._holds is holds:  # (cancelled while behind ``prev``, it never set them: they are another op's)
                 self._holds = None
             pending = [h for h in holds if not h.done()]
-            if pending:  # what start() handed to a thread holds the op's place until it ended (cancelled too)
+            if kept:
+                pass
+            elif pending:  # what start() handed to a thread holds the op's place until it ended (cancelled too)
                 asyncio.gather(*pending).add_done_callback(lambda _f: self.give_back((prev, mine)))
             else:
                 self.give_back((prev, mine))

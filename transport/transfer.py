@@ -100,21 +100,21 @@ async def transfer(ch: Channel, kind: OpKind, tensors: Tensors, deadline: float,
                            answered=not (here and plane.one_sided))  # (no answer to read if it is done here)
             op.note = note
             mine, place = place, None  # (run consumes it)
-            if not retry and plane.staged_on_unavailable:
-                # its retry on the staged path (the mapping refused) must keep the op's place: reserve one
-                # right behind this attempt now, before any later op can queue up behind the attempt alone
+            fallback = not retry and plane.staged_on_unavailable
+            if fallback:  # its retry on the staged path (the mapping refused) keeps this place: run keeps it taken
                 mine = mine or ch.reserve()
-                place = ch.reserve()
             try:
-                await ch.run(op, lambda: start(plane, op, pairs), deadline, mine)  # noqa: B023
+                await ch.run(op, lambda: start(plane, op, pairs), deadline, mine,  # noqa: B023
+                             keep_on=PlaneUnavailableError if fallback else None)
                 return
             except PlaneUnavailableError:
-                if retry or not plane.staged_on_unavailable:
+                if not fallback:
                     raise
+                place = mine  # (still taken: no op called meanwhile went ahead of the retry)
             except StaleBufferError as exc:
                 if retry or not exc.retry_safe or (kind is OpKind.PUT and ch.ops.calls != stamp):
                     raise
-                place = place or ch.reserve()  # (the retry keeps its place: no op called from now on overtakes it)
+                place = ch.reserve()  # (the retry keeps its place: no op called from now on overtakes it)
                 await ch.sync_registry(deadline)
     finally:
         if place is not None:  # (it ended, or raised, before it was handed over)
