@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import transport
+from tests._remote import RemoteEndpoint
 from transport.connector import Connector
 from transport.planes import shm
+from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
 PLANES = ["shm", "tcp"]
 
@@ -348,6 +350,21 @@ async def test_ops_queued_behind_a_held_op_fail_at_once_when_the_channel_is_lost
         await b.close()
 
 
+@contextlib.asynccontextmanager
+async def _ipc_pair(store_url: str, uname):  # -> (initiator, target process)
+    """An initiator and a target process whose CPU buffers take cuda_ipc (``MemfdIpcEngine``), the
+    target's float32 buffer ``x`` (1024 elements) registered, the channel open."""
+    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
+    try:
+        t.call("register", "x", "float32", (1024,))
+        async with transport.Endpoint(uname("ipc-ini"), store=store_url, timeout=10,
+                                      engines={"cuda_ipc": MemfdIpcEngine}) as a:
+            await a.connect(t.name)
+            yield a, t
+    finally:
+        t.stop()
+
+
 async def test_a_put_retried_on_the_fallback_after_a_refused_cuda_ipc_mapping_keeps_its_place(
         store_url, uname, monkeypatch):
     """put(notify=b"1") goes over cuda_ipc (``MemfdIpcEngine``: CPU buffers take it) and opens the
@@ -355,9 +372,7 @@ async def test_a_put_retried_on_the_fallback_after_a_refused_cuda_ipc_mapping_ke
     mapping is refused (PlaneUnavailableError) and the put is retried on the fallback plane: it was
     called first, so its bytes and b"1" reach the target before b"2" (the retry went behind the
     notify before: found by a review)."""
-    from tests._remote import RemoteEndpoint
     from transport.errors import PlaneUnavailableError
-    from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
 
     opened = []
 
@@ -367,24 +382,17 @@ async def test_a_put_retried_on_the_fallback_after_a_refused_cuda_ipc_mapping_ke
         raise PlaneUnavailableError("cuda_ipc(memfd): refused (test)")
 
     monkeypatch.setattr(MemfdIpcEngine, "open", refuse)
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
-    try:
-        t.call("register", "x", "float32", (1024,))
-        async with transport.Endpoint(uname("ipc-ini"), store=store_url, timeout=10,
-                                      engines={"cuda_ipc": MemfdIpcEngine}) as a:
-            await a.connect(t.name)
-            put = asyncio.ensure_future(a.put(t.name, {"x": torch.ones(1024)}, notify=b"1"))
-            end = time.monotonic() + 5
-            while not opened and time.monotonic() < end:  # the put is opening the mapping
-                await asyncio.sleep(0.005)
-            assert opened and not put.done()
-            note = asyncio.ensure_future(a.notify(t.name, b"2"))
-            await asyncio.wait_for(asyncio.gather(put, note), 10)
-            got = t.call("notifications", 2, 10.0, timeout=20)
-            assert [p for _, p in got] == [b"1", b"2"], got
-            assert t.call("all_equal", "x", 0, 1024, 1.0)
-    finally:
-        t.stop()
+    async with _ipc_pair(store_url, uname) as (a, t):
+        put = asyncio.ensure_future(a.put(t.name, {"x": torch.ones(1024)}, notify=b"1"))
+        end = time.monotonic() + 5
+        while not opened and time.monotonic() < end:  # the put is opening the mapping
+            await asyncio.sleep(0.005)
+        assert opened and not put.done()
+        note = asyncio.ensure_future(a.notify(t.name, b"2"))
+        await asyncio.wait_for(asyncio.gather(put, note), 10)
+        got = t.call("notifications", 2, 10.0, timeout=20)
+        assert [p for _, p in got] == [b"1", b"2"], got
+        assert t.call("all_equal", "x", 0, 1024, 1.0)
 
 
 async def test_an_op_after_a_cuda_ipc_put_goes_out_once_the_puts_header_did_not_after_its_answer(
@@ -393,26 +401,16 @@ async def test_an_op_after_a_cuda_ipc_put_goes_out_once_the_puts_header_did_not_
     out (as the plane's own hold does), not until the target answered: a one-sided put (no
     notification: done on this side) called while the target is slow to answer a notified put
     is done at once (it waited for the notified put's Ack for a while: found by a review)."""
-    from tests._remote import RemoteEndpoint
-    from transport.planes.cuda_ipc_memfd import MemfdIpcEngine
-
-    t = RemoteEndpoint(uname("ipc-tgt"), store=store_url, engines={"cuda_ipc": MemfdIpcEngine})
-    try:
-        t.call("register", "x", "float32", (1024,))
-        async with transport.Endpoint(uname("ipc-ini"), store=store_url, timeout=10,
-                                      engines={"cuda_ipc": MemfdIpcEngine}) as a:
-            await a.connect(t.name)
-            await a.put(t.name, {"x": torch.zeros(1024)}, notify=b"0")  # (the mapping is open from here on)
-            t.call("lag", a.name, "_target.serve_put", 1.5)  # the target answers the next put 1.5 s late
-            put = asyncio.ensure_future(a.put(t.name, {"x": torch.ones(1024)}, notify=b"1"))
-            await asyncio.sleep(0.3)  # (its copy and header are out by now)
-            assert not put.done()
-            t0 = time.monotonic()
-            await a.put(t.name, {"x": torch.full((1024,), 2.0)})
-            assert time.monotonic() - t0 < 0.5 and not put.done(), "the one-sided put waited for the put's answer"
-            await asyncio.wait_for(put, 10)
-            got = t.call("notifications", 2, 10.0, timeout=20)
-            assert [p for _, p in got] == [b"0", b"1"], got
-            assert t.call("all_equal", "x", 0, 1024, 2.0)
-    finally:
-        t.stop()
+    async with _ipc_pair(store_url, uname) as (a, t):
+        await a.put(t.name, {"x": torch.zeros(1024)}, notify=b"0")  # (the mapping is open from here on)
+        t.call("lag", a.name, "_target.serve_put", 1.5)  # the target answers the next put 1.5 s late
+        put = asyncio.ensure_future(a.put(t.name, {"x": torch.ones(1024)}, notify=b"1"))
+        await asyncio.sleep(0.3)  # (its copy and header are out by now)
+        assert not put.done()
+        t0 = time.monotonic()
+        await a.put(t.name, {"x": torch.full((1024,), 2.0)})
+        assert time.monotonic() - t0 < 0.5 and not put.done(), "the one-sided put waited for the put's answer"
+        await asyncio.wait_for(put, 10)
+        got = t.call("notifications", 2, 10.0, timeout=20)
+        assert [p for _, p in got] == [b"0", b"1"], got
+        assert t.call("all_equal", "x", 0, 1024, 2.0)
