@@ -125,9 +125,8 @@ class Connector:
         ch.link = ep._offers.link_for(ch, offered, remote.planes, same_host(local_host(), remote.host)[0],
                                       dialer=dialer, timeout=ep.timeout)
         old = self.channels.get(remote.name)
-        if old is not None and old.incarnation != remote.incarnation:
-            old.lose(PeerLostError(f"{remote.name!r} restarted (new incarnation {remote.incarnation:#x})"))
-        # its reader serves nothing before the readers of the peer's ended (or, it says, lost) channels stopped
+        # its reader serves nothing before the readers of the peer's ended (or, it says, lost) channels stopped;
+        # every channel still open to another incarnation of the peer (``old`` among them) is broken here
         self.fences.arm(ch, remote.name, remote.incarnation, remote.lost, self.all)
         routed = old is None or not old.is_open or old.incarnation != remote.incarnation
         if routed:

@@ -120,8 +120,9 @@ class Fences:
         return True
 
     def known(self, peer: str) -> bool:
-        """Whether a channel to ``peer`` ever ended here (then a connection from another incarnation
-        of it is checked against the store: the one we talked to may have been replaced meanwhile)."""
+        """Whether a channel to ``peer`` ever ended here (then a connection from an incarnation we
+        have no open channel to is checked against the store: the one we talked to may have been
+        replaced meanwhile, and may come back)."""
         return bool(self._lost.get(peer))
 
 
