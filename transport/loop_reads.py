@@ -317,9 +317,10 @@ class LoopReads:
             self._read_locked()
         finally:
             self.lock.release()
-            answers, self._answers = self._answers, []
-            for answer in answers:
-                answer()
+            if self._answers:  # (a list swapped only when there is something to send: every read passes here)
+                answers, self._answers = self._answers, []
+                for answer in answers:
+                    answer()
 
     def _read_locked(self) -> None:
         """Event loop, under the lock: :meth:`_on_readable`'s reads."""
