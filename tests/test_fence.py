@@ -139,14 +139,14 @@ async def test_ops_moved_to_the_peers_other_channel_wait_for_the_ended_ones_read
 async def test_an_old_channel_adopted_by_the_acceptor_after_the_new_one_does_not_serve_after_it(
         store_url, uname, monkeypatch):
     """The dialler adopts a channel as soon as its half of the handshake is over and may send ops
-    on it at once; the acceptor adopts it only after its own awaits (replaced_by's store look-up,
+    on it at once; the acceptor adopts it only after its own awaits (check_accepted's store look-up,
     the wait while it is still opening). Here the acceptor's adoption of the first channel C1 is
     held up (a slow store look-up, simulated: 3 s); the dialler's put on C1 times out, it loses C1
     (heartbeat bound) and dials C2 naming C1 in Hello.lost. The acceptor adopts C2 first: C1 is
     not among its channels yet, so nothing is broken or fenced, and C2 serves the second put; then
     the acceptor adopts C1, whose reader serves the first put over it."""
     n = 16 * 1024
-    real = connector_mod.replaced_by
+    real = connector_mod.check_accepted
     calls = {"n": 0}
     target_name = uname("tgt")
 
@@ -157,7 +157,7 @@ async def test_an_old_channel_adopted_by_the_acceptor_after_the_new_one_does_not
                 await asyncio.sleep(3.0)  # (the first accepted channel's store look-up is slow)
         return await real(ep, have, remote, deadline, **kw)
 
-    monkeypatch.setattr(connector_mod, "replaced_by", slow_first)
+    monkeypatch.setattr(connector_mod, "check_accepted", slow_first)
     w = torch.zeros(n)
     async with transport.Endpoint(target_name, store=store_url, planes=("tcp",), timeout=10,
                                   heartbeat_interval=0.2) as t:
@@ -213,7 +213,7 @@ async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the
         # first and routes its own C_x; our adoption of C_x is held up 1 s (setup only), so our own dial
         # C_y, made meanwhile, is our route; X1 accepts C_y while C_x is open and keeps C_x
         xname = uname("x")
-        real = connector_mod.replaced_by
+        real = connector_mod.check_accepted
         hold = {"first": True}
 
         async def late_first(ep, have, remote, deadline, **kw):
@@ -221,7 +221,7 @@ async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the
                 await asyncio.sleep(1.0)
             return await real(ep, have, remote, deadline, **kw)
 
-        connector_mod.replaced_by = late_first
+        connector_mod.check_accepted = late_first
         try:
             x1 = RemoteEndpoint(xname, store=store_url, planes=("tcp",), heartbeat_interval=0.2)
             x1.start("connect", y.name)
@@ -230,7 +230,7 @@ async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the
             await asyncio.to_thread(x1.result, 20)
             await asyncio.sleep(1.0)
         finally:
-            connector_mod.replaced_by = real
+            connector_mod.check_accepted = real
         for ch in list(y._connector.all):
             if ch.peer_name == xname:
                 watch(ch)
@@ -257,7 +257,7 @@ async def test_a_replaced_incarnations_unrouted_channel_does_not_serve_after_the
 async def test_a_channel_accepted_after_our_route_ended_does_not_let_our_later_put_overtake_a_stale_one(
         store_url, uname, monkeypatch):
     """Both sides dialled at once: X's own dial A carries X's ops; Y's dial C is adopted by Y at once
-    but X's acceptance of C is still finishing (its replaced_by look-up, held here until A ended).
+    but X's acceptance of C is still finishing (its check_accepted look-up, held here until A ended).
     X's put over A times out with its bytes in Y's socket (Y's reader of A is slow: 1.5 s before it
     serves a put header); then A ends on X's side only (what X's heartbeat bound does: ``lose``).
     No other channel is open at X then, so ``Connector.closed`` sends no ``Lost``; X then adopts C,
@@ -272,14 +272,14 @@ async def test_a_channel_accepted_after_our_route_ended_does_not_let_our_later_p
     w = torch.zeros(n)
     xname, yname = uname("x"), uname("y")
     release = asyncio.Event()
-    real = connector_mod.replaced_by
+    real = connector_mod.check_accepted
 
     async def held(ep, have, remote, deadline, **kw):
         if ep.name == xname and remote.name == yname:
             await asyncio.wait_for(release.wait(), 10)  # (X's acceptance of C: a slow look-up)
         return await real(ep, have, remote, deadline, **kw)
 
-    monkeypatch.setattr(connector_mod, "replaced_by", held)
+    monkeypatch.setattr(connector_mod, "check_accepted", held)
     kw: dict = {"store": store_url, "planes": ("tcp",), "timeout": 10, "heartbeat_interval": 0.2}
     async with transport.Endpoint(yname, **kw) as y, transport.Endpoint(xname, **kw) as x:
         y.register("w", w)

@@ -251,3 +251,86 @@ async def test_a_first_connection_is_not_held_up_by_a_store_that_stopped_answeri
                     proxy.stalled = False
     finally:
         await proxy.stop()
+
+
+async def _stale_and_replacement(store_url: str, name: str) -> tuple[RemoteEndpoint, RemoteEndpoint]:
+    """B1 up (published) and paused; B2 published under the same name meanwhile; B1 running again. Neither
+    has talked to anyone."""
+    from tests._remote import wait_stopped
+
+    b1 = RemoteEndpoint(name, store=store_url, timeout=20, commands="tests._lifecycle_remote")
+    b1.call("register", "x", "uint8", [16])
+    b1.signal(signal.SIGSTOP)
+    wait_stopped(b1.pid, 10)
+    try:
+        b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20,
+                                     commands="tests._lifecycle_remote")
+    except BaseException:
+        b1.kill()
+        raise
+    b2.call("register", "x", "uint8", [16])
+    b1.signal(signal.SIGCONT)
+    return b1, b2
+
+
+async def test_a_paused_incarnation_that_never_talked_to_us_does_not_take_the_name(store_url, uname):
+    """B1 is paused before it ever talked to A, and replaced by B2 (published). B1 runs again and
+    dials A: its first connection to A. A refuses it (the store names B2) and tells it why; A's
+    put to the name reaches B2. (A first connection from a name was never checked against the
+    store: A adopted B1, and its put went to the stale process, reported done.)"""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
+        a.register("y", torch.zeros(16, dtype=torch.uint8))
+        b1, b2 = await _stale_and_replacement(store_url, name)
+        try:
+            err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0, b"stale", timeout=30)
+            assert err is not None and "PeerLostError" in err and "replaced" in err, err
+            await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+            assert a.peer(name).incarnation == b2.incarnation
+            assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
+        finally:
+            b1.kill()
+            b2.kill()
+
+
+async def test_a_stale_first_connection_adopted_while_the_store_was_slow_is_broken_once_it_answers(store_url, uname):
+    """As above, but A's store answers only after 0.5 s when B1 connects: A adopts B1 after
+    FIRST_LOOKUP_S (0.2 s; a first connection is not held up longer), and breaks that channel,
+    telling B1 why, once the look-up names B2; A's next put reaches B2. (Before the look-up went on
+    after adoption, A kept routing the name to B1.)"""
+    from transport.incarnations import FIRST_LOOKUP_S
+
+    proxy = _StallableProxy(store_url)
+    purl = await proxy.start()
+    name = uname("b")
+    try:
+        async with transport.Endpoint(uname("a"), store=purl, timeout=20) as a:
+            a.register("y", torch.zeros(16, dtype=torch.uint8))
+            b1, b2 = await _stale_and_replacement(store_url, name)
+            try:
+                proxy.stalled = True
+                try:
+                    put = asyncio.ensure_future(asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0,
+                                                                  timeout=30))
+                    end = time.monotonic() + 10  # (A adopts B1 once FIRST_LOOKUP_S passed)
+                    while a.peer(name) is None and time.monotonic() < end:
+                        await asyncio.sleep(0.01)
+                    assert a.peer(name) is not None and a.peer(name).incarnation == b1.incarnation
+                    await asyncio.sleep(max(0.0, 0.5 - FIRST_LOOKUP_S))
+                finally:
+                    proxy.stalled = False
+                t0 = time.monotonic()
+                while a.peer(name) is not None and time.monotonic() < t0 + 5:
+                    await asyncio.sleep(0.01)
+                assert a.peer(name) is None, "A still routes the name to the stale incarnation"
+                await asyncio.wait_for(put, 30)  # (it may have landed: it came before the store answered)
+                err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 4, 5.0, b"again", timeout=30)
+                assert err is not None and "PeerLostError" in err and "replaced" in err, err
+                await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+                assert a.peer(name).incarnation == b2.incarnation
+                assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
+            finally:
+                b1.kill()
+                b2.kill()
+    finally:
+        await proxy.stop()

@@ -456,13 +456,13 @@ class Channel:
             return
         self._tx.submit([encode_frame(Bye(reason))])
 
-    def close(self, reason: str, timeout: float = 1.0) -> None:
+    def close(self, reason: str, timeout: float = 1.0, error: BaseException | None = None) -> None:
         """Orderly close (any thread but the reader): let the Bye go out (bounded by
-        ``timeout``), then break with :class:`EndpointClosedError`."""
+        ``timeout``), then break with ``error`` (default :class:`EndpointClosedError`)."""
         self.say_bye(reason)
         if self.is_open:
             self._tx.flush(timeout)
-        self.lose(EndpointClosedError(f"endpoint {self.core.name!r} closed the channel: {reason}"))
+        self.lose(error or EndpointClosedError(f"endpoint {self.core.name!r} closed the channel: {reason}"))
 
     def join(self, timeout: float) -> None:
         """Wait (bounded) for both threads to finish, then close the socket."""

@@ -45,7 +45,7 @@ from .errors import (
 from .fence import Fences
 from .handshake import close_if_cancelled, handshake, hang_up
 from .hostinfo import local_host, same_host
-from .incarnations import Replaced, handshake_unless_replaced, refuse_replaced, replaced_by
+from .incarnations import Replaced, check_accepted, handshake_unless_replaced, refuse_replaced, unseat_if_replaced
 from .planes import PlaneOffers, choose_cpu_plane
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
@@ -182,6 +182,7 @@ class Connector:
             sock.close()
             raise
         pending = f"handshake-{next(self._holder_ids)}"  # it may map what our Hello announces before adoption
+        look = None
         ep._exports.watch(pending, hello.epoch, None)
         adopted = False
         try:
@@ -196,8 +197,8 @@ class Connector:
             while ep._state == "opening" and time.monotonic() < end:  # (our record is published before open()
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
             have = self.channels.get(remote.name)  # (a store that does not answer within 1 s: the newer one wins)
-            current = await replaced_by(ep, have, remote, min(end, time.monotonic() + _REPLACED_LOOKUP_S),
-                                        known=have is not None or self.fences.known(remote.name))
+            current, look = await check_accepted(ep, have, remote, min(end, time.monotonic() + _REPLACED_LOOKUP_S),
+                                                 known=have is not None or self.fences.known(remote.name))
             if ep._state != "open":  # (after every await: close() may have begun meanwhile)
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")
@@ -208,8 +209,10 @@ class Connector:
             if self.fences.refuse_late(remote.name, channel_id):  # (a later channel's Hello named it lost)
                 return
             sock.setblocking(True)
-            self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
+            ch = self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
             adopted = True
+            if look is not None:  # (a first connection: broken if the look-up still running names another)
+                unseat_if_replaced(ep, ch, remote, look, self._refused)
         except AuthenticationError as exc:
             log.error("refused a connection from %s: %s; connection closed", addr, exc)
             await hang_up(sock)
@@ -224,6 +227,8 @@ class Connector:
             sock.close()
         finally:
             self._handshaking -= 1
+            if look is not None and not adopted:
+                look.cancel()
             if adopted:  # tracked as its channel from here
                 ep._exports.forget(pending)
             else:  # it had our Hello and may have adopted its side: as a channel closed without a Bye

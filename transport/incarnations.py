@@ -8,15 +8,18 @@ Two cases need a look there, both bounded:
   in the address book for a peer added from its record); once another incarnation is named, the
   dial gives this one up (:class:`Replaced`) and dials the new one, instead of waiting out the
   op's deadline (:func:`handshake_unless_replaced`);
-- a connection from an incarnation we have no open channel with, from a name we had a channel
-  to, is checked against the store (:func:`replaced_by`; a first connection from a name is not,
-  and a store that does not answer within the caller's bound lets it in): if the store names
-  another incarnation, it is a process that was paused past its replacement's start, come back,
-  and must not take the name back; it is told why (a ``Bye`` naming its replacement: its ops fail
-  :class:`PeerLostError` saying so) and hung up on (:func:`refuse_replaced`). A restarted peer
-  publishes its record before it dials anyone, so the store names it by then. Peers known only
-  from their address records (``Endpoint.add_peer``, no shared store) are not checked: the newer
-  connection wins, as a record added later may name it.
+- a connection from an incarnation we have no open channel with is checked against the store
+  (:func:`check_accepted`; a store that does not answer within the caller's bound lets it in): if
+  the store names another incarnation, it is a process that was paused past its replacement's
+  start, come back, and must not take the name back; it is told why (a ``Bye`` naming its
+  replacement: its ops fail :class:`PeerLostError` saying so) and hung up on
+  (:func:`refuse_replaced`). A restarted peer publishes its record before it dials anyone, so the
+  store names it by then. The first connection from a name (no channel to it ever ended here)
+  waits for the store only :data:`FIRST_LOOKUP_S`: past that it is adopted, and broken the same
+  way once the look-up, still running, names another incarnation (:func:`unseat_if_replaced`), so
+  a store that stopped answering does not hold up a first connection. Peers known only from their
+  address records (``Endpoint.add_peer``, no shared store) are not checked: the newer connection
+  wins, as a record added later may name it.
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ import socket
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
+from .errors import PeerLostError
 from .handshake import hang_up
 from .wire import Bye, Hello, encode_frame
 
-__all__ = ["RECHECK_S", "Replaced", "handshake_unless_replaced", "refuse_replaced", "replaced_by"]
+__all__ = ["FIRST_LOOKUP_S", "RECHECK_S", "Replaced", "check_accepted", "handshake_unless_replaced", "refuse_replaced",
+           "replaced_by", "unseat_if_replaced"]
 
 log = logging.getLogger("transport.endpoint")
 
 RECHECK_S = 1.0  # a dial's handshake unanswered this long looks for a newer incarnation, and again as long
+FIRST_LOOKUP_S = 0.2  # a first connection from a name waits this long for the store (then the look-up goes on)
 
 
 _T = TypeVar("_T")
@@ -49,25 +55,26 @@ class _Owner(Protocol):
     _book: Any  # AddressBook
     _rdv: Any  # Rendezvous
 
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+
 
 class _Channel(Protocol):
     incarnation: int
+    id: str
 
     @property
     def is_open(self) -> bool: ...
 
+    def close(self, reason: str, timeout: float = 1.0, error: BaseException | None = None) -> None: ...
 
-async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float,
-                      known: bool = True) -> int | None:
+
+async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float) -> int | None:
     """The incarnation that replaced ``remote`` (a peer that dialled us), or None: the store names
     another incarnation of its name (whether or not ``have``, our channel to it, is open: ours to the
     stale one may have been lost while it was paused, and its replacement not have dialled us yet). A peer
     from the address book, or a store that cannot be asked, leaves it as before: the newer
-    connection wins. ``known`` False: no channel to the name ever ended here, so with none open
-    there is nothing to take back and the store is not asked (a first connection never waits for it)."""
+    connection wins."""
     if have is not None and have.is_open and have.incarnation == remote.incarnation:
-        return None
-    if (have is None or not have.is_open) and not known:
         return None
     if ep._book.lookup(remote.name, set()) is not None:
         return None
@@ -80,16 +87,61 @@ async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline
     return cur.incarnation if cur is not None and cur.incarnation != remote.incarnation else None
 
 
-async def refuse_replaced(sock: socket.socket, remote: Hello, current: int, refused: set[tuple[str, int]]) -> None:
-    """Tell ``remote``'s (stale) incarnation that ``current`` holds its name, and hang up. Logged
-    once per incarnation in ``refused`` (a stale process retrying does not flood the log)."""
-    why = (f"refused: incarnation {remote.incarnation:#x} of {remote.name!r} was replaced by incarnation "
-           f"{current:#x} (the store names it; this process was paused past its replacement's start?)")
+async def check_accepted(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float,
+                         known: bool) -> tuple[int | None, asyncio.Task[int | None] | None]:
+    """Whether to refuse ``remote``'s connection: ``(current, None)``, ``current`` the incarnation
+    that replaced it (:func:`replaced_by`, bounded by ``deadline``) or None. ``known`` False (no
+    channel to the name ever ended here, none is open): the look-up is waited for only
+    :data:`FIRST_LOOKUP_S`; past that ``(None, look)``, the look-up still running (a task of
+    ``ep``'s): hand it to :func:`unseat_if_replaced` once the channel is adopted, or cancel it."""
+    look = ep._spawn(replaced_by(ep, have, remote, deadline))
+    try:
+        if known:
+            return await look, None
+        done, _ = await asyncio.wait((look,), timeout=FIRST_LOOKUP_S)
+    except BaseException:
+        look.cancel()
+        raise
+    return (look.result(), None) if done else (None, look)
+
+
+def _why(remote: Hello, current: int) -> str:
+    return (f"refused: incarnation {remote.incarnation:#x} of {remote.name!r} was replaced by incarnation "
+            f"{current:#x} (the store names it; this process was paused past its replacement's start?)")
+
+
+def _log_once(remote: Hello, why: str, refused: set[tuple[str, int]]) -> None:
     if (remote.name, remote.incarnation) not in refused:
         if len(refused) > 1024:
             refused.clear()
         refused.add((remote.name, remote.incarnation))
         log.warning("connection from %r %s", remote.name, why)
+
+
+def unseat_if_replaced(ep: _Owner, ch: _Channel, remote: Hello, look: asyncio.Task[int | None],
+                       refused: set[tuple[str, int]]) -> None:
+    """Event loop: once ``look`` (:func:`check_accepted`'s, for the adopted channel ``ch`` from
+    ``remote``) names another incarnation, ``ch`` is told why (a ``Bye``, after our copies into the
+    peer's memory ended: :meth:`~transport.channel.Channel.close`) and broken; its ops fail
+    :class:`PeerLostError`, and the next op to the name dials the incarnation the store names."""
+    async def unseat(current: int) -> None:
+        why = _why(remote, current)
+        _log_once(remote, why, refused)
+        await asyncio.to_thread(ch.close, why, 1.0, PeerLostError(f"channel {ch.id}: {why}"))
+
+    def done(f: asyncio.Task[int | None]) -> None:
+        current = None if f.cancelled() or f.exception() is not None else f.result()
+        if current is not None and ch.is_open:
+            ep._spawn(unseat(current))
+
+    look.add_done_callback(done)
+
+
+async def refuse_replaced(sock: socket.socket, remote: Hello, current: int, refused: set[tuple[str, int]]) -> None:
+    """Tell ``remote``'s (stale) incarnation that ``current`` holds its name, and hang up. Logged
+    once per incarnation in ``refused`` (a stale process retrying does not flood the log)."""
+    why = _why(remote, current)
+    _log_once(remote, why, refused)
     with contextlib.suppress(OSError):
         await asyncio.get_running_loop().sock_sendall(sock, encode_frame(Bye(why)))
     await hang_up(sock)
