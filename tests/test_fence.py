@@ -311,3 +311,29 @@ async def test_a_channel_accepted_after_our_route_ended_does_not_let_our_later_p
         await asyncio.sleep(2.5)  # (Y's slow reader of A is done)
         assert bool((w == 2.0).all()), (
             f"X's timed-out put over A landed after X's later put over C (w[0] = {w[0].item()})")
+
+
+def test_the_ids_kept_per_peer_are_bounded_by_the_peers_touched_most_recently():
+    """A server that sees many short-lived peers (each channel ends once) keeps ended-channel ids for
+    MAX_PEERS peers, not for every peer it ever saw; the most recent ones, and one touched again,
+    are kept (Hello.lost, refuse_late and known() read them)."""
+    import threading as th
+    from types import SimpleNamespace
+
+    from transport.fence import MAX_PEERS, Fences
+
+    done = th.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    f = Fences()
+    keep = SimpleNamespace(peer_name="keeper", id="keeper-1", reader=done)
+    f.closed(keep)
+    for i in range(MAX_PEERS + 500):
+        f.closed(SimpleNamespace(peer_name=f"p{i}", id=f"c{i}", reader=done))
+        f.fence_for(f"p{i}", 1, [f"old{i}"], [])
+        if i % 1000 == 0:
+            f.closed(SimpleNamespace(peer_name="keeper", id=f"keeper-{i + 2}", reader=done))
+    assert len(f._lost) <= MAX_PEERS and len(f._named) <= MAX_PEERS
+    assert not f.known("p0") and f.known(f"p{MAX_PEERS + 499}") and f.known("keeper")
+    assert f.lost_ids(f"p{MAX_PEERS + 499}") == [f"c{MAX_PEERS + 499}"]
+    assert f.refuse_late(f"p{MAX_PEERS + 499}", f"old{MAX_PEERS + 499}") and not f.refuse_late("p0", "old0")

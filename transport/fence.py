@@ -22,6 +22,11 @@ them after the new channel's ops, and overwrite what a later put wrote. So:
   open there and reads no further frame before its reader stopped (the same bound; past it that
   channel is lost too).
 
+The ids are kept for the :data:`MAX_PEERS` peers touched most recently (a server that sees many
+short-lived peers does not keep them all for good); a peer forgotten there is still fenced from
+readers that are still running, and a first connection is checked against the store anyway
+(:mod:`transport.incarnations`).
+
 A reader stops at its next frame boundary once its channel is no longer open (what it is
 receiving then lands first, and a reader just past that check serves the one frame it is on:
 the wait covers both); breaking the channel shuts its socket down, so the bytes left in it are
@@ -40,11 +45,24 @@ from typing import Any
 from .errors import PeerLostError
 from .wire import MAX_LOST, Lost
 
-__all__ = ["FENCE_S", "Fences", "wait"]
+__all__ = ["FENCE_S", "MAX_PEERS", "Fences", "wait"]
 
 log = logging.getLogger("transport.endpoint")
 
 FENCE_S = 10.0  # how long a new channel's reader waits for the old readers to stop
+MAX_PEERS = 4096  # peers whose ended (or named lost) channel ids are kept; the least recently touched go first
+
+
+def _touch(by_peer: dict[str, collections.deque[str]], peer: str, maxlen: int,
+           lock: threading.Lock) -> collections.deque[str]:
+    """``peer``'s deque in ``by_peer``, made the most recently touched (created if absent); past
+    :data:`MAX_PEERS` peers the least recently touched one is forgotten."""
+    with lock:
+        q = by_peer.pop(peer, None)
+        by_peer[peer] = q = q if q is not None else collections.deque(maxlen=maxlen)
+        if len(by_peer) > MAX_PEERS:
+            del by_peer[next(iter(by_peer))]
+        return q
 
 
 class Fences:
@@ -52,6 +70,8 @@ class Fences:
     :meth:`fence_for` also from a reader thread, for a Lost frame: atomic steps under the GIL)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # (the per-peer dicts: a Lost frame's reader thread touches them too)
+        # both dicts keep MAX_PEERS peers: a job that sees many short-lived peers does not grow them for good
         self._lost: dict[str, collections.deque[str]] = {}  # peer -> ids of our channels to it that ended
         self._ended: set[Any] = set()  # channels that ended whose reader may still be serving a frame
         # peer -> ids its Hellos named as lost: one of those we had not adopted yet is never adopted
@@ -60,7 +80,7 @@ class Fences:
 
     def closed(self, ch: Any) -> None:
         """``ch`` closed or broke on our side."""
-        self._lost.setdefault(ch.peer_name, collections.deque(maxlen=MAX_LOST)).append(ch.id)
+        _touch(self._lost, ch.peer_name, MAX_LOST, self._lock).append(ch.id)
         self._ended = {c for c in self._ended if c.reader.is_alive()}
         if ch.reader.is_alive():
             self._ended.add(ch)
@@ -79,8 +99,9 @@ class Fences:
         the loop): also those still open to another incarnation of ``peer``, broken now. Event loop,
         or (a Lost frame, without ``sweep``) the reader thread of the channel it came on."""
         named = set(lost)
-        seen = self._named.setdefault(peer, collections.deque(maxlen=4 * MAX_LOST))
-        seen.extend(i for i in named if i not in seen)
+        if named:
+            seen = _touch(self._named, peer, 4 * MAX_LOST, self._lock)
+            seen.extend(i for i in named if i not in seen)
         readers = []
         for c in list(channels):
             if c.peer_name != peer:
