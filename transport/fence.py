@@ -23,9 +23,8 @@ them after the new channel's ops, and overwrite what a later put wrote. So:
   channel is lost too).
 
 The ids are kept for the :data:`MAX_PEERS` peers touched most recently (a server that sees many
-short-lived peers does not keep them all for good); a peer forgotten there is still fenced from
-readers that are still running, and a first connection is checked against the store anyway
-(:mod:`transport.incarnations`).
+short-lived peers does not keep them all for good), and never forgotten for a peer touched within
+:data:`KEEP_S` or with a reader of its ended channels still serving.
 
 A reader stops at its next frame boundary once its channel is no longer open (what it is
 receiving then lands first, and a reader just past that check serves the one frame it is on:
@@ -45,24 +44,50 @@ from typing import Any
 from .errors import PeerLostError
 from .wire import MAX_LOST, Lost
 
-__all__ = ["FENCE_S", "MAX_PEERS", "Fences", "wait"]
+__all__ = ["FENCE_S", "KEEP_S", "MAX_PEERS", "Fences", "wait"]
 
 log = logging.getLogger("transport.endpoint")
 
 FENCE_S = 10.0  # how long a new channel's reader waits for the old readers to stop
 MAX_PEERS = 4096  # peers whose ended (or named lost) channel ids are kept; the least recently touched go first
+KEEP_S = 60.0  # ... but never one touched this recently, or with a reader of its ended channels still serving
 
 
-def _touch(by_peer: dict[str, collections.deque[str]], peer: str, maxlen: int,
-           lock: threading.Lock) -> collections.deque[str]:
-    """``peer``'s deque in ``by_peer``, made the most recently touched (created if absent); past
-    :data:`MAX_PEERS` peers the least recently touched one is forgotten."""
-    with lock:
-        q = by_peer.pop(peer, None)
-        by_peer[peer] = q = q if q is not None else collections.deque(maxlen=maxlen)
-        if len(by_peer) > MAX_PEERS:
-            del by_peer[next(iter(by_peer))]
-        return q
+class _PerPeer:
+    """peer -> a deque of ids (``maxlen``), for the :data:`MAX_PEERS` peers touched last (see the module
+    docstring). :meth:`get` from any thread without the lock: a peer being touched never leaves the
+    dict meanwhile (``move_to_end``), so a reader never misses ids that are kept."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._ids: collections.OrderedDict[str, collections.deque[str]] = collections.OrderedDict()
+        self._touched: dict[str, float] = {}
+        self._maxlen = maxlen
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, peer: str) -> collections.deque[str] | None:
+        return self._ids.get(peer)
+
+    def touch(self, peer: str, busy: set[str]) -> collections.deque[str]:
+        """``peer``'s deque (created if absent), now the most recently touched; past MAX_PEERS peers the
+        least recently touched is forgotten, unless it was touched within KEEP_S or is in ``busy``."""
+        now = time.monotonic()
+        with self._lock:
+            q = self._ids.get(peer)
+            if q is None:
+                q = self._ids[peer] = collections.deque(maxlen=self._maxlen)
+            else:
+                self._ids.move_to_end(peer)
+            self._touched[peer] = now
+            while len(self._ids) > MAX_PEERS:
+                oldest = next(iter(self._ids))
+                if now - self._touched[oldest] < KEEP_S or oldest in busy:
+                    break  # (kept: the dict holds more for a while)
+                self._ids.popitem(last=False)
+                del self._touched[oldest]
+            return q
 
 
 class Fences:
@@ -70,25 +95,28 @@ class Fences:
     :meth:`fence_for` also from a reader thread, for a Lost frame: atomic steps under the GIL)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # (the per-peer dicts: a Lost frame's reader thread touches them too)
-        # both dicts keep MAX_PEERS peers: a job that sees many short-lived peers does not grow them for good
-        self._lost: dict[str, collections.deque[str]] = {}  # peer -> ids of our channels to it that ended
+        # (both per peer, for MAX_PEERS peers: a job that sees many short-lived peers does not keep them all)
+        self._lost = _PerPeer(MAX_LOST)  # peer -> ids of our channels to it that ended
         self._ended: set[Any] = set()  # channels that ended whose reader may still be serving a frame
         # peer -> ids its Hellos named as lost: one of those we had not adopted yet is never adopted
         # (its handshake was still finishing here, e.g. held up by a store look-up, when the new one came)
-        self._named: dict[str, collections.deque[str]] = {}
+        self._named = _PerPeer(4 * MAX_LOST)
 
     def closed(self, ch: Any) -> None:
         """``ch`` closed or broke on our side."""
-        _touch(self._lost, ch.peer_name, MAX_LOST, self._lock).append(ch.id)
         self._ended = {c for c in self._ended if c.reader.is_alive()}
         if ch.reader.is_alive():
             self._ended.add(ch)
+        self._lost.touch(ch.peer_name, self._busy()).append(ch.id)
+
+    def _busy(self) -> set[str]:
+        """The peers a reader of whose ended channels still serves (their ids are never forgotten)."""
+        return {c.peer_name for c in list(self._ended) if c.reader.is_alive()}
 
     def lost_ids(self, peer: str, channels: Iterable[Any] = ()) -> list[str]:
         """The ids a Hello to ``peer`` names as lost: our latest ended channels to it, and those of
         ``channels`` (ours) already broken whose end the loop has not run yet (lost by a thread)."""
-        ids = list(self._lost.get(peer, ())) + [c.id for c in list(channels) if c.peer_name == peer and not c.is_open]
+        ids = list(self._lost.get(peer) or ()) + [c.id for c in list(channels) if c.peer_name == peer and not c.is_open]
         return list(dict.fromkeys(ids))[-MAX_LOST:]  # (once each: ids a peer reuses, e.g. given none, repeat)
 
     def fence_for(self, peer: str, incarnation: int, lost: Iterable[str], channels: Iterable[Any],
@@ -100,7 +128,7 @@ class Fences:
         or (a Lost frame, without ``sweep``) the reader thread of the channel it came on."""
         named = set(lost)
         if named:
-            seen = _touch(self._named, peer, 4 * MAX_LOST, self._lock)
+            seen = self._named.touch(peer, self._busy())
             seen.extend(i for i in named if i not in seen)
         readers = []
         for c in list(channels):
@@ -134,7 +162,7 @@ class Fences:
     def refuse_late(self, peer: str, channel_id: str) -> bool:
         """Whether an accepted channel must not be adopted: ``peer`` already named it lost (in the Hello
         of a later channel) while its acceptance was still finishing here (logged)."""
-        if channel_id not in self._named.get(peer, ()):
+        if channel_id not in (self._named.get(peer) or ()):
             return False
         log.warning("channel %s from %r: not adopted, the peer already named it lost (in the Hello of a later "
                     "channel); connection closed", channel_id, peer)
