@@ -64,14 +64,14 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..errors import PlaneUnavailableError, StagingError, TransportError
+from ..errors import PeerLostError, PlaneUnavailableError, StagingError, TransportError
 from ..flight_recorder import FlightRecorder, OpKind, Record
 from ..op import Op
 from ..registry import BufferSpec, LocalBuffer
 from ..staging import Staging
 from ..wire import Get, HostInfo, Item, Message, Put, WireBuffer
 
-__all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink", "SendingChannel"]
+__all__ = ["ChannelPort", "DataPlane", "Exporter", "PeerLink", "SendingChannel", "closed_error"]
 
 
 class PeerLink(Protocol):
@@ -360,3 +360,10 @@ class Exporter:
     def close(self) -> None:
         """The endpoint closes: every export was undone; release what is left (live peers may
         keep some memory until they exit)."""
+
+
+def closed_error(channel: ChannelPort, what: str = "is closed") -> PeerLostError:
+    """The error of an op that finds ``channel`` closed (``what`` happened to it), saying why it
+    closed where it did (its :attr:`~ChannelPort.error`: e.g. the reason of the peer's ``Bye``)."""
+    why = channel.error
+    return PeerLostError(f"channel to {channel.peer_name!r} {what}" + (f": {why}" if why is not None else ""))

@@ -59,7 +59,7 @@ from ..hostinfo import same_host
 from ..op import Op
 from ..ranges import item_fits
 from ..wire import Get, HostInfo, IpcHandle, Item, Put, Unmapped
-from .base import ChannelPort, DataPlane
+from .base import ChannelPort, DataPlane, closed_error
 from .cuda_ipc_engine import IpcMapping, IpcQueue, mapping_cache
 from .cuda_ipc_export import ipc_engine_of
 from .cuda_ipc_holds import Batch, Held, PeerSlots, SlotGuard
@@ -112,7 +112,7 @@ class CudaIpcPlane(DataPlane):
         with self._lock:
             wire = self.channel.remote_wire
             if self._closed or self._quiet:
-                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+                raise closed_error(self.channel)
             for it, _ in pairs:
                 wb = wire.get(it.name) if it.count else None
                 if it.count and (wb is None or wb.ipc is None or not item_fits(it, wb)):  # (a newer registry: shm's _handle)
@@ -179,7 +179,7 @@ class CudaIpcPlane(DataPlane):
     def _queue(self, device: str) -> tuple[IpcQueue, CompletionBridge]:
         with self._lock:
             if self._closed:
-                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+                raise closed_error(self.channel)
             q = self._queues.get(device)
         if q is None:
             q = (self.engine.queue(device), CompletionBridge(self.channel.loop, f"transport-ipc-{self.channel.peer_name}"))
@@ -187,7 +187,7 @@ class CudaIpcPlane(DataPlane):
                 if self._closed:
                     q[1].close()
                     q[0].close()
-                    raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+                    raise closed_error(self.channel)
                 self._queues[device] = q
         return q
 
@@ -414,7 +414,7 @@ class CudaIpcPlane(DataPlane):
         spec = self.channel.peer_specs.get(name)
         with self._lock:
             if self._closed or self._quiet:
-                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+                raise closed_error(self.channel)
             wb = self.channel.remote_wire.get(name)
             if spec is None or wb is None or wb.ipc is None:
                 raise StaleBufferError(f"cuda_ipc: {self.channel.peer_name!r} no longer exports {name!r}")

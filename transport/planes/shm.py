@@ -7,27 +7,24 @@ keeps working and now lives in shared memory. A tensor that already lies inside 
 shares that segment at an offset. Segments are never named in ``/dev/shm``: one disappears with the
 last process that maps it, so a killed process leaks nothing.
 
-Import (initiator side): the peer advertises ``(pid, fd, inode, size,
-offset, export_id)``; the initiator opens ``/proc/<pid>/fd/<fd>``, checks the
-inode (so a recycled pid or fd can never map the wrong memory), maps the
-segment once and caches it by inode until the peer's registry stops naming
-it. Puts without a notification, and gets, into exports with a slot need no
-message (:mod:`.shm_slots`). Otherwise a put copies into the mapping, then
-sends the header naming the export ids it wrote as the "done" message; a get
-copies out, then sends one naming those it read. The target checks that they
-are still the buffers' (else it answers ``stale``: the endpoint refreshes its
-copy of the peer's registry and retries once) and acknowledges. With slots the
-copy runs under their locks too, so a put never lands in a buffer the peer took back and registered
-again at the same place (a view of an arena); without (the table full, no OFD locks), a put that raced a
-re-registration has written into the old place: harmless when that memory was the unregistered tensor's
-alone (``unregister`` moves it out of the segment, unless another endpoint of the process still exports
-it: then the tensor stays there).
+Import (initiator side): the peer advertises ``(pid, fd, inode, size, offset, export_id)``; the
+initiator opens ``/proc/<pid>/fd/<fd>``, checks the inode (so a recycled pid or fd can never map
+the wrong memory), maps the segment once and caches it by inode until the peer's registry stops
+naming it. Puts without a notification, and gets, into exports with a slot need no message
+(:mod:`.shm_slots`). Otherwise a put copies into the mapping, then sends the header naming the
+export ids it wrote as the "done" message; a get copies out, then sends one naming those it read.
+The target checks that they are still the buffers' (else it answers ``stale``: the endpoint
+refreshes its copy of the peer's registry and retries once) and acknowledges. With slots the copy
+runs under their locks too, so a put never lands in a buffer the peer took back and registered again
+at the same place (a view of an arena); without (the table full, no OFD locks), a put that raced a
+re-registration has written into the old place: harmless when that memory was the unregistered
+tensor's alone (``unregister`` moves it out of the segment, unless another endpoint of the process
+still exports it: then the tensor stays there).
 
-Cancellation and timeouts: the copy stops at its next chunk boundary (64 MiB,
-or one bounce buffer when staged) and sends no header, and the call raises only
-once it stopped, for puts and gets alike: nothing of a cancelled op writes into
-the peer's segment or the caller's tensors after it raised. The peer's buffer
-(put) or the caller's tensors (get) may then hold a mix of old and new bytes.
+Cancellation and timeouts: the copy stops at its next chunk boundary (64 MiB, or one bounce buffer
+when staged) and sends no header, and the call raises only once it stopped, for puts and gets
+alike: nothing of a cancelled op writes into the peer's segment or the caller's tensors after it
+raised. The peer's buffer (put) or the caller's tensors (get) may then hold a mix of old and new bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ from ..flight_recorder import OpKind
 from ..hostinfo import same_host
 from ..ranges import item_fits
 from ..wire import Get, HostInfo, Item, Message, Put, ShmHandle
-from .base import DataPlane
+from .base import DataPlane, closed_error
 from .shm_export import map_segment, memfd_probe
 from .shm_slots import SLOTS, TableView, one_sided_feature
 from .staged import await_callers_work
@@ -67,9 +64,9 @@ def _slots_of(jobs: list[tuple[Item, torch.Tensor, ShmHandle]]) -> list[tuple[in
 
 
 def _move(into_peer: bool, remote: int, t: torch.Tensor, n: int) -> None:
-    """Copy ``n`` bytes between the contiguous CPU tensor ``t`` and address ``remote`` in a peer's
-    mapped segment (the range checked by the caller); a write into ``t`` bumps its version
-    counter, as ``copy_`` would, so autograd sees it."""
+    """Copy ``n`` bytes between the contiguous CPU tensor ``t`` and address ``remote`` in a peer's mapped
+    segment (the range checked by the caller); a write into ``t`` bumps its version counter, as ``copy_``
+    would, so autograd sees it."""
     if into_peer:
         memmove(remote, t.data_ptr(), n)
     else:
@@ -121,10 +118,10 @@ class ShmPlane(DataPlane):
 
     def _remote(self, item: Item, h: ShmHandle, t: torch.Tensor) -> torch.Tensor:
         """The peer's bytes of ``item`` for :meth:`_copy_one` to copy to or from ``t``: for a copy of
-        one chunk, a view of the mapping typed and shaped like ``t``; for a whole buffer (the
-        state dict case) that view is made once and kept while the segment stays mapped (at a few
-        microseconds per view, a state dict of small tensors otherwise spends more making views
-        than copying). A bigger copy gets the bytes (:meth:`_view`). Any thread."""
+        one chunk, a view of the mapping typed and shaped like ``t``; for a whole buffer (the state
+        dict case) that view is made once and kept while the segment stays mapped (at a few
+        microseconds per view, a state dict of small tensors otherwise spends more making views than
+        copying). A bigger copy gets the bytes (:meth:`_view`). Any thread."""
         size = t.element_size()
         if item.count * size > _CHUNK:
             return self._view(item, h, size)
@@ -151,16 +148,16 @@ class ShmPlane(DataPlane):
 
     async def _copy(self, op, pairs: list[tuple[Item, torch.Tensor]], into_peer: bool,
                     header: Callable[[list[int]], Message]) -> None:
-        """Copy every item of one op, then send ``header(ids)`` (the export id of each item's
-        buffer, 0 if empty) from the copying thread, unless the op was abandoned meanwhile.
+        """Copy every item of one op, then send ``header(ids)`` (the export id of each item's buffer, 0
+        if empty) from the copying thread, unless the op was abandoned meanwhile.
 
-        Runs on a worker thread when the op is large or a segment still has to be
-        mapped (that thread sends the header as soon as the copy is over: no trip back
-        through the event loop). Cancellation and timeouts: the op's copy stops at the next
-        chunk boundary and sends nothing, and the call raises only once it stopped (the
-        channel's abandon waits for ``op.quiet``, off the loop, up to ``op.abandon_bound``),
-        a put's as well as a get's: nothing of a cancelled op writes into the peer's segment
-        or the caller's tensors after it raised, so an op that follows never races it.
+        Runs on a worker thread when the op is large or a segment still has to be mapped (that
+        thread sends the header as soon as the copy is over: no trip back through the event loop).
+        Cancellation and timeouts: the op's copy stops at the next chunk boundary and sends nothing,
+        and the call raises only once it stopped (the channel's abandon waits for ``op.quiet``, off
+        the loop, up to ``op.abandon_bound``), a put's as well as a get's: nothing of a cancelled op
+        writes into the peer's segment or the caller's tensors after it raised, so an op that
+        follows never races it.
         """
         handles = [self._handle(it) if it.count else None for it, _ in pairs]
         ids = [h.export_id if h is not None else 0 for h in handles]
@@ -198,7 +195,10 @@ class ShmPlane(DataPlane):
         """Copy every job's bytes, under the slots' shared locks with ``view_of`` (checked before and
         after: :class:`StaleBufferError`); False if the op was abandoned meanwhile."""
         if view_of is not None:
-            view_of.enter(slots, [it.name for it, _, _ in jobs])
+            try:
+                view_of.enter(slots, [it.name for it, _, _ in jobs])
+            except PeerLostError:  # (its table closed with the channel: say why it closed)
+                raise closed_error(self.channel) from None
         try:
             for (_, t, _), remote in zip(jobs, views, strict=True):
                 if op.abandoned or not self._copy_one(op, t, remote, into_peer):
@@ -226,22 +226,17 @@ class ShmPlane(DataPlane):
             local = t  # (one chunk, viewed as t already: no reshaping)
         else:
             local, remote = t.reshape(-1), remote.view(t.dtype)
+        dst, src = (remote, local) if into_peer else (local, remote)
         if local.numel() <= step:  # one chunk (small ops: no slicing)
             if op.abandoned:
                 return False
-            if into_peer:
-                remote.copy_(local)
-            else:
-                local.copy_(remote)
+            dst.copy_(src)
             return True
         channel = self.channel
         for i in range(0, local.numel(), step):
             if op.abandoned or not channel.is_open:  # (a lost channel: the peer's memory is nobody's any more)
                 return False
-            if into_peer:
-                remote[i : i + step].copy_(local[i : i + step])
-            else:
-                local[i : i + step].copy_(remote[i : i + step])
+            dst[i : i + step].copy_(src[i : i + step])
         return True
 
     async def put(self, op, pairs: list[tuple[Item, torch.Tensor]], notify: bytes | None) -> None:
@@ -333,26 +328,29 @@ class ShmPlane(DataPlane):
         t_posted = time.time()
         try:
             if table is not None:
-                if len(jobs) == 1:
-                    slot, export_id, name, seg, start, t, n = jobs[0]
-                    table.enter1(slot, export_id, name)
-                    try:
-                        _move(kind is OpKind.PUT, seg.data_ptr() + start, t, n)
-                        table.check1(slot, export_id, kind is OpKind.PUT)
-                    finally:
-                        table.leave1(slot)
-                else:
-                    slots = [(slot, export_id) for slot, export_id, *_ in jobs]
-                    table.enter(slots, [name for _, _, name, *_ in jobs])
-                    try:
-                        into_peer = kind is OpKind.PUT
-                        for _, _, _, seg, start, t, n in jobs:
-                            _move(into_peer, seg.data_ptr() + start, t, n)
-                        table.check(slots, into_peer)
-                    finally:
-                        table.leave([s for s, _ in slots])
+                try:  # (a table closed with the channel raises: say why it closed)
+                    if len(jobs) == 1:
+                        slot, export_id, name, seg, start, t, n = jobs[0]
+                        table.enter1(slot, export_id, name)
+                        try:
+                            _move(kind is OpKind.PUT, seg.data_ptr() + start, t, n)
+                            table.check1(slot, export_id, kind is OpKind.PUT)
+                        finally:
+                            table.leave1(slot)
+                    else:
+                        slots = [(slot, export_id) for slot, export_id, *_ in jobs]
+                        table.enter(slots, [name for _, _, name, *_ in jobs])
+                        try:
+                            into_peer = kind is OpKind.PUT
+                            for _, _, _, seg, start, t, n in jobs:
+                                _move(into_peer, seg.data_ptr() + start, t, n)
+                            table.check(slots, into_peer)
+                        finally:
+                            table.leave([s for s, _ in slots])
+                except PeerLostError:
+                    raise closed_error(ch) from None
             if not ch.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere
-                raise PeerLostError(f"channel to {ch.peer_name!r} was lost during the copy")
+                raise closed_error(ch, "was lost during the copy")
         except BaseException as exc:
             ch.record_here(kind, [it.name for it, _ in pairs], total, self.name, t_posted, exc)
             raise
@@ -378,7 +376,7 @@ class ShmPlane(DataPlane):
             if self._closed:  # the channel closed while this was being opened: nothing may keep it
                 self._tables.pop(h.table_inode, None)
                 view.close()
-                raise PeerLostError(f"channel to {self.channel.peer_name!r} is closed")
+                raise closed_error(self.channel)
         return view
 
     maps_peer_memory = True
