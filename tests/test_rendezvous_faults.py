@@ -334,3 +334,113 @@ async def test_a_stale_first_connection_adopted_while_the_store_was_slow_is_brok
                 b2.kill()
     finally:
         await proxy.stop()
+
+
+async def test_every_channel_of_a_stale_incarnation_is_closed_once_the_late_look_up_names_its_replacement(
+        store_url, uname):
+    """Stale B1 (the store names B2) connects to A while A's store is slow: A adopts B1's channel C1
+    after FIRST_LOOKUP_S, the look-up still running. A second channel of B1's, C1' (both serve, as
+    when both sides dialled at once), comes while C1 is open and is not checked (A trusts an open
+    channel's incarnation). When the look-up names B2, both are closed, and A's put reaches B2. (Only
+    C1 was: the route moved to C1', and A's puts went on landing in B1; found by a review.)"""
+    proxy = _StallableProxy(store_url)
+    purl = await proxy.start()
+    name = uname("b")
+    b2 = None
+    try:
+        async with transport.Endpoint(uname("a"), store=purl, timeout=20, planes=("tcp",)) as a, \
+                transport.Endpoint(name, store=store_url, timeout=20, planes=("tcp",)) as b1:
+            a.register("y", torch.zeros(16, dtype=torch.uint8))
+            xb1 = b1.new_buffer("x", (16,))
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20, planes=("tcp",),
+                                         commands="tests._lifecycle_remote")
+            b2.call("register", "x", "uint8", [16])
+            await b1._rdv.lookup(a.name, time.monotonic() + 5)  # (A's record is in the store before it stalls)
+            proxy.stalled = True
+            try:
+                await b1.connect(a.name, timeout=5)  # C1
+                end = time.monotonic() + 5
+                while a.peer(name) is None and time.monotonic() < end:
+                    await asyncio.sleep(0.01)
+                assert a.peer(name) is not None and a.peer(name).incarnation == b1.incarnation
+                await b1._connector._dial(a.name, time.monotonic() + 5)  # C1' (the connector's own dial)
+                end = time.monotonic() + 5
+                while sum(c.peer_name == name and c.is_open for c in a._connector.all) < 2:
+                    assert time.monotonic() < end, "A did not adopt B1's second channel"
+                    await asyncio.sleep(0.01)
+            finally:
+                proxy.stalled = False  # (A's look-up for C1 answers now, within its 1 s bound: it names B2)
+            end = time.monotonic() + 5
+            while any(c.peer_name == name and c.is_open for c in a._connector.all) and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            still = [c.id for c in a._connector.all if c.peer_name == name and c.is_open]
+            assert not still, f"channels of the stale incarnation still open: {still}"
+            await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+            assert a.peer(name).incarnation == b2.incarnation
+            assert not bool((xb1 == 9).all()) and b2.call("all_equal", "x", 0, 16, 9)
+    finally:
+        if b2 is not None:
+            b2.kill()
+        await proxy.stop()
+
+
+class _SlowProxy(_StallableProxy):
+    """The store behind a link with ``delay`` s each way (a store host across a slow network)."""
+
+    delay = 0.02
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                await asyncio.sleep(self.delay)
+                w.write(data)
+                await w.drain()
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+
+async def test_a_burst_of_first_connections_runs_a_bounded_number_of_store_look_ups(store_url, uname):
+    """24 peers connect to A at once (a server at job start), A's store 20 ms away. At most
+    FIRST_LOOKUPS of their look-ups run at once (they share A's one store thread with A's own dials:
+    40 of them held A's next dial 0.85 s and timed out past 1 s, dropping A's shared store client;
+    found by a review); every peer is adopted, and A's store client is never dropped."""
+    from transport.incarnations import FIRST_LOOKUPS
+
+    proxy = _SlowProxy(store_url)
+    purl = await proxy.start()
+    n = 24
+    kw = {"timeout": 20, "planes": ("tcp",)}
+    try:
+        async with transport.Endpoint(uname("a"), store=purl, **kw) as a, \
+                transport.Endpoint(uname("d"), store=store_url, **kw) as d:
+            running = {"now": 0, "most": 0, "calls": 0}
+            real = a._rdv.lookup_now
+
+            async def counted(*args, **kwargs):
+                running["now"] += 1
+                running["calls"] += 1
+                running["most"] = max(running["most"], running["now"])
+                try:
+                    return await real(*args, **kwargs)
+                finally:
+                    running["now"] -= 1
+
+            a._rdv.lookup_now = counted
+            peers = [transport.Endpoint(uname("p"), store=store_url, **kw) for _ in range(n)]
+            try:
+                await asyncio.gather(*(p.open() for p in peers))
+                await peers[0]._rdv.lookup(a.name, time.monotonic() + 5)
+                await asyncio.gather(*(p.connect(a.name, timeout=10) for p in peers))
+                end = time.monotonic() + 10
+                while len(a.peers) < n and time.monotonic() < end:
+                    await asyncio.sleep(0.005)
+                assert len(a.peers) == n
+                await a.connect(d.name, timeout=10)
+            finally:
+                await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
+            assert 0 < running["most"] <= FIRST_LOOKUPS, running
+            assert not a._rdv._client.broken, "a look-up timed out: A's shared store client was dropped"
+    finally:
+        await proxy.stop()

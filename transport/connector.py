@@ -45,7 +45,7 @@ from .errors import (
 from .fence import Fences
 from .handshake import close_if_cancelled, handshake, hang_up
 from .hostinfo import local_host, same_host
-from .incarnations import Replaced, check_accepted, handshake_unless_replaced, refuse_replaced, unseat_if_replaced
+from .incarnations import Replaced, Stale, check_accepted, handshake_unless_replaced
 from .planes import PlaneOffers, choose_cpu_plane
 from .wire import PROTOCOL_VERSION, Hello, Message, Registry
 
@@ -103,7 +103,7 @@ class Connector:
         self._waiting: dict[str, int] = {}
         self._opened: dict[str, asyncio.Event] = {}  # peer -> set when a channel to it is routed (adopt, closed)
         self._dials: set[asyncio.Future[Channel]] = set()  # dials in progress (close() stops them)
-        self._refused: set[tuple[str, int]] = set()  # stale incarnations refused (logged once each)
+        self._stale = Stale()  # incarnations found replaced (refused at once), first-connection look-ups running
         self._handshaking = 0
         self.fences = Fences()  # the peers' ended channels, which their new channels wait for (transport.fence)
         self._holder_ids = itertools.count(1)
@@ -198,21 +198,21 @@ class Connector:
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
             have = self.channels.get(remote.name)  # (a store that does not answer within 1 s: the newer one wins)
             current, look = await check_accepted(ep, have, remote, min(end, time.monotonic() + _REPLACED_LOOKUP_S),
-                                                 known=have is not None or self.fences.known(remote.name))
+                                                 have is not None or self.fences.known(remote.name), self._stale)
             if ep._state != "open":  # (after every await: close() may have begun meanwhile)
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")
             if current is not None:
-                await refuse_replaced(sock, remote, current, self._refused)
+                await self._stale.refuse(sock, remote, current)
                 return
             channel_id = remote.channel_id or f"{remote.name}->{ep.name}"
             if self.fences.refuse_late(remote.name, channel_id):  # (a later channel's Hello named it lost)
                 return
             sock.setblocking(True)
-            ch = self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
+            self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
             adopted = True
             if look is not None:  # (a first connection: broken if the look-up still running names another)
-                unseat_if_replaced(ep, ch, remote, look, self._refused)
+                self._stale.unseat_when_replaced(ep, remote, look, self.all)
         except AuthenticationError as exc:
             log.error("refused a connection from %s: %s; connection closed", addr, exc)
             await hang_up(sock)

@@ -13,11 +13,13 @@ Two cases need a look there, both bounded:
   the store names another incarnation, it is a process that was paused past its replacement's
   start, come back, and must not take the name back; it is told why (a ``Bye`` naming its
   replacement: its ops fail :class:`PeerLostError` saying so) and hung up on
-  (:func:`refuse_replaced`). A restarted peer publishes its record before it dials anyone, so the
+  (:meth:`Stale.refuse`). A restarted peer publishes its record before it dials anyone, so the
   store names it by then. The first connection from a name (no channel to it ever ended here)
   waits for the store only :data:`FIRST_LOOKUP_S`: past that it is adopted, and broken the same
-  way once the look-up, still running, names another incarnation (:func:`unseat_if_replaced`), so
-  a store that stopped answering does not hold up a first connection. Peers known only from their
+  way, every channel of that incarnation, once the look-up, still running, names another
+  (:meth:`Stale.unseat_when_replaced`), so a store that stopped answering does not hold up a first
+  connection; at most :data:`FIRST_LOOKUPS` such look-ups run at once (a burst of first connections
+  beyond that is let in unchecked). Peers known only from their
   address records (``Endpoint.add_peer``, no shared store) are not checked: the newer connection
   wins, as a record added later may name it.
 """
@@ -28,20 +30,21 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, Protocol, TypeVar
 
 from .errors import PeerLostError
 from .handshake import hang_up
 from .wire import Bye, Hello, encode_frame
 
-__all__ = ["FIRST_LOOKUP_S", "RECHECK_S", "Replaced", "check_accepted", "handshake_unless_replaced", "refuse_replaced",
-           "replaced_by", "unseat_if_replaced"]
+__all__ = ["FIRST_LOOKUPS", "FIRST_LOOKUP_S", "RECHECK_S", "Replaced", "Stale", "check_accepted", "handshake_unless_replaced",
+           "replaced_by"]
 
 log = logging.getLogger("transport.endpoint")
 
 RECHECK_S = 1.0  # a dial's handshake unanswered this long looks for a newer incarnation, and again as long
 FIRST_LOOKUP_S = 0.2  # a first connection from a name waits this long for the store (then the look-up goes on)
+FIRST_LOOKUPS = 4  # first-connection look-ups running at once, at most (check_accepted)
 
 
 _T = TypeVar("_T")
@@ -61,6 +64,7 @@ class _Owner(Protocol):
 class _Channel(Protocol):
     incarnation: int
     id: str
+    peer_name: str
 
     @property
     def is_open(self) -> bool: ...
@@ -87,14 +91,88 @@ async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline
     return cur.incarnation if cur is not None and cur.incarnation != remote.incarnation else None
 
 
+def _why(remote: Hello, current: int) -> str:
+    return (f"refused: incarnation {remote.incarnation:#x} of {remote.name!r} was replaced by incarnation "
+            f"{current:#x} (the store names it; this process was paused past its replacement's start?)")
+
+
+class Stale:
+    """The incarnations found replaced (name, incarnation) -> the one that replaced it, for the
+    latest 1024: a connection from one is refused at once, without asking the store again (also
+    one whose earlier channel of the same incarnation is still open: :meth:`Stale.unseat_when_replaced`
+    closes those). Each is logged once. Event loop. ``looking``: first-connection look-ups running."""
+
+    def __init__(self) -> None:
+        self._by: dict[tuple[str, int], int] = {}
+        self.looking = 0
+
+    def get(self, remote: Hello) -> int | None:
+        return self._by.get((remote.name, remote.incarnation))
+
+    def add(self, remote: Hello, current: int, why: str) -> None:
+        key = (remote.name, remote.incarnation)
+        if key not in self._by:
+            log.warning("connection from %r %s", remote.name, why)
+            if len(self._by) >= 1024:
+                del self._by[next(iter(self._by))]
+        self._by[key] = current
+
+    def unseat_when_replaced(self, ep: _Owner, remote: Hello, look: asyncio.Task[int | None],
+                             channels: Iterable[_Channel]) -> None:
+        """Event loop: once ``look`` (:func:`check_accepted`'s, for a channel adopted from ``remote``)
+        names another incarnation, every open channel of ``channels`` from that incarnation of the
+        name is told why (a ``Bye``, after our copies into the peer's memory ended:
+        :meth:`~transport.channel.Channel.close`) and broken; their ops fail :class:`PeerLostError`,
+        and the next op to the name dials the incarnation the store names. From then on that
+        incarnation's connections are refused at once."""
+        async def unseat(ch: _Channel, why: str) -> None:
+            await asyncio.to_thread(ch.close, why, 1.0, PeerLostError(f"channel {ch.id}: {why}"))
+
+        def done(f: asyncio.Task[int | None]) -> None:
+            current = None if f.cancelled() or f.exception() is not None else f.result()
+            if current is None:
+                return
+            why = _why(remote, current)
+            self.add(remote, current, why)
+            for ch in list(channels):
+                if ch.is_open and ch.peer_name == remote.name and ch.incarnation == remote.incarnation:
+                    ep._spawn(unseat(ch, why))
+
+        look.add_done_callback(done)
+
+    async def refuse(self, sock: socket.socket, remote: Hello, current: int) -> None:
+        """Tell ``remote``'s (stale) incarnation that ``current`` holds its name, and hang up (noted
+        here: logged once per incarnation, so a stale process retrying does not flood the log)."""
+        why = _why(remote, current)
+        self.add(remote, current, why)
+        with contextlib.suppress(OSError):
+            await asyncio.get_running_loop().sock_sendall(sock, encode_frame(Bye(why)))
+        await hang_up(sock)
+
+
 async def check_accepted(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float,
-                         known: bool) -> tuple[int | None, asyncio.Task[int | None] | None]:
+                         known: bool, stale: Stale) -> tuple[int | None, asyncio.Task[int | None] | None]:
     """Whether to refuse ``remote``'s connection: ``(current, None)``, ``current`` the incarnation
-    that replaced it (:func:`replaced_by`, bounded by ``deadline``) or None. ``known`` False (no
-    channel to the name ever ended here, none is open): the look-up is waited for only
-    :data:`FIRST_LOOKUP_S`; past that ``(None, look)``, the look-up still running (a task of
-    ``ep``'s): hand it to :func:`unseat_if_replaced` once the channel is adopted, or cancel it."""
+    that replaced it (``stale``'s, else :func:`replaced_by`, bounded by ``deadline``) or None.
+    ``known`` False (no channel to the name ever ended here, none is open): the look-up is waited
+    for only :data:`FIRST_LOOKUP_S`; past that ``(None, look)``, the look-up still running (a task
+    of ``ep``'s): hand it to :meth:`Stale.unseat_when_replaced` once the channel is adopted, or cancel it.
+    At most :data:`FIRST_LOOKUPS` such look-ups run at once (they share the store's one thread with
+    our dials): a first connection beyond that is let in unchecked (logged at debug level)."""
+    if (current := stale.get(remote)) is not None:
+        return current, None
+    if not known and stale.looking >= FIRST_LOOKUPS:
+        log.debug("connection from %r: %d first-connection look-ups already running; not checked",
+                  remote.name, stale.looking)
+        return None, None
     look = ep._spawn(replaced_by(ep, have, remote, deadline))
+    if not known:
+        stale.looking += 1
+
+        def ended(_: asyncio.Task[int | None]) -> None:
+            stale.looking -= 1
+
+        look.add_done_callback(ended)
     try:
         if known:
             return await look, None
@@ -103,48 +181,6 @@ async def check_accepted(ep: _Owner, have: _Channel | None, remote: Hello, deadl
         look.cancel()
         raise
     return (look.result(), None) if done else (None, look)
-
-
-def _why(remote: Hello, current: int) -> str:
-    return (f"refused: incarnation {remote.incarnation:#x} of {remote.name!r} was replaced by incarnation "
-            f"{current:#x} (the store names it; this process was paused past its replacement's start?)")
-
-
-def _log_once(remote: Hello, why: str, refused: set[tuple[str, int]]) -> None:
-    if (remote.name, remote.incarnation) not in refused:
-        if len(refused) > 1024:
-            refused.clear()
-        refused.add((remote.name, remote.incarnation))
-        log.warning("connection from %r %s", remote.name, why)
-
-
-def unseat_if_replaced(ep: _Owner, ch: _Channel, remote: Hello, look: asyncio.Task[int | None],
-                       refused: set[tuple[str, int]]) -> None:
-    """Event loop: once ``look`` (:func:`check_accepted`'s, for the adopted channel ``ch`` from
-    ``remote``) names another incarnation, ``ch`` is told why (a ``Bye``, after our copies into the
-    peer's memory ended: :meth:`~transport.channel.Channel.close`) and broken; its ops fail
-    :class:`PeerLostError`, and the next op to the name dials the incarnation the store names."""
-    async def unseat(current: int) -> None:
-        why = _why(remote, current)
-        _log_once(remote, why, refused)
-        await asyncio.to_thread(ch.close, why, 1.0, PeerLostError(f"channel {ch.id}: {why}"))
-
-    def done(f: asyncio.Task[int | None]) -> None:
-        current = None if f.cancelled() or f.exception() is not None else f.result()
-        if current is not None and ch.is_open:
-            ep._spawn(unseat(current))
-
-    look.add_done_callback(done)
-
-
-async def refuse_replaced(sock: socket.socket, remote: Hello, current: int, refused: set[tuple[str, int]]) -> None:
-    """Tell ``remote``'s (stale) incarnation that ``current`` holds its name, and hang up. Logged
-    once per incarnation in ``refused`` (a stale process retrying does not flood the log)."""
-    why = _why(remote, current)
-    _log_once(remote, why, refused)
-    with contextlib.suppress(OSError):
-        await asyncio.get_running_loop().sock_sendall(sock, encode_frame(Bye(why)))
-    await hang_up(sock)
 
 
 async def handshake_unless_replaced(ep: _Owner, hs: Coroutine[Any, Any, _T], peer: str, rec: Any,
