@@ -38,6 +38,13 @@ async def handle(ep: Any, state: dict[str, Any], cmd: str, a: tuple[Any, ...]) -
         except Exception as exc:  # noqa: BLE001 - the test reads it
             return f"{type(exc).__name__}: {exc}"
         return None
+    if cmd == "fork_and_exit":  # this process exits; a forked child keeps every descriptor (the channels'
+        if os.fork() == 0:  # sockets: no EOF reaches the peers) for `a[0]` seconds
+            import time
+
+            time.sleep(a[0])  # noqa: ASYNC251 - the forked child only waits, then exits
+            os._exit(0)
+        os._exit(0)
     if cmd == "peer_names":  # the peers this endpoint has an open channel with
         return sorted(ep.peers)
     return NOT_MINE

@@ -444,3 +444,38 @@ async def test_a_burst_of_first_connections_runs_a_bounded_number_of_store_look_
             assert not a._rdv._client.broken, "a look-up timed out: A's shared store client was dropped"
     finally:
         await proxy.stop()
+
+
+async def test_an_incarnation_refused_while_another_was_named_is_let_in_once_that_record_is_withdrawn(
+        store_url, uname, monkeypatch):
+    """A is alive; another endpoint of its name (incarnation 0x77) publishes, then withdraws (its open
+    failed). A's connection to E while 0x77 was named is refused, and again at once within STALE_S
+    (0.5 s here); after that E asks the store again, which names no one now, and lets A in. (E
+    refused A for good, blaming 0x77, which no longer existed; found by a review.)"""
+    from torch.distributed import TCPStore
+
+    from transport import incarnations
+    from transport.hostinfo import local_host
+    from transport.rendezvous import _PREFIX, EndpointRecord, _rec_encoder
+
+    monkeypatch.setattr(incarnations, "STALE_S", 0.5)
+    name = uname("a")
+    store = TCPStore(*parse_store_url(store_url), is_master=False, wait_for_workers=False)
+    async with transport.Endpoint(uname("e"), store=store_url, timeout=10) as e:
+        y = torch.zeros(16, dtype=torch.uint8)
+        e.register("y", y)
+        a = RemoteEndpoint(name, store=store_url, timeout=10)
+        try:
+            other = _rec_encoder.encode(EndpointRecord(name, "127.0.0.1", 9, 0x77, local_host(), ""))
+            store.set(_PREFIX + name, other)  # the other incarnation publishes
+            err = await asyncio.to_thread(a.call, "put_error", e.name, {"y": ("uint8", [16], 1)}, 3.0)
+            assert "refused" in err, err
+            store.compare_set(_PREFIX + name, other, b"")  # ... and withdraws (Rendezvous.withdraw)
+            await asyncio.sleep(0.6)
+            err = await asyncio.to_thread(a.call, "put_error", e.name, {"y": ("uint8", [16], 2)}, 5.0)
+            assert err == "", f"the store names no other incarnation of {name!r} now, yet A is refused: {err}"
+            from tests._remote import make_tensor
+
+            assert torch.equal(y, make_tensor("uint8", (16,), 2))
+        finally:
+            a.kill()

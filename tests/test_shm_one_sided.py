@@ -264,3 +264,28 @@ async def test_kept_views_follow_the_peers_registry(store_url, uname, monkeypatc
             await a.put(b.name, {"other": torch.ones(10)}, notify=b"n")  # (its registry update reached a first)
             assert torch.equal(other, torch.ones(10))
             assert inode not in plane._shaped and inode not in plane._maps
+
+
+async def test_a_one_sided_put_to_a_peer_that_exited_says_so_while_the_channel_is_still_open(store_url, uname):
+    """The peer's process exits while a forked child keeps the channel's socket (no EOF yet): the put's
+    copy lands in memory nobody owns, and the slot table's check says so ("... exited ... went
+    nowhere"). It read "channel to 'x' is closed" (an open channel), the cause dropped (found by a review)."""
+    from tests._remote import RemoteEndpoint
+
+    tgt = RemoteEndpoint(uname("tgt"), store=store_url, planes=("shm",), commands="tests._lifecycle_remote")
+    try:
+        tgt.call("register", "w", "float32", (1024,))
+        async with transport.Endpoint(uname("ini"), store=store_url, planes=("shm",), timeout=5,
+                                      heartbeat_interval=1.0, heartbeat_timeout=30.0) as ep:
+            for _ in range(2):  # (maps the segment and the slot table: the next put is one-sided, on the loop)
+                await ep.put(tgt.name, {"w": torch.ones(1024)}, timeout=5)
+            tgt.start("fork_and_exit", 20.0)
+            await asyncio.to_thread(tgt.proc.join, 10)
+            assert not tgt.proc.is_alive()
+            ch = ep._connector.channels[tgt.name]
+            assert ch.is_open  # (the child holds the socket)
+            with pytest.raises(transport.PeerLostError) as got:
+                await ep.put(tgt.name, {"w": torch.ones(1024)}, timeout=5)
+            assert "exited" in str(got.value), f"channel open={ch.is_open}, error: {got.value}"
+    finally:
+        tgt.kill()

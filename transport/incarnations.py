@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Coroutine, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -37,7 +38,7 @@ from .errors import PeerLostError
 from .handshake import hang_up
 from .wire import Bye, Hello, encode_frame
 
-__all__ = ["FIRST_LOOKUPS", "FIRST_LOOKUP_S", "RECHECK_S", "Replaced", "Stale", "check_accepted", "handshake_unless_replaced",
+__all__ = ["FIRST_LOOKUPS", "FIRST_LOOKUP_S", "RECHECK_S", "STALE_S", "Replaced", "Stale", "check_accepted", "handshake_unless_replaced",
            "replaced_by"]
 
 log = logging.getLogger("transport.endpoint")
@@ -45,6 +46,7 @@ log = logging.getLogger("transport.endpoint")
 RECHECK_S = 1.0  # a dial's handshake unanswered this long looks for a newer incarnation, and again as long
 FIRST_LOOKUP_S = 0.2  # a first connection from a name waits this long for the store (then the look-up goes on)
 FIRST_LOOKUPS = 4  # first-connection look-ups running at once, at most (check_accepted)
+STALE_S = 10.0  # an incarnation found replaced is refused at once this long (then the store is asked again)
 
 
 _T = TypeVar("_T")
@@ -98,16 +100,19 @@ def _why(remote: Hello, current: int) -> str:
 
 class Stale:
     """The incarnations found replaced (name, incarnation) -> the one that replaced it, for the
-    latest 1024: a connection from one is refused at once, without asking the store again (also
-    one whose earlier channel of the same incarnation is still open: :meth:`Stale.unseat_when_replaced`
-    closes those). Each is logged once. Event loop. ``looking``: first-connection look-ups running."""
+    latest 1024: a connection from one within :data:`STALE_S` of that finding is refused at once,
+    without asking the store again (also one whose earlier channel of the same incarnation is still
+    open: :meth:`Stale.unseat_when_replaced` is closing those); later ones ask again (the record
+    that named another may have been withdrawn since). Each is logged once. Event loop.
+    ``looking``: first-connection look-ups running."""
 
     def __init__(self) -> None:
-        self._by: dict[tuple[str, int], int] = {}
+        self._by: dict[tuple[str, int], tuple[int, float]] = {}
         self.looking = 0
 
     def get(self, remote: Hello) -> int | None:
-        return self._by.get((remote.name, remote.incarnation))
+        found = self._by.get((remote.name, remote.incarnation))
+        return found[0] if found is not None and time.monotonic() - found[1] < STALE_S else None
 
     def add(self, remote: Hello, current: int, why: str) -> None:
         key = (remote.name, remote.incarnation)
@@ -115,7 +120,7 @@ class Stale:
             log.warning("connection from %r %s", remote.name, why)
             if len(self._by) >= 1024:
                 del self._by[next(iter(self._by))]
-        self._by[key] = current
+        self._by[key] = (current, time.monotonic())
 
     def unseat_when_replaced(self, ep: _Owner, remote: Hello, look: asyncio.Task[int | None],
                              channels: Iterable[_Channel]) -> None:

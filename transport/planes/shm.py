@@ -197,8 +197,8 @@ class ShmPlane(DataPlane):
         if view_of is not None:
             try:
                 view_of.enter(slots, [it.name for it, _, _ in jobs])
-            except PeerLostError:  # (its table closed with the channel: say why it closed)
-                raise closed_error(self.channel) from None
+            except PeerLostError as exc:  # (its table closed with the channel: say why it closed)
+                raise exc if self.channel.is_open else closed_error(self.channel) from exc
         try:
             for (_, t, _), remote in zip(jobs, views, strict=True):
                 if op.abandoned or not self._copy_one(op, t, remote, into_peer):
@@ -347,8 +347,8 @@ class ShmPlane(DataPlane):
                             table.check(slots, into_peer)
                         finally:
                             table.leave([s for s, _ in slots])
-                except PeerLostError:
-                    raise closed_error(ch) from None
+                except PeerLostError as exc:  # (not the peer's exit found by a check: the channel is open then)
+                    raise exc if ch.is_open else closed_error(ch) from exc
             if not ch.is_open:  # the peer died (or the channel broke) during the copy: its bytes went nowhere
                 raise closed_error(ch, "was lost during the copy")
         except BaseException as exc:
