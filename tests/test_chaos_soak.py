@@ -11,7 +11,10 @@ in modes staged, swap, direct and shared. Every 2-4 s a random healthy generator
 - ``kill``: SIGKILL, then a new process under the same name (a new incarnation, version 0);
 - ``stop``: SIGSTOP for 0.5-5 s, then SIGCONT;
 - ``sockets``: its transport sockets are destroyed from outside (``ss -K``, both ends reset);
-  left out, with the reason printed, where the kernel or the privileges do not allow it.
+  left out, with the reason printed, where the kernel or the privileges do not allow it;
+- ``zombie``: SIGSTOP, a new process under the same name (published: the store names it), then
+  SIGCONT: the stale process runs beside its replacement for 2-4 s, then is killed. It must not
+  take the name back: it commits no version pushed after its replacement came up.
 
 Checked: every push returns within its bound (connect_timeout + timeout + a margin); no reader
 (a thread reading under ``hold_blocking()`` all along, hashing the weights) ever sees bytes
@@ -189,11 +192,12 @@ class Gen:
         self.conn.close()
         self.proc = None
 
-    def status(self, timeout: float = 30.0) -> dict[str, Any]:
-        self.conn.send("status")
-        if not self.conn.poll(timeout):
+    def status(self, timeout: float = 30.0, conn: Any = None) -> dict[str, Any]:
+        conn = conn or self.conn
+        conn.send("status")
+        if not conn.poll(timeout):
             raise AssertionError(f"{self.name}: no status within {timeout} s")
-        status, value = self.conn.recv()
+        status, value = conn.recv()
         assert status == "ok", f"{self.name}: {value}"
         return value
 
@@ -214,7 +218,7 @@ async def test_chaos_soak(store_url, uname, tmp_path):
     seed = int(os.environ.get("SOAK_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     no_sockets = socket_kill_unavailable()
-    kinds = ["kill", "stop"] + ([] if no_sockets else ["sockets"])
+    kinds = ["kill", "stop", "zombie"] + ([] if no_sockets else ["sockets"])
     print(f"\nchaos soak: seed {seed} (SOAK_SEED={seed} replays it), {SOAK_SECONDS:.0f} s of faults, kinds "
           f"{kinds}" + (f"; 'sockets' left out: {no_sockets}" if no_sockets else ""))
     gens = [Gen(i, uname(f"soak{i}"), mode, store_url, tmp_path) for i, mode in enumerate(MODES)]
@@ -264,6 +268,28 @@ async def test_chaos_soak(store_url, uname, tmp_path):
                     finally:
                         os.kill(g.pid, signal.SIGCONT)
                     rec["detail"] = f"{secs:.1f} s"
+                elif kind == "zombie":
+                    old_proc, old_conn, old_pid = g.proc, g.conn, g.pid
+                    os.kill(old_pid, signal.SIGSTOP)
+                    try:
+                        g.sample("last")
+                        await asyncio.to_thread(g.start)  # the replacement: published, subscribed
+                        since = pushes[-1]["version"] if pushes else 0  # later versions are the replacement's
+                    finally:
+                        os.kill(old_pid, signal.SIGCONT)
+                    await asyncio.sleep(rng.uniform(2.0, 4.0))  # the stale process runs beside it
+                    try:
+                        st = await asyncio.to_thread(g.status, 10.0, old_conn)
+                        held = st["version"]
+                    except (AssertionError, OSError, EOFError) as exc:
+                        held = None
+                        rec["detail"] = f"(no status from the stale process: {exc}) "
+                    old_proc.kill()
+                    await asyncio.to_thread(old_proc.join, 10)
+                    old_conn.close()
+                    rec["detail"] += f"pid {old_pid} (held v{held}) -> {g.pid}, pushes from v{since + 1}"
+                    if held is not None and held > since + 1:  # (v since + 1 may have begun before the start)
+                        rec["stale_commit"] = held
                 else:
                     socks = [s for s in tcp_sockets(g.pid) if s[1][1] == ep.address[1] or s[0][1] == g.port]
                     done = [await asyncio.to_thread(destroy, *s) for s in socks]
@@ -373,6 +399,10 @@ async def test_chaos_soak(store_url, uname, tmp_path):
             hit = [(at, err) for at, err, t0 in fails[f["gen"]] if at >= f["start"]
                    and (f["recovered"] is None or at <= f["recovered"])]
             f["detected"] = (hit[0][0] - f["start"], hit[0][1]) if hit else None
+        stale = [f for f in faults if f.get("stale_commit") is not None]
+        if stale:
+            problems.append("a stale incarnation committed a version pushed after its replacement came up: "
+                            + "; ".join(f"{f['gen']} ({f['detail']})" for f in stale))
         unsurvived = [f for f in faults if f["recovered"] is None or f["recovered"] - f["end"] > RECOVER_S]
         if unsurvived:
             problems.append("faults not survived (no commit within "
