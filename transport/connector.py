@@ -198,7 +198,8 @@ class Connector:
                 await asyncio.sleep(0.002)                           # returns: a peer may dial in between)
             have = self.channels.get(remote.name)  # (a store that does not answer within 1 s: the newer one wins)
             current, look = await check_accepted(ep, have, remote, min(end, time.monotonic() + _REPLACED_LOOKUP_S),
-                                                 have is not None or self.fences.known(remote.name), self._stale)
+                                                 known=have is not None or self.fences.known(remote.name),
+                                                 stale=self._stale)
             if ep._state != "open":  # (after every await: close() may have begun meanwhile)
                 raise EndpointClosedError("endpoint is closing" if ep._state != "opening" else
                                           f"endpoint still opening after {ep.timeout} s")
