@@ -479,3 +479,44 @@ async def test_an_incarnation_refused_while_another_was_named_is_let_in_once_tha
             assert torch.equal(y, make_tensor("uint8", (16,), 2))
         finally:
             a.kill()
+
+
+async def test_a_paused_incarnation_whose_channel_survived_the_pause_loses_the_name_to_its_replacement(
+        store_url, uname):
+    """B1 talks to A; B1 is paused (SIGSTOP) for less than A's heartbeat timeout, long enough for B2 to
+    start under the same name (published; B2 does not dial A). B1 runs again: its channel to A never
+    broke. A hears B1 again after a silence of over 2 heartbeat intervals, asks the store, which names
+    B2: A closes B1's channel, telling it why, and A's next put reaches B2. (A went on putting into B1:
+    nothing asked the store while the channel stayed open; found by the chaos soak's zombie fault.)"""
+    from tests._remote import wait_stopped
+
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=20, heartbeat_interval=0.2,
+                                  heartbeat_timeout=30.0) as a:
+        b1 = RemoteEndpoint(name, store=store_url, timeout=20, commands="tests._lifecycle_remote")
+        b2 = None
+        try:
+            b1.call("register", "x", "uint8", [16])
+            await a.put(name, {"x": torch.full((16,), 1, dtype=torch.uint8)}, timeout=10)
+            b1.signal(signal.SIGSTOP)
+            wait_stopped(b1.pid, 10)
+            try:
+                b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20,
+                                             commands="tests._lifecycle_remote")
+                b2.call("register", "x", "uint8", [16])
+                await asyncio.sleep(0.5)  # (at least 2 heartbeat intervals of silence, whatever B2's start took)
+            finally:
+                b1.signal(signal.SIGCONT)
+            end = time.monotonic() + 10
+            while a.peer(name) is not None and a.peer(name).incarnation == b1.incarnation:
+                assert time.monotonic() < end, "A still routes the name to the paused incarnation"
+                await asyncio.sleep(0.05)
+            await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+            assert a.peer(name).incarnation == b2.incarnation
+            assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
+            names = await asyncio.to_thread(b1.call, "peer_names")
+            assert a.name not in names, f"B1's channel to A is still open: {names}"
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()

@@ -463,12 +463,14 @@ class Connector:
                     pass
 
     def tick(self, now: float, interval: float, timeout: float) -> None:
-        """The heartbeat of every channel (event loop): pings idle ones, loses silent ones."""
+        """The heartbeat of every channel (event loop): pings idle ones, loses silent ones, checks the
+        incarnation of those heard again after a silence (:meth:`Stale.after_silence`)."""
         for ch in list(self.all):
             try:
                 ch.tick(now, interval, timeout)
             except PeerLostError:
                 pass
+        self._stale.after_silence(self.ep, self.all, now, interval)
 
     @staticmethod
     async def drain_posts(chans: list[Channel], timeout: float) -> None:

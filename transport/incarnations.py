@@ -32,6 +32,7 @@ import logging
 import socket
 import time
 from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from .errors import PeerLostError
@@ -46,6 +47,7 @@ log = logging.getLogger("transport.endpoint")
 RECHECK_S = 1.0  # a dial's handshake unanswered this long looks for a newer incarnation, and again as long
 FIRST_LOOKUP_S = 0.2  # a first connection from a name waits this long for the store (then the look-up goes on)
 FIRST_LOOKUPS = 4  # first-connection look-ups running at once, at most (check_accepted)
+_SILENCE_LOOKUP_S = 1.0  # the store look-up of a channel heard again after a silence (Stale.after_silence)
 STALE_S = 10.0  # an incarnation found replaced is refused at once this long (then the store is asked again)
 
 
@@ -67,6 +69,7 @@ class _Channel(Protocol):
     incarnation: int
     id: str
     peer_name: str
+    last_rx: float  # (time.monotonic() of the latest bytes from the peer)
 
     @property
     def is_open(self) -> bool: ...
@@ -74,7 +77,20 @@ class _Channel(Protocol):
     def close(self, reason: str, timeout: float = 1.0, error: BaseException | None = None) -> None: ...
 
 
-async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline: float) -> int | None:
+class _Named(Protocol):  # (a Hello, or _Who)
+    @property
+    def name(self) -> str: ...
+    @property
+    def incarnation(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Who:
+    name: str
+    incarnation: int
+
+
+async def replaced_by(ep: _Owner, have: _Channel | None, remote: _Named, deadline: float) -> int | None:
     """The incarnation that replaced ``remote`` (a peer that dialled us), or None: the store names
     another incarnation of its name (whether or not ``have``, our channel to it, is open: ours to the
     stale one may have been lost while it was paused, and its replacement not have dialled us yet). A peer
@@ -93,7 +109,7 @@ async def replaced_by(ep: _Owner, have: _Channel | None, remote: Hello, deadline
     return cur.incarnation if cur is not None and cur.incarnation != remote.incarnation else None
 
 
-def _why(remote: Hello, current: int) -> str:
+def _why(remote: _Named, current: int) -> str:
     return (f"refused: incarnation {remote.incarnation:#x} of {remote.name!r} was replaced by incarnation "
             f"{current:#x} (the store names it; this process was paused past its replacement's start?)")
 
@@ -104,17 +120,48 @@ class Stale:
     without asking the store again (also one whose earlier channel of the same incarnation is still
     open: :meth:`Stale.unseat_when_replaced` is closing those); later ones ask again (the record
     that named another may have been withdrawn since). Each is logged once. Event loop.
-    ``looking``: first-connection look-ups running."""
+    ``looking``: first-connection (and after-silence) look-ups running."""
 
     def __init__(self) -> None:
         self._by: dict[tuple[str, int], tuple[int, float]] = {}
         self.looking = 0
+        self._silent: set[Any] = set()  # open channels whose peer was silent for 2 heartbeat intervals
 
-    def get(self, remote: Hello) -> int | None:
+    def get(self, remote: _Named) -> int | None:
         found = self._by.get((remote.name, remote.incarnation))
         return found[0] if found is not None and time.monotonic() - found[1] < STALE_S else None
 
-    def add(self, remote: Hello, current: int, why: str) -> None:
+    def count(self, look: asyncio.Task[int | None]) -> None:
+        """``look`` is one of the look-ups bounded by :data:`FIRST_LOOKUPS` (``looking``)."""
+        self.looking += 1
+
+        def ended(_: asyncio.Task[int | None]) -> None:
+            self.looking -= 1
+
+        look.add_done_callback(ended)
+
+    def after_silence(self, ep: _Owner, channels: set[Any], now: float, interval: float) -> None:
+        """Event loop, at every heartbeat (``now``: ``time.monotonic()``): an open channel whose peer
+        was silent for 2 heartbeat intervals (frozen, or cut off) and is heard again is checked
+        against the store, as a first connection is (at most :data:`FIRST_LOOKUPS` look-ups at
+        once; the rest wait for a later beat): a process paused past its replacement's start that
+        comes back on a channel that never broke must not keep the name. Nothing asked the store
+        while that channel stayed open, so our ops went on reaching the paused process and never
+        its replacement (found by the chaos soak's ``zombie`` fault)."""
+        for ch in list(channels):
+            if not ch.is_open:
+                continue
+            if now - ch.last_rx >= 2 * interval:
+                self._silent.add(ch)
+            elif ch in self._silent and self.looking < FIRST_LOOKUPS:
+                self._silent.discard(ch)
+                who = _Who(ch.peer_name, ch.incarnation)
+                look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
+                self.count(look)
+                self.unseat_when_replaced(ep, who, look, channels)
+        self._silent = {c for c in self._silent if c.is_open}
+
+    def add(self, remote: _Named, current: int, why: str) -> None:
         key = (remote.name, remote.incarnation)
         if key not in self._by:
             log.warning("connection from %r %s", remote.name, why)
@@ -122,7 +169,7 @@ class Stale:
                 del self._by[next(iter(self._by))]
         self._by[key] = (current, time.monotonic())
 
-    def unseat_when_replaced(self, ep: _Owner, remote: Hello, look: asyncio.Task[int | None],
+    def unseat_when_replaced(self, ep: _Owner, remote: _Named, look: asyncio.Task[int | None],
                              channels: Iterable[_Channel]) -> None:
         """Event loop: once ``look`` (:func:`check_accepted`'s, for a channel adopted from ``remote``)
         names another incarnation, every open channel of ``channels`` from that incarnation of the
@@ -172,12 +219,7 @@ async def check_accepted(ep: _Owner, have: _Channel | None, remote: Hello, deadl
         return None, None
     look = ep._spawn(replaced_by(ep, have, remote, deadline))
     if not known:
-        stale.looking += 1
-
-        def ended(_: asyncio.Task[int | None]) -> None:
-            stale.looking -= 1
-
-        look.add_done_callback(ended)
+        stale.count(look)
     try:
         if known:
             return await look, None
