@@ -125,7 +125,7 @@ class Stale:
     def __init__(self) -> None:
         self._by: dict[tuple[str, int], tuple[int, float]] = {}
         self.looking = 0
-        self._silent: set[Any] = set()  # open channels whose peer was silent for 2 heartbeat intervals
+        self._silent: dict[Any, float] = {}  # open channels whose peer is (was) silent -> when last checked
 
     def get(self, remote: _Named) -> int | None:
         found = self._by.get((remote.name, remote.incarnation))
@@ -142,24 +142,30 @@ class Stale:
 
     def after_silence(self, ep: _Owner, channels: set[Any], now: float, interval: float) -> None:
         """Event loop, at every heartbeat (``now``: ``time.monotonic()``): an open channel whose peer
-        was silent for 2 heartbeat intervals (frozen, or cut off) and is heard again is checked
-        against the store, as a first connection is (at most :data:`FIRST_LOOKUPS` look-ups at
-        once; the rest wait for a later beat): a process paused past its replacement's start that
-        comes back on a channel that never broke must not keep the name. Nothing asked the store
-        while that channel stayed open, so our ops went on reaching the paused process and never
-        its replacement (found by the chaos soak's ``zombie`` fault)."""
+        has been silent for 2 heartbeat intervals (frozen, or cut off) is checked against the store,
+        as a first connection is, then every :data:`RECHECK_S` while the silence lasts, and once more
+        when it is heard again (at most :data:`FIRST_LOOKUPS` look-ups at once; the rest wait for a
+        later beat): a process paused past its replacement's start must not keep the name on a
+        channel that never broke. Nothing asked the store while that channel stayed open, so our
+        ops went on reaching the paused process once it ran again, and never its replacement
+        (found by the chaos soak's ``zombie`` fault)."""
         for ch in list(channels):
-            if not ch.is_open:
+            if not ch.is_open or self.looking >= FIRST_LOOKUPS:
                 continue
+            checked = self._silent.get(ch)
             if now - ch.last_rx >= 2 * interval:
-                self._silent.add(ch)
-            elif ch in self._silent and self.looking < FIRST_LOOKUPS:
-                self._silent.discard(ch)
-                who = _Who(ch.peer_name, ch.incarnation)
-                look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
-                self.count(look)
-                self.unseat_when_replaced(ep, who, look, channels)
-        self._silent = {c for c in self._silent if c.is_open}
+                if checked is not None and now - checked < RECHECK_S:
+                    continue
+                self._silent[ch] = now
+            elif checked is None:
+                continue
+            else:
+                del self._silent[ch]
+            who = _Who(ch.peer_name, ch.incarnation)
+            look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
+            self.count(look)
+            self.unseat_when_replaced(ep, who, look, channels)
+        self._silent = {c: t for c, t in self._silent.items() if c.is_open}
 
     def add(self, remote: _Named, current: int, why: str) -> None:
         key = (remote.name, remote.incarnation)
