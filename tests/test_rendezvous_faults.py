@@ -189,6 +189,8 @@ class _StallableProxy:
     """A TCP proxy in front of the store that can stop forwarding (a store host that stopped
     answering for a while: overloaded, or a network partition to it)."""
 
+    delay = 0.0  # (s each way: _SlowProxy)
+
     def __init__(self, store_url: str) -> None:
         self.host, self.port = parse_store_url(store_url)
         self.stalled = False
@@ -204,6 +206,8 @@ class _StallableProxy:
             while data := await r.read(65536):
                 while self.stalled:
                     await asyncio.sleep(0.01)
+                if self.delay:
+                    await asyncio.sleep(self.delay)
                 w.write(data)
                 await w.drain()
         except (OSError, asyncio.CancelledError):
@@ -273,6 +277,17 @@ async def _stale_and_replacement(store_url: str, name: str) -> tuple[RemoteEndpo
     return b1, b2
 
 
+async def _refused_and_replaced(a: transport.Endpoint, name: str, b1: RemoteEndpoint, b2: RemoteEndpoint,
+                                value: int) -> None:
+    """B1's notified put to A (a message A has to serve) fails, saying B1 was replaced; A's put to the
+    name reaches B2 alone."""
+    err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, value, 5.0, b"stale", timeout=30)
+    assert err is not None and "PeerLostError" in err and "replaced" in err, err
+    await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
+    assert a.peer(name).incarnation == b2.incarnation
+    assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
+
+
 async def test_a_paused_incarnation_that_never_talked_to_us_does_not_take_the_name(store_url, uname):
     """B1 is paused before it ever talked to A, and replaced by B2 (published). B1 runs again and
     dials A: its first connection to A. A refuses it (the store names B2) and tells it why; A's
@@ -283,11 +298,7 @@ async def test_a_paused_incarnation_that_never_talked_to_us_does_not_take_the_na
         a.register("y", torch.zeros(16, dtype=torch.uint8))
         b1, b2 = await _stale_and_replacement(store_url, name)
         try:
-            err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 3, 5.0, b"stale", timeout=30)
-            assert err is not None and "PeerLostError" in err and "replaced" in err, err
-            await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
-            assert a.peer(name).incarnation == b2.incarnation
-            assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
+            await _refused_and_replaced(a, name, b1, b2, 3)
         finally:
             b1.kill()
             b2.kill()
@@ -324,11 +335,7 @@ async def test_a_stale_first_connection_adopted_while_the_store_was_slow_is_brok
                     await asyncio.sleep(0.01)
                 assert a.peer(name) is None, "A still routes the name to the stale incarnation"
                 await asyncio.wait_for(put, 30)  # (it may have landed: it came before the store answered)
-                err = await asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 4, 5.0, b"again", timeout=30)
-                assert err is not None and "PeerLostError" in err and "replaced" in err, err
-                await a.put(name, {"x": torch.full((16,), 9, dtype=torch.uint8)}, timeout=10)
-                assert a.peer(name).incarnation == b2.incarnation
-                assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
+                await _refused_and_replaced(a, name, b1, b2, 4)
             finally:
                 b1.kill()
                 b2.kill()
@@ -388,17 +395,6 @@ class _SlowProxy(_StallableProxy):
     """The store behind a link with ``delay`` s each way (a store host across a slow network)."""
 
     delay = 0.02
-
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while data := await r.read(65536):
-                await asyncio.sleep(self.delay)
-                w.write(data)
-                await w.drain()
-        except (OSError, asyncio.CancelledError):
-            pass
-        finally:
-            w.close()
 
 
 async def test_a_burst_of_first_connections_runs_a_bounded_number_of_store_look_ups(store_url, uname):
