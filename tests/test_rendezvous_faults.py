@@ -516,3 +516,52 @@ async def test_a_paused_incarnation_whose_channel_survived_the_pause_loses_the_n
             b1.kill()
             if b2 is not None:
                 b2.kill()
+
+
+async def test_a_peer_heard_again_is_checked_first_whatever_the_silent_channels_ahead_of_it():
+    """Stale.after_silence's scheduling (the store and channels stand-ins; the real path is the test
+    above): 4 peers silent for good (dead, or cut off) and a paused one heard again, whose store
+    record names a replacement. The silent ones took every look-up slot at every beat, ahead of it
+    in the set's order: it was never checked and kept the name (found by a review). Now a newly
+    silent (or heard again) one goes first, each silent one is rechecked after 1, 2, 4... s, not at
+    every beat, and the first-connection limit is left alone."""
+    from types import SimpleNamespace
+
+    from transport import incarnations
+
+    class Ch(SimpleNamespace):
+        __hash__ = object.__hash__
+
+        def close(self, reason, timeout=1.0, error=None):
+            self.is_open = False
+            self.reason = reason
+
+    asked: list[str] = []
+
+    async def lookup_now(name, deadline):  # (a slow store: a look-up lasts 3 beats of this test)
+        asked.append(name)
+        await asyncio.sleep(0.25)
+        return SimpleNamespace(incarnation=2 if name == "zombie" else 1)
+
+    tasks: set[asyncio.Task] = set()
+
+    def spawn(coro):
+        t = asyncio.ensure_future(coro)
+        tasks.add(t)
+        return t
+
+    ep = SimpleNamespace(_state="open", _book=SimpleNamespace(lookup=lambda name, skip: None),
+                         _rdv=SimpleNamespace(lookup_now=lookup_now), _spawn=spawn)
+    t0 = time.monotonic()
+    silent = [Ch(peer_name=f"dead{i}", incarnation=1, id=f"d{i}", is_open=True, last_rx=t0 - 5.0) for i in range(4)]
+    zombie = Ch(peer_name="zombie", incarnation=1, id="z", is_open=True, last_rx=t0)
+    channels = [*silent, zombie]  # (a list: the zombie last in the order they are walked)
+    stale = incarnations.Stale()
+    for beat in range(8):  # a beat a second; the zombie falls silent after the first (paused), replaced since
+        stale.after_silence(ep, channels, t0 + beat, 1.0)  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+    await asyncio.gather(*tasks)
+    await asyncio.sleep(0.1)  # (the unseat's thread)
+    assert "zombie" in asked and not zombie.is_open, f"the paused peer was not checked: {asked}"
+    assert "replaced" in zombie.reason and stale.looking == 0 and getattr(stale, "after_looking", 0) == 0
+    assert all(asked.count(f"dead{i}") <= 3 for i in range(4)), asked  # (at 0, 3 and 7 s or so: not at every free beat)

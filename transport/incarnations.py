@@ -61,6 +61,7 @@ class Replaced(Exception):
 class _Owner(Protocol):
     _book: Any  # AddressBook
     _rdv: Any  # Rendezvous
+    _state: str  # "open" while it runs
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
 
@@ -125,7 +126,10 @@ class Stale:
     def __init__(self) -> None:
         self._by: dict[tuple[str, int], tuple[int, float]] = {}
         self.looking = 0
-        self._silent: dict[Any, float] = {}  # open channels whose peer is (was) silent -> when last checked
+        # open channels whose peer is silent -> (when last checked, the wait before the next check)
+        self._silent: dict[Any, tuple[float, float]] = {}
+        self.after_looking = 0  # after_silence's look-ups running
+        self._unseating: set[Any] = set()  # channels being closed by unseat_when_replaced
 
     def get(self, remote: _Named) -> int | None:
         found = self._by.get((remote.name, remote.incarnation))
@@ -143,29 +147,51 @@ class Stale:
     def after_silence(self, ep: _Owner, channels: set[Any], now: float, interval: float) -> None:
         """Event loop, at every heartbeat (``now``: ``time.monotonic()``): an open channel whose peer
         has been silent for 2 heartbeat intervals (frozen, or cut off) is checked against the store,
-        as a first connection is, then every :data:`RECHECK_S` while the silence lasts, and once more
-        when it is heard again (at most :data:`FIRST_LOOKUPS` look-ups at once; the rest wait for a
-        later beat): a process paused past its replacement's start must not keep the name on a
-        channel that never broke. Nothing asked the store while that channel stayed open, so our
-        ops went on reaching the paused process once it ran again, and never its replacement
-        (found by the chaos soak's ``zombie`` fault)."""
+        as a first connection is, again while the silence lasts (after :data:`RECHECK_S`, then twice
+        as long each time, up to 8x), and once more when it is heard again: a process paused past its
+        replacement's start must not keep the name on a channel that never broke. Nothing asked
+        the store while that channel stayed open, so our ops went on reaching the paused process
+        once it ran again, and never its replacement (found by the chaos soak's ``zombie`` fault).
+        Channels heard again go first; at most :data:`FIRST_LOOKUPS` of these look-ups run at once
+        (a limit of their own: first connections keep theirs), one per peer incarnation."""
+        if ep._state != "open":
+            return
+        due: list[tuple[float, Any]] = []
         for ch in list(channels):
-            if not ch.is_open or self.looking >= FIRST_LOOKUPS:
+            if not ch.is_open or ch in self._unseating:
                 continue
-            checked = self._silent.get(ch)
+            state = self._silent.get(ch)
             if now - ch.last_rx >= 2 * interval:
-                if checked is not None and now - checked < RECHECK_S:
-                    continue
-                self._silent[ch] = now
-            elif checked is None:
-                continue
-            else:
-                del self._silent[ch]
+                if state is None:
+                    due.append((0.0, ch))  # (newly silent)
+                elif now - state[0] >= state[1]:
+                    due.append((state[0], ch))  # (its recheck: the oldest first)
+            elif state is not None:
+                due.append((-1.0, ch))  # (heard again: first)
+        due.sort(key=lambda d: d[0])
+        asked: set[tuple[str, int]] = set()
+        for _, ch in due:
             who = _Who(ch.peer_name, ch.incarnation)
+            fresh = (who.name, who.incarnation) not in asked
+            if fresh and self.after_looking >= FIRST_LOOKUPS:
+                continue  # (at a later beat)
+            if now - ch.last_rx >= 2 * interval:  # (its next check: after twice the wait, up to 8x)
+                wait = self._silent[ch][1] * 2 if ch in self._silent else RECHECK_S
+                self._silent[ch] = (now, min(wait, 8 * RECHECK_S))
+            else:
+                self._silent.pop(ch, None)
+            if not fresh:
+                continue  # (one look-up answers for every channel of that incarnation)
+            asked.add((who.name, who.incarnation))
             look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
-            self.count(look)
+            self.after_looking += 1
+
+            def ended(_: asyncio.Task[int | None]) -> None:
+                self.after_looking -= 1
+
+            look.add_done_callback(ended)
             self.unseat_when_replaced(ep, who, look, channels)
-        self._silent = {c: t for c, t in self._silent.items() if c.is_open}
+        self._silent = {c: st for c, st in self._silent.items() if c.is_open}
 
     def add(self, remote: _Named, current: int, why: str) -> None:
         key = (remote.name, remote.incarnation)
@@ -184,7 +210,10 @@ class Stale:
         and the next op to the name dials the incarnation the store names. From then on that
         incarnation's connections are refused at once."""
         async def unseat(ch: _Channel, why: str) -> None:
-            await asyncio.to_thread(ch.close, why, 1.0, PeerLostError(f"channel {ch.id}: {why}"))
+            try:
+                await asyncio.to_thread(ch.close, why, 1.0, PeerLostError(f"channel {ch.id}: {why}"))
+            finally:
+                self._unseating.discard(ch)
 
         def done(f: asyncio.Task[int | None]) -> None:
             current = None if f.cancelled() or f.exception() is not None else f.result()
@@ -193,7 +222,9 @@ class Stale:
             why = _why(remote, current)
             self.add(remote, current, why)
             for ch in list(channels):
-                if ch.is_open and ch.peer_name == remote.name and ch.incarnation == remote.incarnation:
+                if ch.is_open and ch.peer_name == remote.name and ch.incarnation == remote.incarnation \
+                        and ch not in self._unseating:
+                    self._unseating.add(ch)
                     ep._spawn(unseat(ch, why))
 
         look.add_done_callback(done)
