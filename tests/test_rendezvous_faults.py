@@ -399,7 +399,7 @@ class _SlowProxy(_StallableProxy):
 
 async def test_a_burst_of_first_connections_runs_a_bounded_number_of_store_look_ups(store_url, uname):
     """24 peers connect to A at once (a server at job start), A's store 20 ms away. At most
-    FIRST_LOOKUPS of their look-ups run at once (they share A's one store thread with A's own dials:
+    FIRST_LOOKUPS of their look-ups run at once (and as many after-silence ones) (they share A's one store thread with A's own dials:
     40 of them held A's next dial 0.85 s and timed out past 1 s, dropping A's shared store client;
     found by a review); every peer is adopted, and A's store client is never dropped."""
     from transport.incarnations import FIRST_LOOKUPS
@@ -436,7 +436,8 @@ async def test_a_burst_of_first_connections_runs_a_bounded_number_of_store_look_
                 await a.connect(d.name, timeout=10)
             finally:
                 await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
-            assert 0 < running["most"] <= FIRST_LOOKUPS, running
+            # (first connections' look-ups, and those of channels heard again after a silence: a limit each)
+            assert 0 < running["most"] <= 2 * FIRST_LOOKUPS, running
             assert not a._rdv._client.broken, "a look-up timed out: A's shared store client was dropped"
     finally:
         await proxy.stop()
