@@ -126,8 +126,7 @@ class Stale:
     def __init__(self) -> None:
         self._by: dict[tuple[str, int], tuple[int, float]] = {}
         self.looking = 0
-        # open channels whose peer is silent -> (when last checked, the wait before the next check)
-        self._silent: dict[Any, tuple[float, float]] = {}
+        self._silent: set[Any] = set()  # open channels whose peer was silent for 2 heartbeat intervals
         self.after_looking = 0  # after_silence's look-ups running
         self._unseating: set[Any] = set()  # channels being closed by unseat_when_replaced
 
@@ -146,52 +145,41 @@ class Stale:
 
     def after_silence(self, ep: _Owner, channels: set[Any], now: float, interval: float) -> None:
         """Event loop, at every heartbeat (``now``: ``time.monotonic()``): an open channel whose peer
-        has been silent for 2 heartbeat intervals (frozen, or cut off) is checked against the store,
-        as a first connection is, again while the silence lasts (after :data:`RECHECK_S`, then twice
-        as long each time, up to 8x), and once more when it is heard again: a process paused past its
-        replacement's start must not keep the name on a channel that never broke. Nothing asked
-        the store while that channel stayed open, so our ops went on reaching the paused process
-        once it ran again, and never its replacement (found by the chaos soak's ``zombie`` fault).
-        Channels heard again go first; at most :data:`FIRST_LOOKUPS` of these look-ups run at once
-        (a limit of their own: first connections keep theirs), one per peer incarnation."""
+        was silent for 2 heartbeat intervals (frozen, or cut off) and is heard again is checked
+        against the store, as a first connection is: a process paused past its replacement's start
+        must not keep the name on a channel that never broke. Nothing asked the store while that
+        channel stayed open, so our ops went on reaching the paused process once it ran again, and
+        never its replacement (found by the chaos soak's ``zombie`` fault). Not while the silence
+        lasts: a peer cut off is often cut off with the store, and a look-up then stuck on the
+        store's one thread held up every later one (the accept of that peer's next connection).
+        At most :data:`FIRST_LOOKUPS` such look-ups run at once (a limit of their own; the rest at
+        a later beat), one per peer incarnation."""
         if ep._state != "open":
             return
-        due: list[tuple[float, Any]] = []
+        asked: set[tuple[str, int]] = set()
         for ch in list(channels):
             if not ch.is_open or ch in self._unseating:
                 continue
-            state = self._silent.get(ch)
             if now - ch.last_rx >= 2 * interval:
-                if state is None:
-                    due.append((0.0, ch))  # (newly silent)
-                elif now - state[0] >= state[1]:
-                    due.append((state[0], ch))  # (its recheck: the oldest first)
-            elif state is not None:
-                due.append((-1.0, ch))  # (heard again: first)
-        due.sort(key=lambda d: d[0])
-        asked: set[tuple[str, int]] = set()
-        for _, ch in due:
+                self._silent.add(ch)
+                continue
+            if ch not in self._silent:
+                continue
             who = _Who(ch.peer_name, ch.incarnation)
-            fresh = (who.name, who.incarnation) not in asked
-            if fresh and self.after_looking >= FIRST_LOOKUPS:
-                continue  # (at a later beat)
-            if now - ch.last_rx >= 2 * interval:  # (its next check: after twice the wait, up to 8x)
-                wait = self._silent[ch][1] * 2 if ch in self._silent else RECHECK_S
-                self._silent[ch] = (now, min(wait, 8 * RECHECK_S))
-            else:
-                self._silent.pop(ch, None)
-            if not fresh:
-                continue  # (one look-up answers for every channel of that incarnation)
-            asked.add((who.name, who.incarnation))
-            look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
-            self.after_looking += 1
+            if (who.name, who.incarnation) not in asked:
+                if self.after_looking >= FIRST_LOOKUPS:
+                    continue  # (at a later beat)
+                asked.add((who.name, who.incarnation))
+                look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
+                self.after_looking += 1
 
-            def ended(_: asyncio.Task[int | None]) -> None:
-                self.after_looking -= 1
+                def ended(_: asyncio.Task[int | None]) -> None:
+                    self.after_looking -= 1
 
-            look.add_done_callback(ended)
-            self.unseat_when_replaced(ep, who, look, channels)
-        self._silent = {c: st for c, st in self._silent.items() if c.is_open}
+                look.add_done_callback(ended)
+                self.unseat_when_replaced(ep, who, look, channels)
+            self._silent.discard(ch)  # (one look-up answers for every channel of that incarnation)
+        self._silent = {c for c in self._silent if c.is_open}
 
     def add(self, remote: _Named, current: int, why: str) -> None:
         key = (remote.name, remote.incarnation)
