@@ -14,12 +14,11 @@ Two cases need a look there, both bounded:
   start, come back, and must not take the name back; it is told why (a ``Bye`` naming its
   replacement: its ops fail :class:`PeerLostError` saying so) and hung up on
   (:meth:`Stale.refuse`). A restarted peer publishes its record before it dials anyone, so the
-  store names it by then. The first connection from a name (no channel to it ever ended here)
-  waits for the store only :data:`FIRST_LOOKUP_S`: past that it is adopted, and broken the same
-  way, every channel of that incarnation, once the look-up, still running, names another
-  (:meth:`Stale.unseat_when_replaced`), so a store that stopped answering does not hold up a first
-  connection; at most :data:`FIRST_LOOKUPS` such look-ups run at once (a burst of first connections
-  beyond that is let in unchecked). Peers known only from their
+  store names it by then. A connection waits for the store only :data:`FIRST_LOOKUP_S`: past
+  that it is adopted, and every channel of that incarnation is broken the same way once the
+  look-up, still running, names another (:meth:`Stale.unseat_when_replaced`), so a store slow to
+  answer does not hold up a connection; at most :data:`FIRST_LOOKUPS` look-ups of first
+  connections run at once (a burst beyond that is let in unchecked). Peers known only from their
   address records (``Endpoint.add_peer``, no shared store) are not checked: the newer connection
   wins, as a record added later may name it.
 """
@@ -231,11 +230,11 @@ async def check_accepted(ep: _Owner, have: _Channel | None, remote: Hello, deadl
                          known: bool, stale: Stale) -> tuple[int | None, asyncio.Task[int | None] | None]:
     """Whether to refuse ``remote``'s connection: ``(current, None)``, ``current`` the incarnation
     that replaced it (``stale``'s, else :func:`replaced_by`, bounded by ``deadline``) or None.
-    ``known`` False (no channel to the name ever ended here, none is open): the look-up is waited
-    for only :data:`FIRST_LOOKUP_S`; past that ``(None, look)``, the look-up still running (a task
-    of ``ep``'s): hand it to :meth:`Stale.unseat_when_replaced` once the channel is adopted, or cancel it.
-    At most :data:`FIRST_LOOKUPS` such look-ups run at once (they share the store's one thread with
-    our dials): a first connection beyond that is let in unchecked (logged at debug level)."""
+    The look-up is waited for only :data:`FIRST_LOOKUP_S`; past that ``(None, look)``, the look-up
+    still running (a task of ``ep``'s): hand it to :meth:`Stale.unseat_when_replaced` once the
+    channel is adopted, or cancel it. ``known`` False (no channel to the name ever ended here, none
+    is open): at most :data:`FIRST_LOOKUPS` such look-ups run at once (they share the store's one
+    thread with our dials): a first connection beyond that is let in unchecked (logged at debug level)."""
     if (current := stale.get(remote)) is not None:
         return current, None
     if not known and stale.looking >= FIRST_LOOKUPS:
@@ -246,8 +245,9 @@ async def check_accepted(ep: _Owner, have: _Channel | None, remote: Hello, deadl
     if not known:
         stale.count(look)
     try:
-        if known:
-            return await look, None
+        # (at most FIRST_LOOKUP_S, a known name's too: a store slow to answer, e.g. its one thread still
+        # stuck in a call made while a link was down, held up the adoption of that peer's next
+        # connection past its first op's bound: the netns link-cut test's push after the restore)
         done, _ = await asyncio.wait((look,), timeout=FIRST_LOOKUP_S)
     except BaseException:
         look.cancel()
