@@ -133,14 +133,12 @@ class Stale:
         found = self._by.get((remote.name, remote.incarnation))
         return found[0] if found is not None and time.monotonic() - found[1] < STALE_S else None
 
-    def count(self, look: asyncio.Task[int | None]) -> None:
-        """``look`` is one of the look-ups bounded by :data:`FIRST_LOOKUPS` (``looking``)."""
-        self.looking += 1
-
-        def ended(_: asyncio.Task[int | None]) -> None:
-            self.looking -= 1
-
-        look.add_done_callback(ended)
+    def count(self, look: asyncio.Task[int | None], after: bool = False) -> None:
+        """``look`` is one of the look-ups bounded by :data:`FIRST_LOOKUPS`: counted in ``looking``
+        (first connections), or ``after_looking`` (``after``: :meth:`after_silence`'s) while it runs."""
+        name = "after_looking" if after else "looking"
+        setattr(self, name, getattr(self, name) + 1)
+        look.add_done_callback(lambda _: setattr(self, name, getattr(self, name) - 1))
 
     def after_silence(self, ep: _Owner, channels: set[Any], now: float, interval: float) -> None:
         """Event loop, at every heartbeat (``now``: ``time.monotonic()``): an open channel whose peer
@@ -170,12 +168,7 @@ class Stale:
                     continue  # (at a later beat)
                 asked.add((who.name, who.incarnation))
                 look = ep._spawn(replaced_by(ep, None, who, now + _SILENCE_LOOKUP_S))
-                self.after_looking += 1
-
-                def ended(_: asyncio.Task[int | None]) -> None:
-                    self.after_looking -= 1
-
-                look.add_done_callback(ended)
+                self.count(look, after=True)
                 self.unseat_when_replaced(ep, who, look, channels)
             self._silent.discard(ch)  # (one look-up answers for every channel of that incarnation)
         self._silent = {c for c in self._silent if c.is_open}
