@@ -212,7 +212,7 @@ class Connector:
             sock.setblocking(True)
             self.adopt(sock, remote, channel_id, hello.epoch, dialer=False, offered=hello.planes)
             adopted = True
-            if look is not None:  # (a first connection: broken if the look-up still running names another)
+            if look is not None:  # (broken if the look-up, still running, names another incarnation)
                 self._stale.unseat_when_replaced(ep, remote, look, self.all)
         except AuthenticationError as exc:
             log.error("refused a connection from %s: %s; connection closed", addr, exc)
