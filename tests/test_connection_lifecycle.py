@@ -199,10 +199,17 @@ async def _adopted(a: transport.Endpoint, name: str, incarnation: int) -> None:
     assert p is not None and p.incarnation == incarnation, (p, hex(incarnation))
 
 
-async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_its_replacement(store_url, uname):
+async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_its_replacement(store_url, uname,
+                                                                                               monkeypatch):
     """B1 is paused (SIGSTOP: a long GC, swapping) and replaced: B2 opens under the same name and talks to A.
     When B1 runs again and dials A, A refuses it (the store names B2, with which A has a channel); it
     took the name back: A dropped B2's channel as "restarted" and put into the stale B1, reported done."""
+    from transport import incarnations
+
+    # (A waits for the store's answer: past FIRST_LOOKUP_S, 0.2 s, it adopts B1 and breaks the channel
+    # only once the answer comes, which under CI load let B1's put land first; the bound is tested
+    # in tests/test_rendezvous_faults.py)
+    monkeypatch.setattr(incarnations, "FIRST_LOOKUP_S", 10.0)
     name = uname("b")
     async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
         a.register("y", torch.zeros(16, dtype=torch.uint8))

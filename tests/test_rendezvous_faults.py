@@ -277,6 +277,16 @@ async def _stale_and_replacement(store_url: str, name: str) -> tuple[RemoteEndpo
     return b1, b2
 
 
+def _wait_for_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's endpoints wait for the store's answer on every accepted connection (not
+    only FIRST_LOOKUP_S): a test of the refusal itself, not of the bound on a slow store (the next
+    test's subject). Under CI load the look-up took over 0.2 s: the stale put was adopted, landed
+    and returned before the answer came (then the channel was broken, as designed)."""
+    from transport import incarnations
+
+    monkeypatch.setattr(incarnations, "FIRST_LOOKUP_S", 10.0)
+
+
 async def _refused_and_replaced(a: transport.Endpoint, name: str, b1: RemoteEndpoint, b2: RemoteEndpoint,
                                 value: int) -> None:
     """B1's notified put to A (a message A has to serve) fails, saying B1 was replaced; A's put to the
@@ -288,11 +298,12 @@ async def _refused_and_replaced(a: transport.Endpoint, name: str, b1: RemoteEndp
     assert b2.call("all_equal", "x", 0, 16, 9) and not b1.call("all_equal", "x", 0, 16, 9)
 
 
-async def test_a_paused_incarnation_that_never_talked_to_us_does_not_take_the_name(store_url, uname):
+async def test_a_paused_incarnation_that_never_talked_to_us_does_not_take_the_name(store_url, uname, monkeypatch):
     """B1 is paused before it ever talked to A, and replaced by B2 (published). B1 runs again and
     dials A: its first connection to A. A refuses it (the store names B2) and tells it why; A's
     put to the name reaches B2. (A first connection from a name was never checked against the
     store: A adopted B1, and its put went to the stale process, reported done.)"""
+    _wait_for_the_store(monkeypatch)
     name = uname("b")
     async with transport.Endpoint(uname("a"), store=store_url, timeout=20) as a:
         a.register("y", torch.zeros(16, dtype=torch.uint8))
@@ -456,6 +467,7 @@ async def test_an_incarnation_refused_while_another_was_named_is_let_in_once_tha
     from transport.rendezvous import _PREFIX, EndpointRecord, _rec_encoder
 
     monkeypatch.setattr(incarnations, "STALE_S", 0.5)
+    _wait_for_the_store(monkeypatch)
     name = uname("a")
     store = TCPStore(*parse_store_url(store_url), is_master=False, wait_for_workers=False)
     async with transport.Endpoint(uname("e"), store=store_url, timeout=10) as e:
