@@ -47,4 +47,11 @@ async def handle(ep: Any, state: dict[str, Any], cmd: str, a: tuple[Any, ...]) -
         os._exit(0)
     if cmd == "peer_names":  # the peers this endpoint has an open channel with
         return sorted(ep.peers)
+    if cmd == "pause_state":  # whether the endpoint is open, and its pause watch's store look-ups so far
+        return {"open": ep.is_open, "checks": ep.pauses.checks if ep.pauses is not None else -1}
+    if cmd == "pause_watch_off":  # stop this endpoint's pause watch (transport.pauses): as if the store had
+        ep.pauses.stop()  # not answered its check, so the peers' own checks alone keep the name from it
+        return None
+    if cmd == "served":  # (kind, state) of every op this endpoint served as a target (its flight recorder)
+        return [(r["kind"], r["state"]) for r in ep.recorder.snapshot() if r["role"] == "target"]
     return NOT_MINE

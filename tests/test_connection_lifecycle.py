@@ -218,6 +218,7 @@ async def test_a_paused_incarnation_that_comes_back_does_not_take_the_name_from_
         b2 = None
         try:
             b1.call("register", "x", "uint8", [16])
+            b1.call("pause_watch_off")  # (B1's own check after the pause, transport.pauses, off: A's alone)
             await asyncio.to_thread(b1.call, "put", a.name, spec, 10)  # (A's loop must run meanwhile)
             b1.signal(signal.SIGSTOP)
             b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=20)

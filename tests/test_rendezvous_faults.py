@@ -259,11 +259,13 @@ async def test_a_first_connection_is_not_held_up_by_a_store_that_stopped_answeri
 
 async def _stale_and_replacement(store_url: str, name: str) -> tuple[RemoteEndpoint, RemoteEndpoint]:
     """B1 up (published) and paused; B2 published under the same name meanwhile; B1 running again. Neither
-    has talked to anyone."""
+    has talked to anyone. B1's own check after the pause is off (as when the store does not answer it:
+    transport.pauses; tests/test_pauses.py): the peers' checks alone keep the name from it."""
     from tests._remote import wait_stopped
 
     b1 = RemoteEndpoint(name, store=store_url, timeout=20, commands="tests._lifecycle_remote")
     b1.call("register", "x", "uint8", [16])
+    b1.call("pause_watch_off")
     b1.signal(signal.SIGSTOP)
     wait_stopped(b1.pid, 10)
     try:
@@ -496,7 +498,9 @@ async def test_a_paused_incarnation_whose_channel_survived_the_pause_loses_the_n
     start under the same name (published; B2 does not dial A). B1 runs again: its channel to A never
     broke. A hears B1 again after a silence of over 2 heartbeat intervals, asks the store, which names
     B2: A closes B1's channel, telling it why, and A's next put reaches B2. (A went on putting into B1:
-    nothing asked the store while the channel stayed open; found by the chaos soak's zombie fault.)"""
+    nothing asked the store while the channel stayed open; found by the chaos soak's zombie fault.)
+    B1's own check after the pause is off (transport.pauses; as when the store does not answer it):
+    A's check alone."""
     from tests._remote import wait_stopped
 
     name = uname("b")
@@ -506,6 +510,7 @@ async def test_a_paused_incarnation_whose_channel_survived_the_pause_loses_the_n
         b2 = None
         try:
             b1.call("register", "x", "uint8", [16])
+            b1.call("pause_watch_off")
             await a.put(name, {"x": torch.full((16,), 1, dtype=torch.uint8)}, timeout=10)
             b1.signal(signal.SIGSTOP)
             wait_stopped(b1.pid, 10)

@@ -96,10 +96,13 @@ class Dispatcher:
             rx.start()
             if reads is None:
                 while ch.is_open:
-                    self.dispatch(decode(rx.read_frame()))
+                    msg = decode(rx.read_frame())
+                    self._unless_paused()
+                    self.dispatch(msg)
             else:  # the event loop may read replies itself meanwhile: the thread reads only on its turn
                 while reads.wait_turn():
                     msg = decode(rx.read_frame())
+                    self._unless_paused()
                     self.dispatch(msg)
                     # (a get reply the loop could not have taken whole does not hand the reads back at once:
                     # back-to-back large gets keep them on the thread, which receives their payloads)
@@ -124,6 +127,14 @@ class Dispatcher:
         finally:
             if self.reads is not None:  # (its wake pipe: nothing waits on it any more)
                 self.reads.release()
+
+    def _unless_paused(self) -> None:
+        """Reader thread, before each frame: if this process was paused, wait until the store was
+        asked whether the endpoint was replaced meanwhile (:mod:`transport.pauses`); if it was,
+        serve nothing: the channel breaks (its peer was told why)."""
+        watch = self.ch.core.pauses
+        if watch is not None and watch.paused() and (why := watch.settle()) is not None:
+            raise PeerLostError(f"channel {self.ch.id}: {why}")
 
     def _fail_serving(self, exc: BaseException) -> None:
         rec, self.target.current = self.target.current, None

@@ -221,6 +221,7 @@ class Endpoint(Operations):
             self._spawn(self._monitor())
             publishing = True
             await self._rdv.publish(self._record, time.monotonic() + self.timeout)
+            self._watch_pauses()  # (transport.pauses: stopped by the store's close, _teardown_sync)
         except BaseException as exc:
             self._state = "closed"
             for task in list(self._tasks):  # (the accept loop and the monitor, if they were started)
@@ -250,9 +251,7 @@ class Endpoint(Operations):
     @property
     def store_url(self) -> str | None:
         """``tcp://HOST:PORT`` of the store (useful with ``host_store=True`` and port 0)."""
-        if self._rdv.host is None:
-            return None
-        return f"tcp://{self._rdv.host}:{self._rdv.port}"
+        return None if self._rdv.host is None else f"tcp://{self._rdv.host}:{self._rdv.port}"
 
     @property
     def address(self) -> tuple[str, int] | None:

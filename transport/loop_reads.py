@@ -363,8 +363,8 @@ class LoopReads:
             elif isinstance(msg, Notify) and self._notify is not None:
                 if not self._notify(msg, self._answers.append):  # (the thread waits for room; no hand-over per frame meanwhile)
                     self.want = bool(self.ops.pending)
-                    self._hand_back("a notification the loop cannot deliver (too large, past its credits, or the "
-                                    "endpoint is closing)")
+                    self._hand_back("a notification the loop cannot deliver (too large, past its credits, the "
+                                    "endpoint closing, or this process paused)")
                     return
                 rx.consume_frame()
             elif isinstance(msg, Fail) and self.ch.link is None:

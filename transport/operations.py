@@ -9,14 +9,18 @@ work of an op is in :mod:`transport.transfer`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .address import AddressBook, encode_address
-from .errors import EndpointClosedError, InvalidTensorError
+from .errors import EndpointClosedError, InvalidTensorError, Phase, TransportTimeoutError
 from .flight_recorder import OpKind
+from .pauses import PauseWatch
 from .peer import Peer, Route
 from .transfer import Tensors, map_buffer, map_plane, pick_plane, plan, transfer, transfer_now
 from .wire import MAX_NOTIFY, Notify
@@ -24,7 +28,7 @@ from .wire import MAX_NOTIFY, Notify
 if TYPE_CHECKING:
     from .channel import Channel
     from .connector import Connector
-    from .rendezvous import EndpointRecord
+    from .rendezvous import EndpointRecord, Rendezvous
 
 __all__ = ["Operations"]
 
@@ -32,16 +36,71 @@ class Operations:
     """The one-sided operations of :class:`transport.Endpoint` (see the module docstring)."""
 
     name: str
+    incarnation: int
     timeout: float
+    loop: asyncio.AbstractEventLoop
     _book: AddressBook
     _connector: Connector
+    _rdv: Rendezvous
     _record: EndpointRecord | None
     _secret: bytes | None
     _state: str
+    _pause_gate: asyncio.Lock | None = None  # ops after a pause wait for its check in call order (transport.pauses)
+    _pause_queue = 0  # ... this many; while any does, every op goes behind them
+    _replaced_close: asyncio.Future[None] | None = None
+
+    close: Callable[[], Coroutine[Any, Any, None]]  # (Endpoint's)
 
     def _check_open(self) -> None:
         if self._state != "open":
-            raise EndpointClosedError(f"endpoint {self.name!r} is {self._state}; use 'async with Endpoint(...)'")
+            why = self._rdv.pauses.replaced if self._rdv.pauses is not None else None
+            raise EndpointClosedError(f"endpoint {self.name!r} is {self._state}" + (
+                f": {why}" if why else "; use 'async with Endpoint(...)'"))
+
+    @property
+    def pauses(self) -> PauseWatch | None:
+        """The endpoint's :class:`~transport.pauses.PauseWatch` (None before it published itself)."""
+        return self._rdv.pauses
+
+    def _watch_pauses(self) -> None:
+        """:meth:`open`, once the record is published: start the pause watch (:mod:`transport.pauses`)."""
+        name, rdv = self.name, self._rdv
+        rdv.pauses = PauseWatch(name, self.incarnation, lambda t: rdv.incarnation_now(name, t), self._on_replaced)
+        rdv.pauses.start()
+
+    def _on_replaced(self, why: str) -> None:
+        """The pause watch's thread: the store names another incarnation of this endpoint. Every
+        channel says why (a ``Bye``; bounded) and breaks (its ops fail :class:`EndpointClosedError`),
+        then the endpoint closes on its loop."""
+        chans = list(self._connector.all)
+        for ch in chans:
+            ch.say_bye(why)
+        end = time.monotonic() + 1.0
+        for ch in chans:
+            ch.close(why, max(0.0, end - time.monotonic()), EndpointClosedError(why))
+
+        def close() -> None:
+            self._replaced_close = asyncio.ensure_future(self.close())
+        with contextlib.suppress(RuntimeError):  # (the loop is gone: so is the endpoint)
+            self.loop.call_soon_threadsafe(close)
+
+    async def _after_pause(self, watch: PauseWatch, deadline: float) -> None:
+        """Wait until ``watch`` asked the store after a pause (bounded by ``deadline`` and the
+        watch's own bound), behind the ops that waited before; :class:`EndpointClosedError` if the
+        endpoint was replaced meanwhile."""
+        if self._pause_gate is None:
+            self._pause_gate = asyncio.Lock()
+        self._pause_queue += 1
+        try:
+            async with asyncio.timeout_at(deadline), self._pause_gate:  # (FIFO)
+                why = await watch.settled()
+        except TimeoutError:
+            raise TransportTimeoutError(f"endpoint {self.name!r} was paused and the op's deadline passed while it "
+                                        "asked the store whether it was replaced meanwhile", Phase.CONNECT) from None
+        finally:
+            self._pause_queue -= 1
+        if why is not None:
+            raise EndpointClosedError(why)
 
     def address_record(self) -> bytes:
         """This open endpoint as opaque bytes a peer passes to :meth:`add_peer`. Non-blocking.
@@ -70,13 +129,20 @@ class Operations:
         return time.monotonic() + t
 
     async def _channel(self, peer: str, deadline: float) -> Channel:
-        """The channel that carries ops to ``peer``, dialled if there is none (bounded by ``deadline``)."""
+        """The channel that carries ops to ``peer``, dialled if there is none (bounded by ``deadline``),
+        once a pause of this process was checked (:mod:`transport.pauses`)."""
+        watch = self._rdv.pauses
+        if watch is not None and (self._pause_queue or watch.paused()):
+            await self._after_pause(watch, deadline)
         return await self._connector.channel(peer, deadline)
 
     def _open_channel(self, peer: str) -> Channel | None:
         """The open channel to ``peer`` of an open endpoint, without awaiting (the common case of an
-        op: it saves the coroutines of :meth:`_channel`); None: call :meth:`_channel`."""
-        return self._connector.open_channel(peer) if self._state == "open" else None
+        op: it saves the coroutines of :meth:`_channel`); None: call :meth:`_channel` (also while
+        a pause of this process is being checked)."""
+        if self._state != "open" or self._pause_queue or ((w := self._rdv.pauses) is not None and w.paused()):
+            return None
+        return self._connector.open_channel(peer)
 
     async def connect(self, peer: str, timeout: float | None = None) -> Peer:
         """Open (or reuse) the channel to ``peer``; return its :class:`Peer`.

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import msgspec
@@ -47,6 +47,9 @@ import msgspec
 from . import auth
 from .errors import PeerNotFoundError, Phase, TransportError, TransportTimeoutError
 from .wire import HostInfo
+
+if TYPE_CHECKING:
+    from .pauses import PauseWatch
 
 __all__ = ["EndpointRecord", "Rendezvous", "StoreClient", "listen_host", "parse_store_url", "shared_client"]
 
@@ -224,6 +227,7 @@ class Rendezvous:
         self._timeout = timeout
         self.host: str | None = None
         self.port: int | None = None
+        self.pauses: PauseWatch | None = None  # the endpoint's, once it published (stopped by close())
 
     async def open(self, *, want_secret: bool) -> bytes | None:
         """Connect to (or serve) the store; with ``want_secret``, return the job's secret from it
@@ -371,6 +375,24 @@ class Rendezvous:
             raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: {why}")
         return rec
 
+    def incarnation_now(self, name: str, timeout: float) -> int | None:
+        """Any thread, blocking up to ``timeout``: the incarnation the store names for ``name``
+        (:class:`~transport.pauses.PauseWatch`'s look-up); None if none, or no answer in time (the
+        call is left to the store's thread), or the store is closed. Raises what the store raised."""
+        client, key = self._client, _PREFIX + name
+        if client is None:
+            return None
+        fut = client.submit(lambda store: store.get(key) if store.check([key]) else None)
+        try:
+            raw = fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            return None
+        try:
+            return _rec_decoder.decode(raw).incarnation if raw else None
+        except Exception:  # (a malformed record names no incarnation of ours either way)
+            return None
+
     async def lookup(
         self, name: str, deadline: float, *, skip_incarnations: frozenset[int] = frozenset()
     ) -> EndpointRecord:
@@ -399,6 +421,8 @@ class Rendezvous:
     def close(self) -> None:
         """Let the store client go: a shared one stays for the process's other (and later)
         endpoints; one of our own (served store, Store object) is dropped."""
+        if self.pauses is not None:
+            self.pauses.stop()
         client, self._client = self._client, None
         if client is not None and client.key is None:
             client.stop()  # (its thread drops the store when it ends)

@@ -1,0 +1,107 @@
+"""A process paused (SIGSTOP) and replaced meanwhile serves nothing and sends nothing once it runs
+again (transport.pauses); one paused but not replaced goes on as before.
+
+Real processes (tests._remote), real sockets, a real TCPStore; every wait bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+import torch
+
+import transport
+from tests._remote import RemoteEndpoint, wait_stopped
+from transport.pauses import PAUSE_S
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _full(value: int) -> torch.Tensor:
+    return torch.full((16,), value, dtype=torch.uint8)
+
+
+async def _pause(b1: RemoteEndpoint) -> None:
+    b1.signal(signal.SIGSTOP)
+    await asyncio.to_thread(wait_stopped, b1.pid, 10)
+
+
+async def test_a_paused_process_replaced_meanwhile_serves_and_sends_nothing_once_it_runs_again(store_url, uname):
+    """B1 is paused with a put and a notification of A's queued in its socket (tcp: the bytes wait
+    there too) and a put of its own queued for its application (a command), and replaced by B2
+    (published) meanwhile. Run again, B1 asks the store before it serves or sends anything, finds
+    B2, tells A why and closes: A's put and notification fail saying B1 was replaced, B1 served
+    neither (its buffer, its flight recorder), its own put fails and A's buffer holds nothing of it;
+    A's next put reaches B2. (B1 served both once it ran, before A's check after the silence: A's put
+    was reported done into a process nobody reads from, and B1's stale bytes landed in A's buffer.)"""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",)) as a:
+        y = torch.zeros(16, dtype=torch.uint8)
+        a.register("y", y)
+        b1 = RemoteEndpoint(name, store=store_url, timeout=30, commands="tests._lifecycle_remote")
+        b2 = None
+        try:
+            b1.call("register", "x", "uint8", [16])
+            await a.put(name, {"x": _full(1)}, timeout=10)
+            served = b1.call("served")
+            await _pause(b1)
+            try:
+                ops = [asyncio.ensure_future(a.put(name, {"x": _full(7)}, timeout=30)),
+                       asyncio.ensure_future(a.notify(name, b"for the live process", timeout=30))]
+                own = asyncio.ensure_future(asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 5, 20.0))
+                b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=30,
+                                             commands="tests._lifecycle_remote")
+                b2.call("register", "x", "uint8", [16])
+                await asyncio.sleep(PAUSE_S + 0.5)
+            finally:
+                b1.signal(signal.SIGCONT)
+            for result in await asyncio.wait_for(asyncio.gather(*ops, return_exceptions=True), 30):
+                assert isinstance(result, transport.PeerLostError) and "replaced" in str(result), repr(result)
+            err = await asyncio.wait_for(own, 30)
+            assert err is not None and "EndpointClosedError" in err and "replaced" in err, err
+            assert torch.equal(y, torch.zeros(16, dtype=torch.uint8)), f"B1's stale put landed in A's buffer: {y}"
+            assert b1.call("all_equal", "x", 0, 16, 1), "B1 served A's put once it ran again"
+            assert b1.call("served") == served, "B1 served an op once it ran again"
+            end = time.monotonic() + 10
+            while (state := b1.call("pause_state"))["open"] and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            assert not state["open"] and state["checks"] >= 1, state
+            await a.put(name, {"x": _full(9)}, timeout=10)
+            assert a.peer(name).incarnation == b2.incarnation
+            assert b2.call("all_equal", "x", 0, 16, 9)
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+async def test_a_paused_process_not_replaced_asks_the_store_and_goes_on(store_url, uname):
+    """B1 is paused past PAUSE_S with a put of A's queued in its socket and one of its own queued;
+    nobody replaced it. Run again, it asks the store once, which names it, and both puts land; its
+    endpoint stays open."""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",)) as a:
+        y = torch.zeros(16, dtype=torch.uint8)
+        a.register("y", y)
+        b1 = RemoteEndpoint(name, store=store_url, timeout=30, commands="tests._lifecycle_remote")
+        try:
+            b1.call("register", "x", "uint8", [16])
+            await a.put(name, {"x": _full(1)}, timeout=10)
+            checks = b1.call("pause_state")["checks"]
+            await _pause(b1)
+            try:
+                put = asyncio.ensure_future(a.put(name, {"x": _full(7)}, timeout=30))
+                own = asyncio.ensure_future(asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 5, 20.0))
+                await asyncio.sleep(PAUSE_S + 0.5)
+            finally:
+                b1.signal(signal.SIGCONT)
+            await asyncio.wait_for(put, 30)
+            assert await asyncio.wait_for(own, 30) is None
+            assert b1.call("all_equal", "x", 0, 16, 7) and torch.equal(y, _full(5))
+            state = b1.call("pause_state")
+            assert state["open"] and state["checks"] >= checks + 1, state
+        finally:
+            b1.kill()
