@@ -289,10 +289,10 @@ def _child_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
                     other.append(f"{type(exc).__name__}: {exc}")
             return ok, typed, other
         if cmd == "put_error":  # a put that is expected to fail: the exception's type and text ("" if it did not)
-            peer, spec, timeout = args
+            peer, spec, timeout, *notify = args  # (notify: bytes, a message the peer's endpoint must serve)
             data = {n: make_tensor(dt, tuple(sh), sd) for n, (dt, sh, sd) in spec.items()}
             try:
-                await ep.put(peer, data, timeout=timeout)
+                await ep.put(peer, data, timeout=timeout, notify=notify[0] if notify else None)
             except transport.TransportError as exc:
                 return f"{type(exc).__name__}: {exc}"
             return ""

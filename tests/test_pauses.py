@@ -7,7 +7,10 @@ Real processes (tests._remote), real sockets, a real TCPStore; every wait bounde
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,7 +20,25 @@ import transport
 from tests._remote import RemoteEndpoint, wait_stopped
 from transport.pauses import PAUSE_S
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(120)
+
+_SERVE = ("import time; from torch.distributed import TCPStore; "
+          "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+          "print(s.port, flush=True); time.sleep(600)")
+
+
+@pytest.fixture
+def store_proc():
+    """A TCPStore served by a process of its own (the test stops it): (the process, its URL)."""
+    p = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        yield p, f"tcp://127.0.0.1:{port}"
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait(10)
+        p.stdout.close()
 
 
 def _full(value: int) -> torch.Tensor:
@@ -105,3 +126,80 @@ async def test_a_paused_process_not_replaced_asks_the_store_and_goes_on(store_ur
             assert state["open"] and state["checks"] >= checks + 1, state
         finally:
             b1.kill()
+
+
+async def test_a_pause_while_the_watch_waits_for_the_store_is_checked_again(store_proc, uname):
+    """B1 is paused; run again, its watch asks the store, which is slow (stopped). While that look-up
+    is out, B1 is paused again; A queues a put for B1, B2 replaces B1, then B1 runs again. The
+    answer to the first look-up (or its time-out, 'no answer') predates B2: the watch asks again, finds
+    B2, and B1 serves nothing. (The watch let go on the stale answer and B1 served A's put, 3 runs
+    in 3; found by a review.)"""
+    store, url = store_proc
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=url, timeout=30, planes=("tcp",)) as a:
+        b1 = RemoteEndpoint(name, store=url, timeout=30, commands="tests._lifecycle_remote")
+        b2 = None
+        try:
+            b1.call("register", "x", "uint8", [16])
+            await a.put(name, {"x": _full(1)}, timeout=10)
+            served = b1.call("served")
+            checks = b1.call("pause_state")["checks"]
+            await _pause(b1)
+            await asyncio.sleep(PAUSE_S + 0.5)
+            os.kill(store.pid, signal.SIGSTOP)
+            await asyncio.to_thread(wait_stopped, store.pid, 10)
+            b1.signal(signal.SIGCONT)
+            end = time.monotonic() + 5  # (B1's watch noticed the pause: its look-up waits for the store)
+            while (st := await asyncio.to_thread(b1.call, "pause_state"))["checks"] == checks:
+                assert time.monotonic() < end, st
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            await _pause(b1)  # paused again, its look-up out
+            os.kill(store.pid, signal.SIGCONT)
+            put = asyncio.ensure_future(a.put(name, {"x": _full(7)}, timeout=30))
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=url, timeout=30,
+                                         commands="tests._lifecycle_remote")
+            await asyncio.sleep(PAUSE_S + 1.0)
+            b1.signal(signal.SIGCONT)
+            res = (await asyncio.gather(asyncio.wait_for(put, 30), return_exceptions=True))[0]
+            assert isinstance(res, transport.PeerLostError) and "replaced" in str(res), repr(res)
+            assert b1.call("served") == served, "B1 served A's put after its second pause"
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+async def test_a_frame_the_event_loop_reads_after_a_pause_waits_for_the_check_too(store_url, uname):
+    """B1's notify waits for a credit of A's (A holds B1's first, untaken: a window of 1) when B1
+    is paused; B1's event loop reads its socket (an op of its waits for its answer). A's application
+    takes the first (a Credit goes to B1's socket), B2 replaces B1, B1 runs again. The loop leaves
+    the Credit to the reader thread, which waits for the store's answer: the waiting notify never
+    goes out, it fails, and A delivers nothing more from B1. (The loop read the Credit at once and
+    A delivered B1's stale notification, 4 runs in 5; found by a review.)"""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",),
+                                  max_pending_notifications=1) as a:
+        b1 = RemoteEndpoint(name, store=store_url, timeout=30, commands="tests._lifecycle_remote")
+        b2 = None
+        try:
+            await asyncio.to_thread(b1.call, "notify", a.name, b"one")
+            b1.start("notify_after", a.name, b"two", 0.0, 30.0)  # waits for a credit
+            await asyncio.sleep(0.5)
+            await _pause(b1)
+            try:
+                assert (await a.next_notification(5)).payload == b"one"
+                b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=30,
+                                             commands="tests._lifecycle_remote")
+                await asyncio.sleep(PAUSE_S + 0.5)
+            finally:
+                b1.signal(signal.SIGCONT)
+            with pytest.raises(transport.TransportTimeoutError):
+                stale = await a.next_notification(3)
+                pytest.fail(f"A delivered B1's stale notification: {stale}")
+            err = await asyncio.to_thread(b1.result, 30)
+            assert isinstance(err, str) and "EndpointClosedError" in err and "replaced" in err, err
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()

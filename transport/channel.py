@@ -456,9 +456,13 @@ class Channel:
             return
         self._tx.submit([encode_frame(Bye(reason))])
 
-    def close(self, reason: str, timeout: float = 1.0, error: BaseException | None = None) -> None:
+    def close(self, reason: str, timeout: float = 1.0, error: BaseException | None = None,
+              unsent: bool = True) -> None:
         """Orderly close (any thread but the reader): let the Bye go out (bounded by
-        ``timeout``), then break with ``error`` (default :class:`EndpointClosedError`)."""
+        ``timeout``), then break with ``error`` (default :class:`EndpointClosedError`).
+        ``unsent`` False: frames queued and not started yet are dropped, not sent before the Bye."""
+        if not unsent:
+            self._tx.drop_queued()
         self.say_bye(reason)
         if self.is_open:
             self._tx.flush(timeout)

@@ -109,6 +109,7 @@ class _Channel(Protocol):
     peer_name: str
     link: Any  # the NCCL link (its Fail frames are the thread's: link.not_posted)
     credits: Any  # the channel's notification credits (transport.credits.NoteCredits)
+    core: Any  # the endpoint (its pauses: transport.pauses)
 
     @property
     def is_open(self) -> bool: ...
@@ -329,7 +330,7 @@ class LoopReads:
             return
         if self._armed != self._gen:  # a callback of an earlier hand-over: this one's _arm comes next
             return
-        rx = self.rx
+        rx, watch = self.rx, self.ch.core.pauses
         self.loop_seen = time.monotonic()
         try:
             rx.fill_nowait()
@@ -341,6 +342,9 @@ class LoopReads:
             if body is None:
                 if not rx.whole_frame_fits():
                     self._hand_back("a frame larger than the read-ahead")
+                return
+            if watch is not None and watch.paused():  # (no frame handled before the check: transport.pauses)
+                self._hand_back("this process was paused: the thread waits for the store's answer")
                 return
             try:
                 msg = decode(body)
@@ -363,8 +367,8 @@ class LoopReads:
             elif isinstance(msg, Notify) and self._notify is not None:
                 if not self._notify(msg, self._answers.append):  # (the thread waits for room; no hand-over per frame meanwhile)
                     self.want = bool(self.ops.pending)
-                    self._hand_back("a notification the loop cannot deliver (too large, past its credits, the "
-                                    "endpoint closing, or this process paused)")
+                    self._hand_back("a notification the loop cannot deliver (too large, past its credits, or the "
+                                    "endpoint is closing)")
                     return
                 rx.consume_frame()
             elif isinstance(msg, Fail) and self.ch.link is None:

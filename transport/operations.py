@@ -65,19 +65,18 @@ class Operations:
     def _watch_pauses(self) -> None:
         """:meth:`open`, once the record is published: start the pause watch (:mod:`transport.pauses`)."""
         name, rdv = self.name, self._rdv
-        rdv.pauses = PauseWatch(name, self.incarnation, lambda t: rdv.incarnation_now(name, t), self._on_replaced)
+        rdv.pauses = PauseWatch(name, self.incarnation, lambda: rdv.incarnation_now(name), self._on_replaced)
         rdv.pauses.start()
 
     def _on_replaced(self, why: str) -> None:
         """The pause watch's thread: the store names another incarnation of this endpoint. Every
-        channel says why (a ``Bye``; bounded) and breaks (its ops fail :class:`EndpointClosedError`),
+        channel drops the frames it had not begun to send (ops called before the pause, held up by
+        it), says why (a ``Bye``; bounded) and breaks (its ops fail :class:`EndpointClosedError`),
         then the endpoint closes on its loop."""
         chans = list(self._connector.all)
-        for ch in chans:
-            ch.say_bye(why)
         end = time.monotonic() + 1.0
         for ch in chans:
-            ch.close(why, max(0.0, end - time.monotonic()), EndpointClosedError(why))
+            ch.close(why, max(0.0, end - time.monotonic()), EndpointClosedError(why), unsent=False)
 
         def close() -> None:
             self._replaced_close = asyncio.ensure_future(self.close())

@@ -32,6 +32,7 @@ stopped, replaced or not, until the peer's heartbeat timeout or this process's `
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -43,6 +44,9 @@ __all__ = ["CHECK_S", "PAUSE_S", "TICK_S", "PauseWatch"]
 
 log = logging.getLogger("transport.endpoint")
 
+# the watch's clock: CLOCK_BOOTTIME counts a suspend of the host too (CLOCK_MONOTONIC does not)
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+_clock_gettime = time.clock_gettime
 TICK_S = 0.1  # how often the watch thread wakes
 PAUSE_S = 1.0  # a wake this late means the process was paused (or starved): ask the store
 CHECK_S = 2.0  # the store's answer is waited for this long (no answer: not replaced)
@@ -50,17 +54,18 @@ _CLOSE_S = 2.0  # settle() waits this much longer, while a replaced endpoint's c
 
 
 class PauseWatch:
-    """The watch of one endpoint (see the module docstring). ``current(timeout)`` is the
-    incarnation the store names for the endpoint's name (None: none, or no answer within
-    ``timeout``; any thread); ``on_replaced(why)`` runs on the watch thread once it names another
-    than ``incarnation``, before the threads and ops waiting in :meth:`settle` / :meth:`settled`
-    are let go."""
+    """The watch of one endpoint (see the module docstring). ``current()`` asks the store for the
+    incarnation it names for the endpoint's name: a future of it (None: none named), or None (no
+    store); ``on_replaced(why)`` runs on the watch thread once it names another than
+    ``incarnation``, before the threads and ops waiting in :meth:`settle` / :meth:`settled` are
+    let go."""
 
-    def __init__(self, name: str, incarnation: int, current: Callable[[float], int | None],
+    def __init__(self, name: str, incarnation: int,
+                 current: Callable[[], concurrent.futures.Future[int | None] | None],
                  on_replaced: Callable[[str], None]) -> None:
         self.name = name
         self.incarnation = incarnation
-        self.last = time.monotonic()  # the watch's latest wake after which nothing was left to check
+        self.last = _clock_gettime(_CLOCK)  # the watch's latest wake after which nothing was left to check
         self.replaced: str | None = None  # why this endpoint was found replaced (then it stays so)
         self.checks = 0  # store look-ups made after a pause
         self._current = current
@@ -79,21 +84,21 @@ class PauseWatch:
         self._stop.set()
         self._release()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(0.5)
+            self._thread.join(2 * TICK_S)  # (it ends at once, or at its look-up's next slice)
 
     def paused(self) -> bool:
         """Whether the watch has not run for :data:`PAUSE_S` or is asking the store after a pause,
         or the endpoint was found replaced (any thread; a clock read: cheap enough for every op)."""
-        return time.monotonic() - self.last > PAUSE_S or self.replaced is not None
+        return _clock_gettime(_CLOCK) - self.last > PAUSE_S or self.replaced is not None
 
     def settle(self) -> str | None:
         """Any thread but the watch's: wait while :meth:`paused` (bounded: :data:`PAUSE_S` +
         :data:`CHECK_S` + a little; past that, logged, it goes on). Returns why the endpoint was
         replaced, or None."""
-        end = time.monotonic() + PAUSE_S + CHECK_S + _CLOSE_S
+        end = _clock_gettime(_CLOCK) + PAUSE_S + CHECK_S + _CLOSE_S
         with self._cond:
-            while self.replaced is None and time.monotonic() - self.last > PAUSE_S and not self._stop.is_set():
-                left = end - time.monotonic()
+            while self.replaced is None and _clock_gettime(_CLOCK) - self.last > PAUSE_S and not self._stop.is_set():
+                left = end - _clock_gettime(_CLOCK)
                 if left <= 0:
                     log.warning("endpoint %r: the pause watch did not answer in %.1f s; going on", self.name,
                                 PAUSE_S + CHECK_S + _CLOSE_S)
@@ -107,7 +112,7 @@ class PauseWatch:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         with self._cond:
-            if self.replaced is None and time.monotonic() - self.last > PAUSE_S and not self._stop.is_set():
+            if self.replaced is None and _clock_gettime(_CLOCK) - self.last > PAUSE_S and not self._stop.is_set():
                 self._loop_waiters.append((loop, fut))
             else:
                 fut.set_result(None)
@@ -118,19 +123,18 @@ class PauseWatch:
     def _run(self) -> None:
         while not self._stop.wait(TICK_S):
             while True:
-                since = time.monotonic()
+                since = _clock_gettime(_CLOCK)
                 late = since - self.last
                 if late > PAUSE_S:
                     self._check(late)
-                    since = time.monotonic()
+                    since = _clock_gettime(_CLOCK)
                 if self._release(since):
                     break  # (else the process was paused again, right here: check again)
 
     def _check(self, late: float) -> None:
         """The watch woke ``late`` s after its previous wake: ask the store who holds the name."""
-        self.checks += 1
         try:
-            current = self._current(CHECK_S)
+            current = self._ask()
         except Exception as exc:  # (the store failed: no proof of a replacement)
             log.debug("endpoint %r: store look-up after a pause failed: %s", self.name, exc)
             current = None
@@ -148,11 +152,39 @@ class PauseWatch:
         except Exception:
             log.exception("endpoint %r: closing the replaced endpoint failed", self.name)
 
+    def _ask(self) -> int | None:
+        """The incarnation the store names (None: none, no answer within :data:`CHECK_S`, or the
+        watch stopped), waited for in slices of :data:`TICK_S`: if this process is paused again
+        meanwhile, the answer may predate a replacement, so it asks again."""
+        while not self._stop.is_set():
+            self.checks += 1
+            fut = self._current()
+            if fut is None:
+                return None
+            last = _clock_gettime(_CLOCK)
+            end = last + CHECK_S
+            while True:
+                try:
+                    got = fut.result(TICK_S)
+                except concurrent.futures.TimeoutError:
+                    now = _clock_gettime(_CLOCK)
+                    if now - last > PAUSE_S:
+                        break  # (paused meanwhile: ask again)
+                    if now >= end or self._stop.is_set():
+                        fut.cancel()
+                        return None
+                    last = now
+                    continue
+                if _clock_gettime(_CLOCK) - last > PAUSE_S:
+                    break  # (the answer may have come before a pause that just ended: ask again)
+                return got
+        return None
+
     def _release(self, since: float | None = None) -> bool:
         """A wake with nothing left to check as of ``since``: let every waiter go. False, nothing
         done, if the process was paused again after ``since`` (over :data:`PAUSE_S` ago)."""
         with self._cond:
-            now = time.monotonic()
+            now = _clock_gettime(_CLOCK)
             if since is not None and now - since > PAUSE_S and not self._stop.is_set():
                 return False
             self.last = math.inf if self._stop.is_set() else now  # (stopped: nothing watches any more)

@@ -375,23 +375,22 @@ class Rendezvous:
             raise PeerNotFoundError(f"the store holds a malformed record for {name!r}: {why}")
         return rec
 
-    def incarnation_now(self, name: str, timeout: float) -> int | None:
-        """Any thread, blocking up to ``timeout``: the incarnation the store names for ``name``
-        (:class:`~transport.pauses.PauseWatch`'s look-up); None if none, or no answer in time (the
-        call is left to the store's thread), or the store is closed. Raises what the store raised."""
+    def incarnation_now(self, name: str) -> concurrent.futures.Future[int | None] | None:
+        """Any thread, without waiting: ask the store which incarnation it names for ``name``
+        (:class:`~transport.pauses.PauseWatch`'s look-up): a future of it (None: no record, or a
+        withdrawn or malformed one; the store's error if it failed), or None if the store is closed."""
         client, key = self._client, _PREFIX + name
         if client is None:
             return None
-        fut = client.submit(lambda store: store.get(key) if store.check([key]) else None)
-        try:
-            raw = fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            return None
-        try:
-            return _rec_decoder.decode(raw).incarnation if raw else None
-        except Exception:  # (a malformed record names no incarnation of ours either way)
-            return None
+
+        def ask(store: Any) -> int | None:
+            raw = store.get(key) if store.check([key]) else None
+            try:
+                return _rec_decoder.decode(raw).incarnation if raw else None
+            except Exception:  # (a malformed record names no incarnation of anyone's)
+                return None
+
+        return client.submit(ask)
 
     async def lookup(
         self, name: str, deadline: float, *, skip_incarnations: frozenset[int] = frozenset()

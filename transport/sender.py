@@ -70,6 +70,7 @@ class _Job:
     frames: list[bytes | memoryview] | Iterator[bytes | memoryview]
     on_sent: Callable[[], None] | None
     on_dropped: Callable[[], None] | None = None  # once it will never be sent whole (after any send of it ended)
+    started: bool = False  # part of it went out (a fast-path send's remainder): never dropped by drop_queued
 
     def drop(self) -> None:
         _close(self.frames)
@@ -173,7 +174,7 @@ class Sender:
             self._busy = False
             dropped = bool(rest) and self._closed  # (closed meanwhile: the writer is gone, the rest is dropped)
             if rest and not dropped:
-                self._jobs.appendleft(_Job(rest, on_sent, on_dropped))
+                self._jobs.appendleft(_Job(rest, on_sent, on_dropped, started=sent > 0))
             if self._jobs or self._flushers:
                 self._cond.notify_all()
         if dropped and on_dropped is not None:
@@ -198,6 +199,17 @@ class Sender:
             finally:
                 self._flushers -= 1
         return True
+
+    def drop_queued(self) -> None:
+        """Drop every submission none of which went out yet (their ``on_dropped`` run); what is
+        being sent, and the rest of a submission partly sent, still go (the stream stays whole)."""
+        with self._cond:
+            keep = [job for job in self._jobs if job.started]
+            dropped = [job for job in self._jobs if not job.started]
+            self._jobs.clear()
+            self._jobs.extend(keep)
+        for job in dropped:
+            job.drop()
 
     def close(self) -> None:
         """Drop queued frames and stop the writer (a send in progress ends when the socket is shut down)."""

@@ -406,10 +406,9 @@ class Serving:
         it let go of that lock: a send that fails breaks the channel, which takes it; an answer left
         to the loop's next turn waited for whatever ran in this one). False, nothing done, where
         it must be the thread's: too large or past the peer's credits (protocol errors), or the
-        endpoint closing, or this process paused (the thread waits for its check: :mod:`transport.pauses`).
-        Never raises."""
-        op_id, watch = msg.op_id, self.ch.core.pauses
-        if len(msg.payload) > MAX_NOTIFY or (watch is not None and watch.paused()) or not self.ch.core.deliver(
+        endpoint closing. Never raises."""
+        op_id = msg.op_id
+        if len(msg.payload) > MAX_NOTIFY or not self.ch.core.deliver(
                 Notification(self.ch.peer_name, msg.payload, op_id), self.ch, here=True,
                 ack=(lambda: answer(lambda: self._ack_here(op_id))) if msg.answer else None):
             return False
