@@ -45,6 +45,18 @@ def _full(value: int) -> torch.Tensor:
     return torch.full((16,), value, dtype=torch.uint8)
 
 
+async def _talking(a: transport.Endpoint, name: str, url: str) -> tuple[RemoteEndpoint, list]:
+    """B1 under ``name`` (store ``url``), with a buffer ``x`` A put 1s into: B1, and the ops it served."""
+    b1 = RemoteEndpoint(name, store=url, timeout=30, commands="tests._lifecycle_remote")
+    try:
+        b1.call("register", "x", "uint8", [16])
+        await a.put(name, {"x": _full(1)}, timeout=10)
+        return b1, b1.call("served")
+    except BaseException:
+        b1.kill()
+        raise
+
+
 async def _pause(b1: RemoteEndpoint) -> None:
     b1.signal(signal.SIGSTOP)
     await asyncio.to_thread(wait_stopped, b1.pid, 10)
@@ -62,12 +74,9 @@ async def test_a_paused_process_replaced_meanwhile_serves_and_sends_nothing_once
     async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",)) as a:
         y = torch.zeros(16, dtype=torch.uint8)
         a.register("y", y)
-        b1 = RemoteEndpoint(name, store=store_url, timeout=30, commands="tests._lifecycle_remote")
+        b1, served = await _talking(a, name, store_url)
         b2 = None
         try:
-            b1.call("register", "x", "uint8", [16])
-            await a.put(name, {"x": _full(1)}, timeout=10)
-            served = b1.call("served")
             await _pause(b1)
             try:
                 ops = [asyncio.ensure_future(a.put(name, {"x": _full(7)}, timeout=30)),
@@ -107,10 +116,8 @@ async def test_a_paused_process_not_replaced_asks_the_store_and_goes_on(store_ur
     async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",)) as a:
         y = torch.zeros(16, dtype=torch.uint8)
         a.register("y", y)
-        b1 = RemoteEndpoint(name, store=store_url, timeout=30, commands="tests._lifecycle_remote")
+        b1, _ = await _talking(a, name, store_url)
         try:
-            b1.call("register", "x", "uint8", [16])
-            await a.put(name, {"x": _full(1)}, timeout=10)
             checks = b1.call("pause_state")["checks"]
             await _pause(b1)
             try:
@@ -137,12 +144,9 @@ async def test_a_pause_while_the_watch_waits_for_the_store_is_checked_again(stor
     store, url = store_proc
     name = uname("b")
     async with transport.Endpoint(uname("a"), store=url, timeout=30, planes=("tcp",)) as a:
-        b1 = RemoteEndpoint(name, store=url, timeout=30, commands="tests._lifecycle_remote")
+        b1, served = await _talking(a, name, url)
         b2 = None
         try:
-            b1.call("register", "x", "uint8", [16])
-            await a.put(name, {"x": _full(1)}, timeout=10)
-            served = b1.call("served")
             checks = b1.call("pause_state")["checks"]
             await _pause(b1)
             await asyncio.sleep(PAUSE_S + 0.5)
