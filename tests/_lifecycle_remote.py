@@ -49,6 +49,23 @@ async def handle(ep: Any, state: dict[str, Any], cmd: str, a: tuple[Any, ...]) -
         return sorted(ep.peers)
     if cmd == "pause_state":  # whether the endpoint is open, and its pause watch's store look-ups so far
         return {"open": ep.is_open, "checks": ep.pauses.checks if ep.pauses is not None else -1}
+    if cmd == "stop_self_on_answer":  # SIGSTOP this process once, from the pause watch's thread, right after
+        import logging  # its store look-up said the name is still ours (its INFO record): a real pause at
+        import signal  # the one point where the watch does not read the clock
+        import threading
+
+        class StopOnAnswer(logging.Handler):
+            fired = False
+
+            def emit(self, record: logging.LogRecord) -> None:
+                if not self.fired and "the store still names it" in record.getMessage():
+                    self.fired = True
+                    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+        lg = logging.getLogger("transport.endpoint")
+        lg.setLevel(logging.INFO)
+        lg.addHandler(StopOnAnswer(logging.INFO))
+        return None
     if cmd == "pause_watch_off":  # stop this endpoint's pause watch (transport.pauses): as if the store had
         ep.pauses.stop()  # not answered its check, so the peers' own checks alone keep the name from it
         return None

@@ -18,7 +18,7 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, wait_stopped
-from transport.pauses import PAUSE_S
+from transport.pauses import _CLOSE_S, CHECK_S, PAUSE_S
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,6 +203,79 @@ async def test_a_frame_the_event_loop_reads_after_a_pause_waits_for_the_check_to
                 pytest.fail(f"A delivered B1's stale notification: {stale}")
             err = await asyncio.to_thread(b1.result, 30)
             assert isinstance(err, str) and "EndpointClosedError" in err and "replaced" in err, err
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+async def test_waiters_count_their_bound_afresh_after_a_second_pause(store_proc, uname):
+    """B1 is paused with a put of A's in its socket and a put of its own queued; it runs again while
+    the store is slow (stopped): its reader waits in settle() with A's put, its own put in settled().
+    Paused again, longer than the waiters' bound (on a clock that runs while the process is
+    stopped), and replaced meanwhile, it runs again: the watch asks again and the waiters wait for
+    that answer too; B1 serves nothing and sends nothing. (The waiters' bound had run out: B1 served
+    A's put and its own stale put landed in A's buffer, 2 runs in 2; found by a second review.)"""
+    store, url = store_proc
+    name = uname("b")
+    bound = PAUSE_S + CHECK_S + _CLOSE_S
+    async with transport.Endpoint(uname("a"), store=url, timeout=60, planes=("tcp",)) as a:
+        y = torch.zeros(16, dtype=torch.uint8)
+        a.register("y", y)
+        b1, served = await _talking(a, name, url)
+        b2 = None
+        try:
+            await _pause(b1)
+            put = asyncio.ensure_future(a.put(name, {"x": _full(7)}, timeout=60))
+            own = asyncio.ensure_future(asyncio.to_thread(b1.call, "put_error", a.name, "y", 16, 5, 60.0))
+            await asyncio.sleep(PAUSE_S + 0.5)
+            os.kill(store.pid, signal.SIGSTOP)
+            await asyncio.to_thread(wait_stopped, store.pid, 10)
+            b1.signal(signal.SIGCONT)
+            t0 = time.monotonic()
+            await asyncio.sleep(0.5)  # (its watch asks the slow store; the reader and the op wait)
+            await _pause(b1)  # paused again, the look-up out
+            os.kill(store.pid, signal.SIGCONT)
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=url, timeout=60,
+                                         commands="tests._lifecycle_remote")
+            await asyncio.sleep(max(PAUSE_S + 0.5, t0 + bound + 1.0 - time.monotonic()))
+            b1.signal(signal.SIGCONT)
+            res = (await asyncio.gather(asyncio.wait_for(put, 30), return_exceptions=True))[0]
+            err = await asyncio.wait_for(own, 30)
+            assert torch.equal(y, torch.zeros(16, dtype=torch.uint8)), f"B1's stale put landed in A's buffer: {y}"
+            assert b1.call("served") == served, "B1 served A's put after its second pause"
+            assert isinstance(res, transport.PeerLostError) and "replaced" in str(res), repr(res)
+            assert err is not None and "replaced" in err, err
+        finally:
+            b1.kill()
+            if b2 is not None:
+                b2.kill()
+
+
+async def test_a_pause_right_after_the_store_answered_is_checked(store_url, uname):
+    """B1 is paused with a put of A's in its socket. Run again, its watch asks the store, which
+    names B1; right then B1 is paused again (by its watch thread itself, at its INFO record: a real
+    SIGSTOP after the last clock read of the look-up) and replaced meanwhile. Run again, the watch
+    asks again and B1 serves nothing. (It let the waiters go on the answer that predated B2, and B1
+    served A's put, 3 runs in 3; found by a second review.)"""
+    name = uname("b")
+    async with transport.Endpoint(uname("a"), store=store_url, timeout=60, planes=("tcp",)) as a:
+        b1, served = await _talking(a, name, store_url)
+        b2 = None
+        try:
+            b1.call("stop_self_on_answer")
+            await _pause(b1)
+            put = asyncio.ensure_future(a.put(name, {"x": _full(7)}, timeout=60))
+            await asyncio.sleep(PAUSE_S + 0.5)
+            b1.signal(signal.SIGCONT)
+            await asyncio.to_thread(wait_stopped, b1.pid, 10)  # (it stopped itself, right after the answer)
+            b2 = await asyncio.to_thread(RemoteEndpoint, name, store=store_url, timeout=60,
+                                         commands="tests._lifecycle_remote")
+            await asyncio.sleep(PAUSE_S + 0.5)
+            b1.signal(signal.SIGCONT)
+            res = (await asyncio.gather(asyncio.wait_for(put, 30), return_exceptions=True))[0]
+            assert b1.call("served") == served, "B1 served A's put after a pause the watch never checked"
+            assert isinstance(res, transport.PeerLostError) and "replaced" in str(res), repr(res)
         finally:
             b1.kill()
             if b2 is not None:

@@ -95,15 +95,20 @@ class PauseWatch:
         """Any thread but the watch's: wait while :meth:`paused` (bounded: :data:`PAUSE_S` +
         :data:`CHECK_S` + a little; past that, logged, it goes on). Returns why the endpoint was
         replaced, or None."""
-        end = _clock_gettime(_CLOCK) + PAUSE_S + CHECK_S + _CLOSE_S
+        bound = PAUSE_S + CHECK_S + _CLOSE_S
+        prev = _clock_gettime(_CLOCK)
+        end = prev + bound
         with self._cond:
-            while self.replaced is None and _clock_gettime(_CLOCK) - self.last > PAUSE_S and not self._stop.is_set():
-                left = end - _clock_gettime(_CLOCK)
+            while self.replaced is None and (now := _clock_gettime(_CLOCK)) - self.last > PAUSE_S \
+                    and not self._stop.is_set():
+                if now - prev > PAUSE_S:  # (paused again while it waited: the watch asks again, so may it)
+                    end = now + bound
+                prev = now
+                left = end - now
                 if left <= 0:
-                    log.warning("endpoint %r: the pause watch did not answer in %.1f s; going on", self.name,
-                                PAUSE_S + CHECK_S + _CLOSE_S)
+                    log.warning("endpoint %r: the pause watch did not answer in %.1f s; going on", self.name, bound)
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, TICK_S))
             return self.replaced
 
     async def settled(self) -> str | None:
@@ -116,8 +121,18 @@ class PauseWatch:
                 self._loop_waiters.append((loop, fut))
             else:
                 fut.set_result(None)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, PAUSE_S + CHECK_S + _CLOSE_S)
+        bound = PAUSE_S + CHECK_S + _CLOSE_S
+        prev = _clock_gettime(_CLOCK)
+        end = prev + bound
+        while not fut.done():
+            now = _clock_gettime(_CLOCK)
+            if now - prev > PAUSE_S:  # (paused again while it waited: the watch asks again)
+                end = now + bound
+            prev = now
+            if now >= end:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fut), min(end - now, TICK_S))
         return self.replaced
 
     def _run(self) -> None:
@@ -126,22 +141,22 @@ class PauseWatch:
                 since = _clock_gettime(_CLOCK)
                 late = since - self.last
                 if late > PAUSE_S:
-                    self._check(late)
-                    since = _clock_gettime(_CLOCK)
+                    since = self._check(late)  # (when the answer was last known to hold: no pause since)
                 if self._release(since):
                     break  # (else the process was paused again, right here: check again)
 
-    def _check(self, late: float) -> None:
-        """The watch woke ``late`` s after its previous wake: ask the store who holds the name."""
+    def _check(self, late: float) -> float:
+        """The watch woke ``late`` s after its previous wake: ask the store who holds the name.
+        Returns the clock reading as of which the answer held (no pause since it came)."""
         try:
-            current = self._ask()
+            current, at = self._ask()
         except Exception as exc:  # (the store failed: no proof of a replacement)
             log.debug("endpoint %r: store look-up after a pause failed: %s", self.name, exc)
-            current = None
+            current, at = None, _clock_gettime(_CLOCK)
         if current is None or current == self.incarnation:
             log.info("endpoint %r: this process did not run for %.1f s; the store still names it (incarnation "
                      "%#x)%s", self.name, late, self.incarnation, "" if current else " or did not answer")
-            return
+            return at
         why = (f"endpoint {self.name!r} (incarnation {self.incarnation:#x}) was replaced by incarnation "
                f"{current:#x} while this process did not run ({late:.1f} s): the store names it")
         log.error("%s; closing this endpoint, its peers told why", why)
@@ -151,8 +166,9 @@ class PauseWatch:
             self._on_replaced(why)
         except Exception:
             log.exception("endpoint %r: closing the replaced endpoint failed", self.name)
+        return at
 
-    def _ask(self) -> int | None:
+    def _ask(self) -> tuple[int | None, float]:
         """The incarnation the store names (None: none, no answer within :data:`CHECK_S`, or the
         watch stopped), waited for in slices of :data:`TICK_S`: if this process is paused again
         meanwhile, the answer may predate a replacement, so it asks again."""
@@ -160,7 +176,7 @@ class PauseWatch:
             self.checks += 1
             fut = self._current()
             if fut is None:
-                return None
+                return None, _clock_gettime(_CLOCK)
             last = _clock_gettime(_CLOCK)
             end = last + CHECK_S
             while True:
@@ -172,13 +188,17 @@ class PauseWatch:
                         break  # (paused meanwhile: ask again)
                     if now >= end or self._stop.is_set():
                         fut.cancel()
-                        return None
+                        return None, now
                     last = now
                     continue
-                if _clock_gettime(_CLOCK) - last > PAUSE_S:
+                except Exception as exc:  # (the store failed: no proof of a replacement)
+                    log.debug("endpoint %r: store look-up after a pause failed: %s", self.name, exc)
+                    got = None
+                now = _clock_gettime(_CLOCK)
+                if now - last > PAUSE_S:
                     break  # (the answer may have come before a pause that just ended: ask again)
-                return got
-        return None
+                return got, now
+        return None, _clock_gettime(_CLOCK)
 
     def _release(self, since: float | None = None) -> bool:
         """A wake with nothing left to check as of ``since``: let every waiter go. False, nothing
