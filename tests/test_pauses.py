@@ -7,11 +7,13 @@ Real processes (tests._remote), real sockets, a real TCPStore; every wait bounde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -45,6 +47,15 @@ def _full(value: int) -> torch.Tensor:
     return torch.full((16,), value, dtype=torch.uint8)
 
 
+@contextlib.asynccontextmanager
+async def _a_with_y(uname, url: str, timeout: float) -> AsyncIterator[tuple[transport.Endpoint, torch.Tensor]]:
+    """A (tcp only: a put's bytes wait in the target's socket), with a zeroed buffer ``y``."""
+    async with transport.Endpoint(uname("a"), store=url, timeout=timeout, planes=("tcp",)) as a:
+        y = torch.zeros(16, dtype=torch.uint8)
+        a.register("y", y)
+        yield a, y
+
+
 async def _talking(a: transport.Endpoint, name: str, url: str) -> tuple[RemoteEndpoint, list]:
     """B1 under ``name`` (store ``url``), with a buffer ``x`` A put 1s into: B1, and the ops it served."""
     b1 = RemoteEndpoint(name, store=url, timeout=30, commands="tests._lifecycle_remote")
@@ -71,9 +82,7 @@ async def test_a_paused_process_replaced_meanwhile_serves_and_sends_nothing_once
     A's next put reaches B2. (B1 served both once it ran, before A's check after the silence: A's put
     was reported done into a process nobody reads from, and B1's stale bytes landed in A's buffer.)"""
     name = uname("b")
-    async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",)) as a:
-        y = torch.zeros(16, dtype=torch.uint8)
-        a.register("y", y)
+    async with _a_with_y(uname, store_url, 30) as (a, y):
         b1, served = await _talking(a, name, store_url)
         b2 = None
         try:
@@ -113,9 +122,7 @@ async def test_a_paused_process_not_replaced_asks_the_store_and_goes_on(store_ur
     nobody replaced it. Run again, it asks the store once, which names it, and both puts land; its
     endpoint stays open."""
     name = uname("b")
-    async with transport.Endpoint(uname("a"), store=store_url, timeout=30, planes=("tcp",)) as a:
-        y = torch.zeros(16, dtype=torch.uint8)
-        a.register("y", y)
+    async with _a_with_y(uname, store_url, 30) as (a, y):
         b1, _ = await _talking(a, name, store_url)
         try:
             checks = b1.call("pause_state")["checks"]
@@ -219,9 +226,7 @@ async def test_waiters_count_their_bound_afresh_after_a_second_pause(store_proc,
     store, url = store_proc
     name = uname("b")
     bound = PAUSE_S + CHECK_S + _CLOSE_S
-    async with transport.Endpoint(uname("a"), store=url, timeout=60, planes=("tcp",)) as a:
-        y = torch.zeros(16, dtype=torch.uint8)
-        a.register("y", y)
+    async with _a_with_y(uname, url, 60) as (a, y):
         b1, served = await _talking(a, name, url)
         b2 = None
         try:
