@@ -20,7 +20,7 @@ import torch
 
 import transport
 from tests._remote import RemoteEndpoint, wait_stopped
-from transport.pauses import _CLOSE_S, CHECK_S, PAUSE_S
+from transport.pauses import _BOUND_S, PAUSE_S
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,7 +225,7 @@ async def test_waiters_count_their_bound_afresh_after_a_second_pause(store_proc,
     A's put and its own stale put landed in A's buffer, 2 runs in 2; found by a second review.)"""
     store, url = store_proc
     name = uname("b")
-    bound = PAUSE_S + CHECK_S + _CLOSE_S
+    bound = _BOUND_S
     async with _a_with_y(uname, url, 60) as (a, y):
         b1, served = await _talking(a, name, url)
         b2 = None

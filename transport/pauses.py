@@ -51,6 +51,23 @@ TICK_S = 0.1  # how often the watch thread wakes
 PAUSE_S = 1.0  # a wake this late means the process was paused (or starved): ask the store
 CHECK_S = 2.0  # the store's answer is waited for this long (no answer: not replaced)
 _CLOSE_S = 2.0  # settle() waits this much longer, while a replaced endpoint's channels are told why
+_BOUND_S = PAUSE_S + CHECK_S + _CLOSE_S  # how long settle() and settled() wait for the watch
+
+
+class _Bound:
+    """A waiter's :data:`_BOUND_S`, counted afresh whenever the waiter itself was paused (the watch
+    then asks the store again, so the waiter waits for that answer too)."""
+
+    def __init__(self) -> None:
+        self._prev = _clock_gettime(_CLOCK)
+        self._end = self._prev + _BOUND_S
+
+    def left(self) -> float:
+        now = _clock_gettime(_CLOCK)
+        if now - self._prev > PAUSE_S:
+            self._end = now + _BOUND_S
+        self._prev = now
+        return self._end - now
 
 
 class PauseWatch:
@@ -91,22 +108,20 @@ class PauseWatch:
         or the endpoint was found replaced (any thread; a clock read: cheap enough for every op)."""
         return _clock_gettime(_CLOCK) - self.last > PAUSE_S or self.replaced is not None
 
+    def _unchecked(self) -> bool:
+        """Under ``_cond``: a pause is not checked yet (and the endpoint not found replaced)."""
+        return self.replaced is None and _clock_gettime(_CLOCK) - self.last > PAUSE_S and not self._stop.is_set()
+
     def settle(self) -> str | None:
         """Any thread but the watch's: wait while :meth:`paused` (bounded: :data:`PAUSE_S` +
-        :data:`CHECK_S` + a little; past that, logged, it goes on). Returns why the endpoint was
-        replaced, or None."""
-        bound = PAUSE_S + CHECK_S + _CLOSE_S
-        prev = _clock_gettime(_CLOCK)
-        end = prev + bound
+        :data:`CHECK_S` + a little, counted afresh after a pause of its own; past that, logged, it
+        goes on). Returns why the endpoint was replaced, or None."""
+        bound = _Bound()
         with self._cond:
-            while self.replaced is None and (now := _clock_gettime(_CLOCK)) - self.last > PAUSE_S \
-                    and not self._stop.is_set():
-                if now - prev > PAUSE_S:  # (paused again while it waited: the watch asks again, so may it)
-                    end = now + bound
-                prev = now
-                left = end - now
+            while self._unchecked():
+                left = bound.left()
                 if left <= 0:
-                    log.warning("endpoint %r: the pause watch did not answer in %.1f s; going on", self.name, bound)
+                    log.warning("endpoint %r: the pause watch did not answer in %.1f s; going on", self.name, _BOUND_S)
                     break
                 self._cond.wait(min(left, TICK_S))
             return self.replaced
@@ -117,22 +132,14 @@ class PauseWatch:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         with self._cond:
-            if self.replaced is None and _clock_gettime(_CLOCK) - self.last > PAUSE_S and not self._stop.is_set():
+            if self._unchecked():
                 self._loop_waiters.append((loop, fut))
             else:
                 fut.set_result(None)
-        bound = PAUSE_S + CHECK_S + _CLOSE_S
-        prev = _clock_gettime(_CLOCK)
-        end = prev + bound
-        while not fut.done():
-            now = _clock_gettime(_CLOCK)
-            if now - prev > PAUSE_S:  # (paused again while it waited: the watch asks again)
-                end = now + bound
-            prev = now
-            if now >= end:
-                break
+        bound = _Bound()
+        while not fut.done() and (left := bound.left()) > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fut), min(end - now, TICK_S))
+                await asyncio.wait_for(asyncio.shield(fut), min(left, TICK_S))
         return self.replaced
 
     def _run(self) -> None:

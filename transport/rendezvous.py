@@ -202,6 +202,11 @@ _rec_encoder = msgspec.json.Encoder()
 _rec_decoder = msgspec.json.Decoder(EndpointRecord)
 
 
+def _raw_record(store: Any, key: str) -> bytes | None:
+    """The store's bytes under ``key`` (None if it holds none); on the store's thread."""
+    return store.get(key) if store.check([key]) else None  # type: ignore[no-any-return]
+
+
 def parse_store_url(url: str) -> tuple[str, int]:
     """``"tcp://HOST:PORT"`` -> ``(HOST, PORT)``; ``ValueError`` otherwise."""
     parsed = urlparse(url)
@@ -353,15 +358,8 @@ class Rendezvous:
             log.debug("could not withdraw %s from the store: %s", record.name, exc)
 
     async def lookup_now(self, name: str, deadline: float) -> EndpointRecord | None:
-        key = _PREFIX + name
-
-        def _get(store: Any) -> bytes | None:
-            if not store.check([key]):
-                return None
-            return store.get(key)  # type: ignore[no-any-return]
-
         try:
-            raw = await self._call(_get, deadline=deadline)
+            raw = await self._call(_raw_record, _PREFIX + name, deadline=deadline)
         except TransportError:
             raise
         except Exception as exc:  # DistStoreError & co: the store is unusable
@@ -384,7 +382,7 @@ class Rendezvous:
             return None
 
         def ask(store: Any) -> int | None:
-            raw = store.get(key) if store.check([key]) else None
+            raw = _raw_record(store, key)
             try:
                 return _rec_decoder.decode(raw).incarnation if raw else None
             except Exception:  # (a malformed record names no incarnation of anyone's)
