@@ -167,12 +167,13 @@ class PauseWatch:
         why = (f"endpoint {self.name!r} (incarnation {self.incarnation:#x}) was replaced by incarnation "
                f"{current:#x} while this process did not run ({late:.1f} s): the store names it")
         log.error("%s; closing this endpoint, its peers told why", why)
-        with self._cond:
-            self.replaced = why  # (the waiters stay until the peers were told: paused() is true meanwhile)
         try:
             self._on_replaced(why)
         except Exception:
             log.exception("endpoint %r: closing the replaced endpoint failed", self.name)
+        finally:  # (only now: a waiter that saw it sooner, at its next slice, broke its channel before the
+            with self._cond:  # Bye went out, and the peer's op failed without the reason; paused() stays
+                self.replaced = why  # true until _release, so none was let go meanwhile)
         return at
 
     def _ask(self) -> tuple[int | None, float]:
